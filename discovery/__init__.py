@@ -1,0 +1,1 @@
+"""Membership: mDNS announce/browse, capability cards, heartbeats and failure detection."""

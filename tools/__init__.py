@@ -1,0 +1,1 @@
+"""Things that attach to the bus from outside: monitor, benchmarks, load generator."""

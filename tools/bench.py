@@ -1,0 +1,10 @@
+"""`specbus bench NAME`: benchmarks that print a table and optionally write JSON.
+
+Each benchmark is its own module; the CLI dispatches through `SUBCOMMANDS`.
+"""
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "bus": ("tools.bench_bus", "bus latency, throughput and zero-copy between two processes"),
+    "membership": ("tools.bench_membership", "join, failure detection, leave, convergence"),
+    "decode": ("tools.bench_decode", "plain vs speculative decoding, tok/s and acceptance"),
+}
