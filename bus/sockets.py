@@ -1,0 +1,107 @@
+"""The one place that creates ZeroMQ sockets.
+
+Every socket in specbus comes from `SocketFactory`, so linger, high-water marks, the maximum
+message size, TCP keepalive and ZMTP heartbeats are set once, here; switching on CURVE
+encryption later means changing this module only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+import zmq
+
+from codec.messages import DEFAULT_LIMITS
+
+
+@dataclass(frozen=True)
+class SocketOptions:
+    """Options applied to every socket the factory makes."""
+
+    linger_ms: int = 0
+    sndhwm: int = 1000
+    rcvhwm: int = 1000
+    # a message may carry a header plus max_message_bytes of tensors
+    max_msg_bytes: int = DEFAULT_LIMITS.max_message_bytes + DEFAULT_LIMITS.max_header_bytes
+    tcp_keepalive_idle_s: int = 10
+    tcp_keepalive_intvl_s: int = 5
+    tcp_keepalive_cnt: int = 3
+    zmtp_heartbeat_ms: int = 1000
+    zmtp_heartbeat_timeout_ms: int = 3000
+    reconnect_ms: int = 100
+    reconnect_max_ms: int = 2000
+
+
+class SocketFactory:
+    """Creates configured sockets on one shared context.
+
+    Sockets are not thread-safe: whoever asks the factory for a socket owns it, and in specbus
+    that is the I/O thread (see `bus.loop.IOLoop`) except in benchmarks and tests.
+    """
+
+    def __init__(self, context: zmq.Context | None = None, options: SocketOptions | None = None):
+        self.context = context or zmq.Context.instance()
+        self.options = options or SocketOptions()
+
+    def socket(self, kind: int) -> zmq.Socket:
+        o = self.options
+        sock = self.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, o.linger_ms)
+        sock.setsockopt(zmq.SNDHWM, o.sndhwm)
+        sock.setsockopt(zmq.RCVHWM, o.rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, o.max_msg_bytes)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, o.tcp_keepalive_idle_s)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, o.tcp_keepalive_intvl_s)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, o.tcp_keepalive_cnt)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, o.zmtp_heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, o.zmtp_heartbeat_timeout_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL, o.reconnect_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, o.reconnect_max_ms)
+        return sock
+
+    def pub(self) -> zmq.Socket:
+        return self.socket(zmq.PUB)
+
+    def sub(self) -> zmq.Socket:
+        return self.socket(zmq.SUB)
+
+    def router(self) -> zmq.Socket:
+        sock = self.socket(zmq.ROUTER)
+        # replies to vanished peers are dropped, never raised into the I/O loop
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        return sock
+
+    def dealer(self) -> zmq.Socket:
+        # No IMMEDIATE: connect is asynchronous and the first request to a new peer must queue
+        # until the handshake completes. Requests to dead peers are bounded by their deadlines,
+        # and discovery closes the DEALER of a peer it declares dead.
+        return self.socket(zmq.DEALER)
+
+
+def bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind and return the concrete endpoint (port 0 or `*` picks a free port).
+
+    Only explicit addresses are accepted: binding to all interfaces must be asked for by name
+    (the product binds to 127.0.0.1 unless the user passes --interface).
+    """
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://") :].rpartition(":")
+        check_bind_host(host)
+        if port in ("0", ""):
+            endpoint = f"tcp://{host}:*"
+    sock.bind(endpoint)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def check_bind_host(host: str) -> None:
+    """Refuse wildcard or malformed bind hosts: specbus never binds all interfaces implicitly."""
+    if host in ("*", "", "0.0.0.0", "[::]", "::"):
+        raise ValueError(
+            f"refusing to bind to all interfaces ({host or 'empty'!r}); pass a concrete address"
+        )
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError as exc:
+        raise ValueError(f"bind host must be an IP address, got {host!r}") from exc

@@ -1,0 +1,384 @@
+"""Request streams over DEALER/ROUTER: request ids, deadlines, cancellation, streamed replies.
+
+A client sends `[header] [tensor]...` on a DEALER (one per peer endpoint); the server's ROUTER
+sees `[peer id] [header] [tensor]...` and answers with the same request id (`rid`). A reply
+with `more=True` is followed by others; the last one has `more=False`. The client may send a
+`cancel` with the same rid. Everything socket-related runs on the I/O thread; `Call` and
+`Request` hand results across threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import zmq
+
+from bus.loop import IOLoop, Timer
+from bus.sockets import SocketFactory, bind
+from codec.errors import CodecError
+from codec.messages import DEFAULT_LIMITS, Limits, Message, decode, decode_header, encode, make
+
+log = logging.getLogger(__name__)
+
+
+class BusError(Exception):
+    """A request did not get a normal reply."""
+
+
+class RequestTimeout(BusError):
+    """The deadline passed before the final reply."""
+
+
+class RequestCancelled(BusError):
+    """The caller cancelled the request."""
+
+
+class PeerUnavailable(BusError):
+    """The peer is not connected, its queue is full, or it was forgotten."""
+
+
+class RemoteError(BusError):
+    """The peer answered with an `error` message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+# -- client side ---------------------------------------------------------------------------
+
+_END = object()
+
+
+class Call:
+    """One request in flight. Read replies with `next()`, `replies()` or `result()`."""
+
+    def __init__(self, client: StreamClient, endpoint: str, rid: int,
+                 on_reply: Callable[[Call, Message | BusError], None] | None) -> None:
+        self.client = client
+        self.endpoint = endpoint
+        self.rid = rid
+        self._on_reply = on_reply
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.timer: Timer | None = None
+        self.done = False  # set on the I/O thread once the final reply or failure is in
+
+    def _deliver(self, item: Message | BusError) -> None:
+        if self._on_reply is not None:
+            self._on_reply(self, item)
+        else:
+            self._queue.put(item)
+
+    def next(self, timeout: float | None = None) -> Message:
+        """The next reply; raises BusError (RemoteError for an `error` reply)."""
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise RequestTimeout(f"no reply to request {self.rid} within {timeout}s") from None
+        if isinstance(item, BusError):
+            raise item
+        if item.type == "error":
+            raise RemoteError(str(item.get("code")), str(item.get("message")))
+        return item
+
+    def replies(self, timeout: float | None = None) -> Iterator[Message]:
+        """Every reply until the final one (each waited for at most `timeout`)."""
+        while True:
+            msg = self.next(timeout)
+            yield msg
+            if not msg.more:
+                return
+
+    def result(self, timeout: float | None = None) -> Message:
+        """The final reply (earlier streamed replies are discarded)."""
+        last = None
+        for last in self.replies(timeout):
+            pass
+        return last
+
+    def cancel(self) -> None:
+        """Stop waiting, and tell the server (thread-safe)."""
+        self.client.cancel(self)
+
+
+class StreamClient:
+    """Sends requests to any number of peers; one DEALER per peer endpoint, owned by the loop."""
+
+    def __init__(self, loop: IOLoop, factory: SocketFactory, sender: str = "",
+                 limits: Limits = DEFAULT_LIMITS) -> None:
+        self.loop = loop
+        self.factory = factory
+        self.sender = sender
+        self.limits = limits
+        self._rids = itertools.count(1)
+        self._rid_lock = threading.Lock()
+        self._dealers: dict[str, zmq.Socket] = {}
+        self._pending: dict[int, Call] = {}
+        self.sent = 0
+        self.late = 0  # replies after the deadline, after cancel, or for unknown ids
+        self.dropped = 0  # malformed replies
+
+    def request(self, endpoint: str, msg: Message, timeout: float | None = None,
+                on_reply: Callable[[Call, Message | BusError], None] | None = None) -> Call:
+        """Send `msg` to the ROUTER at `endpoint`; thread-safe.
+
+        With `on_reply`, replies are handed to that callback on the I/O thread instead of
+        being queued for `Call.next()`.
+        """
+        with self._rid_lock:
+            rid = next(self._rids)
+        msg.rid = rid
+        if not msg.sender:
+            msg.sender = self.sender
+        frames = encode(msg, self.limits)
+        call = Call(self, endpoint, rid, on_reply)
+        self.loop.call_soon(lambda: self._start(call, frames, timeout))
+        return call
+
+    def cancel(self, call: Call) -> None:
+        self.loop.call_soon(lambda: self._cancel(call))
+
+    def forget(self, endpoint: str) -> None:
+        """Close the connection to a dead peer and fail its pending calls at once."""
+        self.loop.call_soon(lambda: self._forget(endpoint))
+
+    # -- loop thread ------------------------------------------------------------------------
+    def _dealer(self, endpoint: str) -> zmq.Socket:
+        sock = self._dealers.get(endpoint)
+        if sock is None:
+            sock = self.factory.dealer()
+            sock.connect(endpoint)
+            self._dealers[endpoint] = sock
+            self.loop.add_reader(sock, self._on_readable)
+        return sock
+
+    def _start(self, call: Call, frames: list, timeout: float | None) -> None:
+        try:
+            self._dealer(call.endpoint).send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._finish(call, PeerUnavailable(f"{call.endpoint} is not reachable now"))
+            return
+        except zmq.ZMQError as exc:
+            self._finish(call, PeerUnavailable(f"{call.endpoint}: {exc}"))
+            return
+        self.sent += 1
+        self._pending[call.rid] = call
+        if timeout is not None:
+            call.timer = self.loop.call_later(timeout, lambda: self._expire(call, timeout))
+
+    def _finish(self, call: Call, item: Message | BusError) -> None:
+        if call.done:
+            return
+        call.done = True
+        self._pending.pop(call.rid, None)
+        if call.timer is not None:
+            call.timer.cancel()
+        call._deliver(item)
+
+    def _expire(self, call: Call, timeout: float) -> None:
+        self._finish(call, RequestTimeout(f"request {call.rid} to {call.endpoint}: {timeout}s"))
+
+    def _cancel(self, call: Call) -> None:
+        if call.done:
+            return
+        sock = self._dealers.get(call.endpoint)
+        if sock is not None:
+            try:
+                sock.send_multipart(encode(make("cancel", sender=self.sender, rid=call.rid)),
+                                    flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the server will time the request out on its own
+        self._finish(call, RequestCancelled(f"request {call.rid} cancelled"))
+
+    def _forget(self, endpoint: str) -> None:
+        sock = self._dealers.pop(endpoint, None)
+        if sock is not None:
+            self.loop.remove_reader(sock, close=True)
+        for call in [c for c in self._pending.values() if c.endpoint == endpoint]:
+            self._finish(call, PeerUnavailable(f"{endpoint} was forgotten"))
+
+    def _on_readable(self, sock: zmq.Socket) -> None:
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frames, self.limits)
+            except CodecError as exc:
+                self.dropped += 1
+                log.debug("dropped malformed reply: %s", exc)
+                continue
+            call = self._pending.get(msg.rid)
+            if call is None:
+                self.late += 1
+                continue
+            if msg.more and msg.type != "error":
+                call._deliver(msg)
+            else:
+                self._finish(call, msg)
+
+
+# -- server side ---------------------------------------------------------------------------
+
+
+class Request:
+    """A request received by a StreamServer. `reply()` and `fail()` are thread-safe."""
+
+    def __init__(self, server: StreamServer, peer: bytes, message: Message) -> None:
+        self.server = server
+        self.peer = peer
+        self.message = message
+        self.rid = message.rid
+        self.cancelled = threading.Event()
+        self.finished = False
+        self._cancel_callbacks: list[Callable[[], None]] = []
+
+    def reply(self, msg: Message, more: bool = False) -> None:
+        """Send a reply; `more=True` means further replies follow."""
+        if self.finished:
+            raise RuntimeError(f"request {self.rid} already answered")
+        msg.rid = self.rid
+        msg.more = more
+        if not msg.sender:
+            msg.sender = self.server.sender
+        if not msg.session:
+            msg.session = self.message.session
+        if not more:
+            self.finished = True
+        frames = encode(msg, self.server.limits)
+        self.server.send(self.peer, frames, self if not more else None)
+
+    def fail(self, code: str, message: str) -> None:
+        self.reply(make("error", code=code, message=message))
+
+    def on_cancel(self, fn: Callable[[], None]) -> None:
+        """Run `fn()` (on the I/O thread) if the client cancels."""
+        self._cancel_callbacks.append(fn)
+
+    def _cancel(self) -> None:
+        self.cancelled.set()
+        for fn in self._cancel_callbacks:
+            fn()
+
+
+RequestHandler = Callable[[Request], None]
+
+
+class StreamServer:
+    """A ROUTER that hands each decoded request to `handler` on the I/O thread.
+
+    The handler must return quickly: long work belongs on a worker thread that answers with
+    `request.reply()`. Malformed input is answered with a typed `error` when it can be routed
+    back, and counted in `dropped` either way; the server keeps serving.
+    """
+
+    def __init__(self, loop: IOLoop, factory: SocketFactory, handler: RequestHandler,
+                 bind_endpoint: str = "tcp://127.0.0.1:0", sender: str = "",
+                 limits: Limits = DEFAULT_LIMITS) -> None:
+        self.loop = loop
+        self.handler = handler
+        self.sender = sender
+        self.limits = limits
+        self._inflight: dict[tuple[bytes, int], Request] = {}
+        self.received = 0
+        self.dropped = 0
+        self.handler_errors = 0
+        self._router: zmq.Socket | None = None
+        self.endpoint: str = loop.run_sync(lambda: self._open(factory, bind_endpoint))
+
+    def _open(self, factory: SocketFactory, bind_endpoint: str) -> str:
+        self._router = factory.router()
+        endpoint = bind(self._router, bind_endpoint)
+        self.loop.add_reader(self._router, self._on_readable)
+        return endpoint
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def send(self, peer: bytes, frames: list, finished: Request | None = None) -> None:
+        """Send frames to a peer (thread-safe); `finished` is dropped from the in-flight set."""
+        if self.loop.in_loop():
+            self._send(peer, frames, finished)
+        else:
+            self.loop.call_soon(lambda: self._send(peer, frames, finished))
+
+    def _send(self, peer: bytes, frames: list, finished: Request | None) -> None:
+        if finished is not None:
+            self._inflight.pop((peer, finished.rid), None)
+        try:
+            self._router.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("reply to %r dropped: %s", peer, exc)
+
+    def _on_readable(self, sock: zmq.Socket) -> None:
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_frames(frames)
+
+    def _on_frames(self, frames: list) -> None:
+        peer = frames[0].bytes
+        try:
+            msg = decode(frames[1:], self.limits)
+        except CodecError as exc:
+            self.dropped += 1
+            self._reject(peer, frames[1:], exc)
+            return
+        self.received += 1
+        if msg.type == "cancel":
+            req = self._inflight.pop((peer, msg.rid), None)
+            if req is not None:
+                req._cancel()
+            return
+        req = Request(self, peer, msg)
+        self._inflight[(peer, msg.rid)] = req
+        try:
+            self.handler(req)
+        except Exception as exc:  # noqa: BLE001 - a handler bug answers one request, not all
+            self.handler_errors += 1
+            log.exception("handler failed on %s", msg.type)
+            if not req.finished:
+                req.fail("internal", f"{type(exc).__name__}: {exc}"[:200])
+
+    def _reject(self, peer: bytes, frames: list, exc: CodecError) -> None:
+        """Answer a malformed request with a typed error, routed by whatever rid we can read."""
+        rid = 0
+        if frames:
+            try:
+                rid = int(decode_header(frames[0], self.limits).get("rid", 0))
+            except CodecError:
+                rid = 0
+        reply = make("error", code=exc.code, message=str(exc)[:300], sender=self.sender, rid=rid)
+        self._send(peer, encode(reply, self.limits), None)
+
+    def forget_peer(self, peer: bytes) -> list[Request]:
+        """Drop (and cancel) every in-flight request of a peer; loop thread only."""
+        gone = [r for (p, _), r in self._inflight.items() if p == peer]
+        for r in gone:
+            self._inflight.pop((peer, r.rid), None)
+            r._cancel()
+        return gone
+
+
+def serve_ping(req: Request) -> bool:
+    """Answer a `ping` with a `pong`; returns False for any other type (handler helper)."""
+    if req.message.type != "ping":
+        return False
+    req.reply(make("pong", payload=req.message.get("payload", "")))
+    return True
+
+
+__all__: list[Any] = [
+    "BusError", "Call", "PeerUnavailable", "RemoteError", "Request", "RequestCancelled",
+    "RequestTimeout", "StreamClient", "StreamServer", "serve_ping",
+]

@@ -1,0 +1,188 @@
+"""Messages and their encoding to/from ZeroMQ multipart frames.
+
+Frames of one message: `[header] [tensor]...` (routing frames are the bus's business). The
+header is a msgpack map with the common keys below plus the type's own fields, flat.
+
+    v        protocol version (int)
+    t        message type (str, one of codec.schema.SCHEMAS)
+    from     sender node id (str)
+    seq      sender's sequence number (int)
+    sid      session id (str, "" when none)
+    rid      request id for request streams (int, 0 when none)
+    more     True when more replies to the same request follow
+    tensors  list of {dtype, shape}, one per tensor frame that follows
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from codec.errors import (
+    BadField,
+    BadHeader,
+    BadVersion,
+    CodecError,
+    FrameCount,
+    Oversize,
+    UnknownType,
+)
+from codec.schema import PROTOCOL_VERSION, SCHEMAS
+from codec.tensors import check_spec, prepare, view_frame
+
+COMMON_KEYS = ("v", "t", "from", "seq", "sid", "rid", "more", "tensors")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds a receiver enforces before allocating or trusting anything."""
+
+    max_header_bytes: int = 64 * 1024
+    max_tensors: int = 8
+    max_tensor_bytes: int = 256 * 1024 * 1024
+    max_message_bytes: int = 512 * 1024 * 1024
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass
+class Message:
+    """One decoded (or to-be-encoded) message: type, envelope, fields and tensors."""
+
+    type: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    tensors: list[np.ndarray] = field(default_factory=list)
+    sender: str = ""
+    seq: int = 0
+    session: str = ""
+    rid: int = 0
+    more: bool = False
+
+    def __getitem__(self, name: str) -> Any:
+        return self.fields[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.fields.get(name, default)
+
+
+def make(type_: str, *, tensors: Sequence[np.ndarray] = (), sender: str = "", seq: int = 0,
+         session: str = "", rid: int = 0, more: bool = False, **fields: Any) -> Message:
+    """Build a message (validated when encoded)."""
+    return Message(type_, dict(fields), list(tensors), sender, seq, session, rid, more)
+
+
+def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> list[Any]:
+    """Validate and encode a message to frames: `[header bytes, array, array, ...]`.
+
+    Arrays are returned as-is (C-contiguous, little-endian) for `send_multipart(copy=False)`;
+    the caller must not mutate them until the send completes.
+    """
+    schema = SCHEMAS.get(msg.type)
+    if schema is None:
+        raise UnknownType(f"unknown message type {msg.type!r}")
+    clash = [k for k in msg.fields if k in COMMON_KEYS]
+    if clash:
+        raise BadField(f"fields {clash} collide with header keys")
+    schema.check_fields(msg.fields)
+    arrays, specs = [], []
+    for t in msg.tensors:
+        arr, spec = prepare(t)
+        check_spec(spec, limits.max_tensor_bytes)
+        arrays.append(arr)
+        specs.append(spec)
+    if len(specs) > limits.max_tensors:
+        raise FrameCount(f"{len(specs)} tensors, limit {limits.max_tensors}")
+    schema.check_tensors(specs)
+    header = {
+        "v": PROTOCOL_VERSION, "t": msg.type, "from": msg.sender, "seq": msg.seq,
+        "sid": msg.session, "rid": msg.rid, "more": msg.more, "tensors": specs, **msg.fields,
+    }
+    try:
+        packed = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise BadField(f"header cannot be packed: {exc}") from exc
+    if len(packed) > limits.max_header_bytes:
+        raise Oversize(f"header is {len(packed)} bytes, limit {limits.max_header_bytes}")
+    return [packed, *arrays]
+
+
+def _buffer(frame: Any) -> memoryview:
+    """The bytes of a frame without copying: zmq.Frame, bytes, or any buffer."""
+    buf = getattr(frame, "buffer", frame)
+    try:
+        return memoryview(buf)
+    except TypeError as exc:
+        raise BadHeader(f"frame is not a buffer: {type(frame).__name__}") from exc
+
+
+def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Unpack and check the envelope of a header frame (not the type's fields)."""
+    buf = _buffer(frame)
+    if buf.nbytes > limits.max_header_bytes:
+        raise Oversize(f"header is {buf.nbytes} bytes, limit {limits.max_header_bytes}")
+    try:
+        header = msgpack.unpackb(buf, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
+        raise BadHeader(f"header is not msgpack: {type(exc).__name__}: {exc}"[:200]) from exc
+    if not isinstance(header, dict):
+        raise BadHeader(f"header must be a map, got {type(header).__name__}")
+    if "v" not in header:
+        raise BadVersion("header has no protocol version")
+    if header["v"] != PROTOCOL_VERSION or isinstance(header["v"], bool):
+        raise BadVersion(f"protocol version {header['v']!r}, this node speaks {PROTOCOL_VERSION}")
+    t = header.get("t")
+    if not isinstance(t, str) or t not in SCHEMAS:
+        raise UnknownType(f"unknown message type {t!r}")
+    for key, kind, default in (("from", str, ""), ("sid", str, ""), ("seq", int, 0),
+                               ("rid", int, 0), ("more", bool, False), ("tensors", list, [])):
+        val = header.setdefault(key, default)
+        if not isinstance(val, kind) or (kind is int and isinstance(val, bool)):
+            raise BadField(f"header {key!r} must be {kind.__name__}, got {type(val).__name__}")
+    if len(header["tensors"]) > limits.max_tensors:
+        raise FrameCount(f"{len(header['tensors'])} tensors, limit {limits.max_tensors}")
+    return header
+
+
+def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Decode `[header, tensor...]` frames into a Message; raises only CodecError.
+
+    Tensor arrays are zero-copy views over the frames' buffers (read-only).
+    """
+    try:
+        return _decode(frames, limits)
+    except CodecError:
+        raise
+    except (ValueError, TypeError, OverflowError, KeyError, AttributeError) as exc:
+        # belt and braces: anything we failed to anticipate is still a codec error
+        raise BadHeader(f"undecodable message: {type(exc).__name__}: {exc}"[:200]) from exc
+
+
+def _decode(frames: Sequence[Any], limits: Limits) -> Message:
+    if not frames:
+        raise FrameCount("empty message")
+    header = decode_header(frames[0], limits)
+    specs = header["tensors"]
+    if len(frames) - 1 != len(specs):
+        raise FrameCount(f"header lists {len(specs)} tensors, {len(frames) - 1} frames follow")
+    schema = SCHEMAS[header["t"]]
+    total = 0
+    for spec in specs:
+        total += check_spec(spec, limits.max_tensor_bytes)[2]
+    if total > limits.max_message_bytes:
+        raise Oversize(f"message is {total} bytes, limit {limits.max_message_bytes}")
+    schema.check_tensors(specs)
+    fields = {k: v for k, v in header.items() if k not in COMMON_KEYS}
+    schema.check_fields(fields)
+    tensors = [
+        view_frame(_buffer(f), spec, limits.max_tensor_bytes)
+        for f, spec in zip(frames[1:], specs, strict=True)
+    ]
+    return Message(
+        type=header["t"], fields=fields, tensors=tensors, sender=header["from"],
+        seq=header["seq"], session=header["sid"], rid=header["rid"], more=header["more"],
+    )
