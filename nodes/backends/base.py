@@ -1,0 +1,70 @@
+"""The backend interface the engine and model drafters drive.
+
+A backend owns one causal LM and its tokenizer. The engine never touches framework objects: it
+asks for a cache, feeds token ids, gets float32 logits rows back as numpy, and crops the cache to
+the committed length after each block. Caches are opaque per-session objects.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from nodes.backends.tokenizer import Tokenizer
+from nodes.engine.errors import BadRequestError
+
+BACKENDS = ("torch", "mlx")
+
+
+class Backend(ABC):
+    """One loaded causal LM. Not thread-safe: one forward at a time."""
+
+    name: str = "?"
+    model_name: str
+    tokenizer: Tokenizer
+    vocab_size: int  # rows of logits (may exceed len(tokenizer) when the embedding is padded)
+
+    @property
+    def fingerprint(self) -> str:
+        """Tokenizer fingerprint; drafters must match it."""
+        return self.tokenizer.fingerprint
+
+    @abstractmethod
+    def new_cache(self) -> Any:
+        """An empty KV cache for one sequence."""
+
+    @abstractmethod
+    def forward(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
+        """Append `token_ids` to the cache; return logits float32 [len(token_ids), vocab]."""
+
+    def prefill(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
+        """Process a whole prompt; return the logits row for the next token, float32 [vocab].
+
+        Backends override this to split the prompt the way their reference generator does, so
+        greedy output stays bit-identical to it.
+        """
+        return self.forward(cache, token_ids)[-1]
+
+    @abstractmethod
+    def cache_length(self, cache: Any) -> int:
+        """Number of positions held in the cache."""
+
+    @abstractmethod
+    def crop(self, cache: Any, length: int) -> None:
+        """Drop cached positions beyond `length` (rolls back rejected draft tokens)."""
+
+
+def load_backend(name: str, model_ref: str | None = None, **kwargs: Any) -> Backend:
+    """Load `model_ref` (alias, folder or cached HF repo id) on backend `name`."""
+    if name == "torch":
+        from nodes.backends.torch_backend import TorchBackend
+
+        return TorchBackend.load(model_ref, **kwargs)
+    if name == "mlx":
+        from nodes.backends.mlx_backend import MlxBackend
+
+        return MlxBackend.load(model_ref, **kwargs)
+    raise BadRequestError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -1,0 +1,82 @@
+"""torch/transformers backend: CPU here, CUDA or MPS when present."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from nodes import models
+from nodes.backends.base import Backend
+from nodes.backends.tokenizer import Tokenizer
+from nodes.engine.errors import ModelNotFoundError
+
+log = logging.getLogger(__name__)
+
+
+def default_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+class TorchBackend(Backend):
+    """A transformers causal LM with a `DynamicCache` per session."""
+
+    name = "torch"
+
+    def __init__(self, model: Any, tokenizer: Tokenizer, model_name: str, device: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.device = device
+        self.vocab_size = int(model.config.vocab_size)
+
+    @classmethod
+    def load(cls, model_ref: str | None = None, device: str | None = None) -> TorchBackend:
+        ref = models.resolve(model_ref)
+        from transformers import AutoModelForCausalLM
+
+        device = device or default_device()
+        try:
+            tokenizer = Tokenizer(ref.path)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(ref.path), local_files_only=True, dtype=torch.float32
+            )
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelNotFoundError(
+                f"model {ref.name!r}: could not load from {ref.path}: {exc}".splitlines()[0]
+            ) from None
+        model.to(device).eval()
+        return cls(model, tokenizer, ref.name, device)
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Tokenizer, model_name: str) -> TorchBackend:
+        """Wrap an already-built model (e.g. the int8 quantised copy)."""
+        model.eval()
+        return cls(model, tokenizer, model_name, "cpu")
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        return out.logits[0].float().cpu().numpy()
+
+    def cache_length(self, cache: Any) -> int:
+        return int(cache.get_seq_length())
+
+    def crop(self, cache: Any, length: int) -> None:
+        # transformers 5 wants a negative count of tokens to remove
+        extra = self.cache_length(cache) - length
+        if extra > 0:
+            cache.crop(-extra)

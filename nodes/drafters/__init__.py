@@ -1,0 +1,8 @@
+"""Drafters propose tokens for the verifier to check: n-gram prompt lookup, a small model, int8.
+
+`make_drafter(spec, verifier)` builds one from a CLI-style spec: `ngram`, `int8`, `model:<ref>`.
+"""
+
+from nodes.drafters.base import Drafter, DraftSession, make_drafter
+
+__all__ = ["Drafter", "DraftSession", "make_drafter"]

