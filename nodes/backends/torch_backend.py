@@ -41,7 +41,9 @@ class TorchBackend(Backend):
     def load(cls, model_ref: str | None = None, device: str | None = None) -> TorchBackend:
         ref = models.resolve(model_ref)
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # our CLI prints its own progress, not per-tensor bars
         device = device or default_device()
         try:
             tokenizer = Tokenizer(ref.path)

@@ -136,22 +136,9 @@ class Engine:
     # ---- public API -------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: GenerationParams) -> Generation:
         """Run a whole generation and collect it."""
-        start = time.perf_counter()
-        stats = Stats()
-        tokens: list[int] = []
-        last: Block | None = None
-        for block in self.stream(prompt_ids, params, stats=stats):
-            tokens.extend(block.token_ids)
-            last = block
-        assert last is not None and last.finish_reason is not None
-        return Generation(
-            prompt_ids=list(prompt_ids),
-            token_ids=tokens,
-            text=last.text if last.text is not None else self.backend.tokenizer.decode(tokens),
-            finish_reason=last.finish_reason,
-            elapsed_s=time.perf_counter() - start,
-            stats=stats,
-        )
+        from nodes.engine.local import generate_text
+
+        return generate_text(self, list(prompt_ids), params)
 
     def stream(
         self,

@@ -1,0 +1,116 @@
+"""`specbus generate`: generate text with speculative decoding.
+
+`--local` runs verifier and drafter in this process. Cluster mode (borrowing drafters over the
+bus) arrives with the nodes feature; until then `--local` is required.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from nodes.engine.errors import GenerationError
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--local", action="store_true", help="verifier and drafter in this process")
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--system", default=None, help="system message (chat mode)")
+    parser.add_argument(
+        "--drafter", default="ngram", help="none | ngram | int8 | model:<ref> (default: ngram)"
+    )
+    parser.add_argument("--model", default=None, help="alias, folder or cached HF repo id "
+                        "(default: the embedded smollm2-135m)")
+    parser.add_argument("--backend", default="torch", choices=("torch", "mlx"))
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-draft", type=int, default=8, help="longest draft block")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument(
+        "--chat", action=argparse.BooleanOptionalAction, default=True,
+        help="wrap the prompt in the model's chat template (default: on)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.local:
+        print(
+            "specbus generate: cluster mode needs the nodes feature, which is not available yet; "
+            "use --local",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return _run_local(args)
+    except GenerationError as exc:
+        print(f"specbus generate: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    from nodes.engine.core import GenerationParams
+    from nodes.engine.errors import BadRequestError
+    from nodes.engine.local import (
+        LocalConfig,
+        encode_prompt,
+        generate_text,
+        load_engine,
+        result_dict,
+    )
+    from nodes.engine.sampling import SamplingParams
+
+    # validate cheap things before loading a model
+    if not args.prompt.strip():
+        raise BadRequestError("empty prompt")
+    params = GenerationParams(
+        max_tokens=args.max_tokens,
+        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
+        stop=tuple(args.stop),
+    )
+    params.validate()
+    engine = load_engine(
+        LocalConfig(args.model, args.backend, None if args.drafter == "none" else args.drafter,
+                    args.max_draft)
+    )
+    ids = encode_prompt(engine, args.prompt, chat=args.chat, system=args.system)
+
+    shown = [0]
+
+    def show(block) -> None:
+        text = block.text
+        if text is None:
+            return
+        sys.stdout.write(text[shown[0]:])
+        sys.stdout.flush()
+        shown[0] = len(text)
+
+    decode = engine.backend.tokenizer.decode
+    generated: list[int] = []
+
+    def stream(block) -> None:
+        generated.extend(block.token_ids)
+        if block.text is None:
+            block.text = decode(generated)
+        show(block)
+
+    gen = generate_text(engine, ids, params, on_block=None if args.json else stream)
+    result = result_dict(engine, gen)
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        sys.stdout.write(gen.text[shown[0]:] + "\n")
+        print(
+            f"[{len(gen.token_ids)} tokens, {result['tok_per_s']:.1f} tok/s, "
+            f"drafter {result['drafter']}, acceptance {result['acceptance']:.2f}, "
+            f"mean accepted {result['mean_accepted_len']:.2f}, finish {gen.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0

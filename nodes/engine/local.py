@@ -1,0 +1,94 @@
+"""Verifier and drafter in one process: the reusable core of `specbus generate --local`.
+
+Kept apart from the CLI so the node (cluster mode) and the benchmarks can reuse the same
+loading, prompt encoding and result shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nodes.engine.core import Block, Engine, Generation, GenerationParams
+from nodes.engine.errors import BadRequestError
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    model: str | None = None  # alias, folder or cached HF repo id; None: embedded default
+    backend: str = "torch"
+    drafter: str | None = "ngram"  # none | ngram | int8 | model:<ref>
+    max_draft: int = 8
+
+
+def load_engine(cfg: LocalConfig) -> Engine:
+    """Load the verifier backend and the drafter (heavy: imports torch or mlx)."""
+    from nodes.backends.base import load_backend
+    from nodes.drafters.base import make_drafter
+
+    backend = load_backend(cfg.backend, cfg.model)
+    drafter = make_drafter(cfg.drafter, backend)
+    return Engine(backend, drafter, max_draft=cfg.max_draft)
+
+
+def encode_prompt(engine: Engine, prompt: str, chat: bool = True, system: str | None = None):
+    """Prompt text -> token ids, through the chat template when asked and available."""
+    if not prompt or not prompt.strip():
+        raise BadRequestError("empty prompt")
+    return engine.backend.tokenizer.encode(prompt, chat=chat, system=system)
+
+
+def generate_text(
+    engine: Engine,
+    prompt_ids: list[int],
+    params: GenerationParams,
+    on_block: Callable[[Block], None] | None = None,
+) -> Generation:
+    """Run one generation, calling `on_block` as each block is committed (for streaming)."""
+    import time
+
+    from nodes.engine.core import Stats
+
+    start = time.perf_counter()
+    stats = Stats()
+    tokens: list[int] = []
+    last: Block | None = None
+    for block in engine.stream(prompt_ids, params, stats=stats):
+        tokens.extend(block.token_ids)
+        last = block
+        if on_block is not None:
+            on_block(block)
+    assert last is not None and last.finish_reason is not None
+    text = last.text if last.text is not None else engine.backend.tokenizer.decode(tokens)
+    return Generation(
+        prompt_ids=list(prompt_ids),
+        token_ids=tokens,
+        text=text,
+        finish_reason=last.finish_reason,
+        elapsed_s=time.perf_counter() - start,
+        stats=stats,
+    )
+
+
+def result_dict(engine: Engine, gen: Generation) -> dict:
+    """The JSON shape of `specbus generate --json`."""
+    s = gen.stats
+    return {
+        "text": gen.text,
+        "token_ids": gen.token_ids,
+        "tokens": engine.backend.tokenizer.token_strings(gen.token_ids),
+        "finish_reason": gen.finish_reason,
+        "prompt_tokens": len(gen.prompt_ids),
+        "elapsed_s": round(gen.elapsed_s, 4),
+        "tok_per_s": round(gen.tok_per_s, 3),
+        "acceptance": round(s.acceptance, 4),
+        "mean_accepted_len": round(s.mean_accepted_len, 4),
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "blocks": s.blocks,
+        "spec_blocks": s.spec_blocks,
+        "plain_steps": s.plain_steps,
+        "model": engine.backend.model_name,
+        "backend": engine.backend.name,
+        "drafter": engine.drafter.name if engine.drafter is not None else "none",
+    }

@@ -1,0 +1,148 @@
+"""Fixtures for engine tests: a tiny random Llama with the real SmolLM2 tokenizer, real models.
+
+The tiny model is random but deterministic (fixed seed); what matters is that the engine's
+output equals the reference generator's on the *same* model, token for token.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder():
+    """The exported embedded model (exported once into the user's specbus cache)."""
+    from nodes import models
+
+    return models.resolve(models.DEFAULT_MODEL).path
+
+
+def _tokenizer_files(src, dst) -> None:
+    for name in os.listdir(src):
+        if name.startswith("tokenizer") or name in ("chat_template.jinja", "special_tokens_map.json"):
+            shutil.copy(os.path.join(src, name), dst)
+
+
+def build_tiny(folder, tokenizer_src, seed: int = 0, layers: int = 2) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        initializer_range=0.5,  # peaked logits: varied greedy output, no near-ties
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    _tokenizer_files(tokenizer_src, folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, smollm2_folder):
+    folder = tmp_path_factory.mktemp("tiny")
+    build_tiny(folder, smollm2_folder, seed=0)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_folder(tmp_path_factory, smollm2_folder):
+    """Another random tiny model, same tokenizer: a drafter that disagrees often."""
+    folder = tmp_path_factory.mktemp("tiny_draft")
+    build_tiny(folder, smollm2_folder, seed=1)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_torch(tiny_folder):
+    from nodes.backends.torch_backend import TorchBackend
+
+    return TorchBackend.load(str(tiny_folder), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_mlx(tiny_folder):
+    from mlx_lm import load
+
+    from nodes.backends.mlx_backend import MlxBackend
+    from nodes.backends.tokenizer import Tokenizer
+
+    model, _ = load(str(tiny_folder))
+    return MlxBackend(model, Tokenizer(tiny_folder), "tiny")
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tiny_torch):
+    return tiny_torch.tokenizer.encode("The quick brown fox jumps over the lazy dog. The quick")
+
+
+# ---- a scripted drafter: drafts derived from a known reference continuation ---------------------
+class ScriptedDrafter:
+    """Proposes drafts from the reference continuation in a chosen way (perfect/wrong/...).
+
+    Not a mock of the model: the verifier is real; this only controls what is proposed.
+    """
+
+    name = "scripted"
+    fingerprint = None
+
+    def __init__(self, reference: Sequence[int], mode: str, vocab: int, seed: int = 0):
+        self.reference = list(reference)  # full sequence: prompt + reference continuation
+        self.mode, self.vocab, self.seed = mode, vocab, seed
+
+    def check_compatible(self, fingerprint: str) -> None:
+        return None
+
+    def open(self, prompt_ids, params):
+        return _ScriptedSession(self, list(prompt_ids))
+
+
+class _ScriptedSession:
+    def __init__(self, drafter: ScriptedDrafter, tokens: list[int]):
+        self.d, self.tokens = drafter, tokens
+        self.rng = np.random.default_rng(drafter.seed)
+
+    def extend(self, delta):
+        self.tokens.extend(int(t) for t in delta)
+
+    def draft(self, k):
+        d, pos = self.d, len(self.tokens)
+        assert self.tokens == d.reference[:pos] or d.mode in ("wrong", "random"), "desync"
+        truth = d.reference[pos : pos + k]
+        truth += [7] * (k - len(truth))  # past the reference end: anything
+        if d.mode == "perfect":
+            out = truth
+        elif d.mode == "long":  # more than asked and past max tokens: engine must cut
+            out = d.reference[pos : pos + k + 10]
+        elif d.mode == "wrong":
+            out = [(t + 1) % d.vocab for t in truth]
+        elif d.mode == "random":
+            out = [t if self.rng.random() < 0.6 else int(self.rng.integers(d.vocab)) for t in truth]
+        elif d.mode == "empty":
+            out = []
+        else:
+            raise ValueError(d.mode)
+        return np.asarray(out, dtype=np.int32), None
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="session")
+def scripted():
+    return ScriptedDrafter
