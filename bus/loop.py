@@ -146,8 +146,10 @@ class IOLoop:
     # -- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self._stopping:
+            while True:
                 self._run_calls()
+                if self._stopping:
+                    break
                 timeout = self._next_timeout_ms()
                 for sock, _ in self._poller.poll(timeout):
                     if sock == self._wake_r:
@@ -157,7 +159,6 @@ class IOLoop:
                     if handler is not None:
                         self._guard(handler, sock)
                 self._run_timers()
-            self._run_calls()
         finally:
             self._shutdown()
 

@@ -151,7 +151,7 @@ def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     """Decode `[header, tensor...]` frames into a Message; raises only CodecError.
 
-    Tensor arrays are zero-copy views over the frames' buffers (read-only).
+    Tensor arrays are zero-copy views over the frames' buffers.
     """
     try:
         return _decode(frames, limits)

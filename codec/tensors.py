@@ -50,7 +50,7 @@ def wire_dtype(array: np.ndarray) -> str:
     for name, wdt in WIRE_DTYPES.items():
         if name == "bfloat16":
             continue
-        if dt == wdt or (dt.newbyteorder("<") == wdt and dt.byteorder in "=|<"):
+        if dt.kind == wdt.kind and dt.itemsize == wdt.itemsize:  # any byte order
             return name
     raise BadDtype(f"dtype {dt} cannot travel (allowed: {', '.join(WIRE_DTYPES)})")
 

@@ -1,0 +1,82 @@
+import threading
+import time
+
+import pytest
+import zmq
+
+from bus.loop import IOLoop
+from bus.sockets import bind, check_bind_host
+
+
+def test_call_soon_runs_on_the_io_thread(loop):
+    seen = []
+    done = threading.Event()
+    loop.call_soon(lambda: (seen.append(threading.current_thread().name), done.set()))
+    assert done.wait(2)
+    assert seen == ["test-io"]
+
+
+def test_run_sync_returns_results_and_raises_errors(loop):
+    assert loop.run_sync(lambda: 6 * 7) == 42
+    with pytest.raises(ZeroDivisionError):
+        loop.run_sync(lambda: 1 / 0)
+
+
+def test_timers_fire_in_order_and_cancel(loop):
+    fired = []
+    loop.call_later(0.05, lambda: fired.append("b"))
+    loop.call_later(0.01, lambda: fired.append("a"))
+    t = loop.call_later(0.02, lambda: fired.append("never"))
+    t.cancel()
+    ticks = []
+    every = loop.call_every(0.01, lambda: ticks.append(1))
+    time.sleep(0.2)
+    every.cancel()
+    n = len(ticks)
+    time.sleep(0.05)
+    assert fired == ["a", "b"]
+    assert 5 <= n <= 25
+    assert len(ticks) == n
+
+
+def test_a_failing_handler_does_not_kill_the_loop(loop):
+    loop.call_soon(lambda: 1 / 0)
+    assert loop.run_sync(lambda: "still alive") == "still alive"
+    assert loop.errors == 1
+
+
+def test_stop_closes_registered_sockets(factory):
+    lp = IOLoop().start()
+    sock = lp.run_sync(lambda: factory.router())
+    lp.run_sync(lambda: lp.add_reader(sock, lambda s: None))
+    lp.stop()
+    assert sock.closed
+    assert not lp.running
+    lp.call_soon(lambda: None)  # after stop: dropped, not an error
+
+
+@pytest.mark.parametrize("host", ["*", "0.0.0.0", "::", "", "localhost-ish"])
+def test_wildcard_and_malformed_bind_hosts_are_refused(host):
+    with pytest.raises(ValueError):
+        check_bind_host(host)
+
+
+def test_bind_picks_a_free_port_on_loopback(factory):
+    sock = factory.router()
+    try:
+        ep = bind(sock, "tcp://127.0.0.1:0")
+        assert ep.startswith("tcp://127.0.0.1:") and not ep.endswith(":0")
+    finally:
+        sock.close()
+
+
+def test_factory_applies_options_to_every_socket(factory):
+    for make in (factory.pub, factory.sub, factory.router, factory.dealer):
+        s = make()
+        try:
+            assert s.getsockopt(zmq.LINGER) == factory.options.linger_ms
+            assert s.getsockopt(zmq.MAXMSGSIZE) == factory.options.max_msg_bytes
+            assert s.getsockopt(zmq.SNDHWM) == factory.options.sndhwm
+            assert s.getsockopt(zmq.TCP_KEEPALIVE) == 1
+        finally:
+            s.close()

@@ -1,0 +1,197 @@
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from bus.streams import (
+    PeerUnavailable,
+    RemoteError,
+    RequestCancelled,
+    RequestTimeout,
+    StreamClient,
+    StreamServer,
+    serve_ping,
+)
+from codec.messages import decode, make
+
+
+def streaming_handler(req):
+    """ping -> pong; generate_req -> 3 token chunks then done; anything else -> error."""
+    if serve_ping(req):
+        return
+    if req.message.type == "generate_req":
+        for i in range(3):
+            req.reply(make("token_chunk", index=i, tensors=[np.array([i], np.int32)]), more=True)
+        req.reply(make("done", finish_reason="length"))
+    else:
+        req.fail("unsupported", req.message.type)
+
+
+@pytest.fixture
+def server(loop, factory):
+    return StreamServer(loop, factory, streaming_handler, sender="srv")
+
+
+@pytest.fixture
+def client(loop, factory):
+    return StreamClient(loop, factory, sender="cli")
+
+
+def test_request_reply_carries_ids_and_sender(server, client):
+    reply = client.request(server.endpoint, make("ping", payload="x"), timeout=2).result()
+    assert reply.type == "pong" and reply.get("payload") == "x" and reply.sender == "srv"
+
+
+def test_streamed_replies_arrive_in_order_then_final(server, client):
+    call = client.request(server.endpoint, make("generate_req", prompt="p"), timeout=2)
+    got = [(m.type, m.get("index"), m.more) for m in call.replies(timeout=2)]
+    assert got == [("token_chunk", 0, True), ("token_chunk", 1, True),
+                   ("token_chunk", 2, True), ("done", None, False)]
+    assert call.done
+
+
+def test_many_requests_in_flight_to_one_peer(server, client):
+    calls = [client.request(server.endpoint, make("ping", payload=str(i)), timeout=5)
+             for i in range(50)]
+    assert [c.result(5).get("payload") for c in calls] == [str(i) for i in range(50)]
+    assert len({c.rid for c in calls}) == 50
+
+
+def test_error_reply_raises_remote_error(server, client):
+    with pytest.raises(RemoteError) as info:
+        client.request(server.endpoint, make("session_close"), timeout=2).result()
+    assert info.value.code == "unsupported"
+
+
+def test_deadline_expires_when_the_server_never_answers(loop, factory, client):
+    held = []
+    silent = StreamServer(loop, factory, held.append)
+    t0 = time.monotonic()
+    with pytest.raises(RequestTimeout):
+        client.request(silent.endpoint, make("ping"), timeout=0.2).result()
+    assert 0.19 <= time.monotonic() - t0 < 1.0
+    # the late answer is counted, not delivered to anyone
+    held[0].reply(make("pong"))
+    deadline = time.monotonic() + 2
+    while client.late == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.late == 1
+
+
+def test_deadline_to_a_dead_endpoint_is_bounded(client):
+    t0 = time.monotonic()
+    with pytest.raises(RequestTimeout):
+        client.request("tcp://127.0.0.1:1", make("ping"), timeout=0.3).result()
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_cancel_reaches_the_server_handler(loop, factory, client):
+    cancelled = threading.Event()
+    held = []
+
+    def handler(req):
+        held.append(req)
+        req.on_cancel(cancelled.set)
+
+    srv = StreamServer(loop, factory, handler)
+    call = client.request(srv.endpoint, make("generate_req", prompt="long"), timeout=5)
+    deadline = time.monotonic() + 2
+    while not held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    call.cancel()
+    with pytest.raises(RequestCancelled):
+        call.result(2)
+    assert cancelled.wait(2)
+    assert held[0].cancelled.is_set()
+    assert srv.in_flight == 0
+
+
+def test_forget_fails_pending_calls_at_once(loop, factory, client):
+    srv = StreamServer(loop, factory, lambda req: None)
+    call = client.request(srv.endpoint, make("ping"), timeout=10)
+    time.sleep(0.1)
+    client.forget(srv.endpoint)
+    with pytest.raises(PeerUnavailable):
+        call.result(2)
+
+
+def test_replies_from_a_worker_thread(loop, factory, client):
+    def handler(req):
+        threading.Thread(target=lambda: (time.sleep(0.05), req.reply(make("pong")))).start()
+
+    srv = StreamServer(loop, factory, handler)
+    assert client.request(srv.endpoint, make("ping"), timeout=2).result().type == "pong"
+
+
+def test_handler_exception_answers_internal_error_and_keeps_serving(loop, factory, client):
+    def handler(req):
+        if req.message.type == "ping":
+            raise RuntimeError("boom")
+        req.reply(make("done", finish_reason="ok"))
+
+    srv = StreamServer(loop, factory, handler)
+    with pytest.raises(RemoteError) as info:
+        client.request(srv.endpoint, make("ping"), timeout=2).result()
+    assert info.value.code == "internal"
+    assert client.request(srv.endpoint, make("generate_req"), timeout=2).result().type == "done"
+    assert srv.handler_errors == 1
+
+
+def test_garbage_gets_a_typed_error_and_the_server_keeps_serving(server, client, factory):
+    raw = factory.dealer()
+    raw.connect(server.endpoint)
+    try:
+        bad = [
+            [b"\xc1\xc1 not msgpack"],
+            [msgpack.packb({"v": 1, "t": "ping", "rid": 77, "tensors": [{"dtype": "int32",
+                                                                         "shape": [4]}]})],
+            [msgpack.packb({"v": 9, "t": "ping"})],
+            [msgpack.packb({"v": 1, "t": "session_extend", "rid": 5, "committed": 1,
+                            "tensors": [{"dtype": "int32", "shape": [2**40]}]}), b""],
+        ]
+        codes = []
+        for frames in bad:
+            raw.send_multipart(frames)
+            assert raw.poll(2000)
+            reply = decode(raw.recv_multipart())
+            assert reply.type == "error"
+            codes.append((reply["code"], reply.rid))
+        assert codes == [("bad_header", 0), ("frame_count", 77), ("bad_version", 0),
+                         ("oversize", 5)]
+        assert server.dropped == 4
+        # a real client is still served
+        assert client.request(server.endpoint, make("ping"), timeout=2).result().type == "pong"
+    finally:
+        raw.close(linger=0)
+
+
+def test_ipc_transport(loop, factory, client, tmp_path):
+    srv = StreamServer(loop, factory, streaming_handler,
+                       bind_endpoint=f"ipc://{tmp_path}/s.ipc")
+    assert srv.endpoint.startswith("ipc://")
+    assert client.request(srv.endpoint, make("ping"), timeout=2).result().type == "pong"
+
+
+def test_zero_copy_large_tensor_through_the_bus(loop, factory, client):
+    got = {}
+
+    def handler(req):
+        got["arr"] = req.message.tensors[1]
+        req.reply(make("done", finish_reason="ok"))
+
+    srv = StreamServer(loop, factory, handler)
+    probs = np.arange(2 * 65536, dtype=np.float32).reshape(2, 65536)
+    msg = make("draft_reply", committed=0, tensors=[np.array([1, 2], np.int32), probs])
+    client.request(srv.endpoint, msg, timeout=5).result()
+    assert np.array_equal(got["arr"], probs)
+    assert not got["arr"].flags.owndata  # a view over the received frame
+
+
+def test_bad_requests_are_refused_in_the_callers_thread(client):
+    with pytest.raises(Exception) as info:
+        client.request("tcp://127.0.0.1:1", make("nope"), timeout=1)
+    assert "unknown_type" in str(info.value)
+    assert zmq  # keep import for clarity of what transport is used
