@@ -1,0 +1,394 @@
+"""Membership over the bus: cards, heartbeats, snapshots, seeds and failure detection.
+
+Runs on the node's I/O thread (every socket touch, every table change); other threads use the
+thread-safe methods (`members`, `subscribe`, `update_card`, `discovered`, `leave`).
+
+How a node joins (details in docs/discovery.md):
+- It publishes its card, then a heartbeat every `heartbeat` seconds, from the I/O thread.
+- For every endpoint it discovers (a `--peer` seed, an mDNS announcement, or the endpoints on
+  a card it learned) it *introduces* itself: a `snapshot_req` carrying its own card to that
+  peer's StreamServer. The peer adds the card, subscribes to our PUB, and replies with a
+  `snapshot` of every live card it knows (ZeroMQ guide "Clone" pattern). Cards in the
+  snapshot we did not know are connected and introduced to in turn, so a node that can see
+  one peer still reaches everyone.
+- Failure detection is local: every node subscribes to every member's PUB, and silence
+  longer than `suspect_after` / `dead_after` makes a member suspect / dead. Heartbeats list
+  the ids their sender suspects; a node that finds itself there bumps its incarnation and
+  re-announces (refutation).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from bus.gossip import GossipChannel
+from bus.loop import IOLoop, Timer
+from bus.streams import BusError, Call, Request, StreamClient
+from codec.messages import Message, make
+from discovery.cards import Card, CardError, check_endpoint
+from discovery.events import EventBus, Subscriber
+from discovery.identity import Identity
+from discovery.mdns import PeerAd
+from discovery.table import Event, Member, MemberTable, State, Timeouts
+
+log = logging.getLogger(__name__)
+
+MEMBERSHIP_TYPES = ("card", "heartbeat", "leave")
+SNAPSHOT_TIMEOUT_S = 1.0
+SEED_RETRY_S = 1.0
+CARD_REPUBLISH_S = 5.0  # anti-entropy for peers that missed a card update
+
+
+def topic_for(cluster: str) -> str:
+    """Gossip topic prefix of a cluster (SUB filters on it, so other clusters never arrive)."""
+    return f"specbus/{cluster}/"
+
+
+class Membership:
+    """This node's view of its cluster, kept current on the I/O thread."""
+
+    def __init__(self, loop: IOLoop, gossip: GossipChannel, client: StreamClient,
+                 identity: Identity, card: Card, timeouts: Timeouts | None = None,
+                 seeds: tuple[str, ...] = ()) -> None:
+        if card.node_id != identity.node_id:
+            raise ValueError("card and identity disagree on the node id")
+        self.loop = loop
+        self.gossip = gossip
+        self.client = client
+        self.identity = identity
+        self.timeouts = timeouts or Timeouts()
+        self.seeds = tuple(seeds)
+        self.topic = topic_for(card.cluster)
+        self._card = card
+        self._lock = threading.Lock()  # guards _table and _card for readers on other threads
+        self._table = MemberTable(card.node_id, card.cluster, self.timeouts)
+        self._events = EventBus()
+        self._started_at = time.monotonic()
+        self._seq = 0
+        self._timers: list[Timer] = []
+        self._inflight: set[str] = set()  # stream endpoints with a snapshot_req in flight
+        self._introduced: dict[str, int] = {}  # node id -> incarnation we exchanged cards with
+        self._gossip_eps: dict[str, str] = {}  # node id -> PUB endpoint we subscribe to
+        self._last_refute = -1e9
+        self._left = False
+        self.counters = {"dropped": 0, "foreign": 0, "refutations": 0, "snapshots_served": 0,
+                         "snapshots_received": 0, "introductions": 0}
+
+    # -- thread-safe API ----------------------------------------------------------------
+    @property
+    def node_id(self) -> str:
+        return self._card.node_id
+
+    @property
+    def card(self) -> Card:
+        with self._lock:
+            return self._card
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        """Call `fn(event)` on the event thread for every later event; returns unsubscribe."""
+        return self._events.subscribe(fn)
+
+    def members(self, include_self: bool = True) -> list[Member]:
+        """A consistent copy of the table (self first when included)."""
+        with self._lock:
+            out = [_copy(m) for m in self._table.members()]
+            if include_self:
+                out.insert(0, self._self_member())
+        return out
+
+    def get(self, node_id: str) -> Member | None:
+        with self._lock:
+            if node_id == self._card.node_id:
+                return self._self_member()
+            m = self._table.get(node_id)
+        return _copy(m) if m else None
+
+    def workers(self) -> list[Member]:
+        """Alive members that may be offered work (never observers)."""
+        return [m for m in self.members(include_self=False)
+                if m.state is State.ALIVE and m.card.is_worker]
+
+    def update_card(self, **changes) -> None:
+        """Publish a new version of our card (e.g. measured tok/s, load)."""
+        self.loop.call_soon(lambda: self._set_card(self._card.evolve(**changes)))
+
+    def discovered(self, stream: str, gossip: str | None = None) -> None:
+        """A peer's endpoints were found (mDNS, seeds, tools); introduce ourselves."""
+        self.loop.call_soon(lambda: self._discovered(stream, gossip))
+
+    def on_mdns_peer(self, ad: PeerAd) -> None:
+        """mDNS callback (zeroconf thread): only peers of our cluster and protocol count."""
+        if ad.cluster != self._card.cluster or ad.node_id == self._card.node_id:
+            if ad.cluster != self._card.cluster:
+                self.counters["foreign"] += 1
+            return
+        self.discovered(ad.stream, ad.gossip)
+
+    def start(self) -> None:
+        self.gossip.subscribe(self.topic)
+        self.loop.call_soon(self._start)
+
+    def leave(self) -> None:
+        """Announce a graceful leave and stop heartbeating (blocks until it is sent)."""
+        self.loop.run_sync(self._leave)
+
+    def close(self) -> None:
+        self._events.close()
+
+    def _self_member(self) -> Member:
+        now = time.monotonic()
+        return _copy(Member(self._card, State.ALIVE, now, self._started_at, is_self=True))
+
+    # -- loop thread: lifecycle ---------------------------------------------------------
+    def _start(self) -> None:
+        t = self.timeouts
+        self._publish_card()
+        self._timers = [
+            self.loop.call_every(t.heartbeat, self._heartbeat, first=0.0),
+            self.loop.call_every(t.check_every, self._check),
+            self.loop.call_every(SEED_RETRY_S, self._contact_seeds, first=0.0),
+            self.loop.call_every(CARD_REPUBLISH_S, self._publish_card),
+        ]
+
+    def _leave(self) -> None:
+        if self._left:
+            return
+        self._left = True
+        for timer in self._timers:
+            timer.cancel()
+        self._publish("leave", cluster=self._card.cluster, incarnation=self._card.incarnation)
+
+    # -- loop thread: publishing ----------------------------------------------------------
+    def _publish(self, type_: str, **fields) -> None:
+        self._seq += 1
+        self.gossip.publish(self.topic, make(type_, sender=self.node_id, seq=self._seq, **fields))
+
+    def _publish_card(self) -> None:
+        if not self._left:
+            self._publish("card", **self._card.wire_fields())
+
+    def _heartbeat(self) -> None:
+        c = self._card
+        fields = {"cluster": c.cluster, "incarnation": c.incarnation, "version": c.version}
+        suspects = self._table.suspects()
+        if suspects:
+            fields["suspects"] = suspects
+        self._publish("heartbeat", **fields)
+
+    def _set_card(self, card: Card) -> None:
+        with self._lock:
+            self._card = card
+        self._publish_card()
+        self._heartbeat()
+
+    def _refute(self, at_least: int) -> None:
+        """Someone thinks we are suspect (or knows a later incarnation of us): outgrow it."""
+        now = time.monotonic()
+        if at_least < self._card.incarnation and now - self._last_refute < \
+                self.timeouts.suspect_after:
+            return
+        self._last_refute = now
+        new = self.identity.bump(at_least)
+        self.counters["refutations"] += 1
+        log.info("refuting suspicion: incarnation %d -> %d", self._card.incarnation, new)
+        self._set_card(replace(self._card, incarnation=new, version=self._card.version + 1))
+
+    # -- loop thread: inputs ------------------------------------------------------------
+    def handle_gossip(self, topic: str, msg: Message) -> bool:
+        """Gossip handler for membership types; False if the type is not ours."""
+        if msg.type not in MEMBERSHIP_TYPES:
+            return False
+        if topic != self.topic or msg.get("cluster") != self._card.cluster:
+            self.counters["foreign"] += 1
+            return True
+        now = time.monotonic()
+        sender = msg.sender
+        if msg.type == "card":
+            try:
+                card = Card.from_fields(sender, msg.fields)
+            except CardError as exc:
+                self.counters["dropped"] += 1
+                log.debug("dropped card from %r: %s", sender, exc)
+                return True
+            self._on_card(card, now, direct=True)
+        elif msg.type == "heartbeat":
+            if sender == self.node_id:
+                self._on_self_report(msg["incarnation"])
+                return True
+            with self._lock:
+                events, need_card = self._table.on_heartbeat(
+                    sender, msg["incarnation"], msg["version"], now)
+            self._after(events)
+            if need_card:
+                self._ask_card(sender)
+            suspects = msg.get("suspects") or []
+            if self.node_id in suspects:
+                self._refute(self._card.incarnation)
+        else:  # leave
+            with self._lock:
+                events = self._table.on_leave(sender, msg["incarnation"], now)
+            self._after(events)
+        return True
+
+    def handle_request(self, req: Request) -> bool:
+        """StreamServer handler for `snapshot_req`; False if the type is not ours."""
+        msg = req.message
+        if msg.type != "snapshot_req":
+            return False
+        if msg["cluster"] != self._card.cluster:
+            req.fail("wrong_cluster", f"this node belongs to cluster {self._card.cluster!r}, "
+                                      f"not {msg['cluster']!r}")
+            return True
+        peer_card = msg.get("card")
+        if peer_card is not None:
+            try:
+                card = Card.from_map(peer_card)
+                if card.node_id != msg.sender:
+                    raise CardError("a node may only introduce its own card")
+            except CardError as exc:
+                self.counters["dropped"] += 1
+                req.fail("bad_card", str(exc)[:300])
+                return True
+            self._introduced[card.node_id] = card.incarnation  # it knows us: no need to reply
+            self._on_card(card, time.monotonic(), direct=True)
+        self.counters["snapshots_served"] += 1
+        req.reply(make("snapshot", cards=self._snapshot_maps()))
+        return True
+
+    def _snapshot_maps(self) -> list[dict]:
+        out = [{**self._card.to_map(), "state": State.ALIVE.value}]
+        for m in self._table.members():
+            if m.state is State.ALIVE:  # suspects are left out: likely dead, let them prove it
+                out.append({**m.card.to_map(), "state": m.state.value})
+        return out
+
+    def _on_self_report(self, incarnation: int) -> None:
+        """A message claiming to be us: another process or an old run. Stay ahead of it."""
+        if incarnation >= self._card.incarnation and incarnation != self._card.incarnation:
+            self._refute(incarnation)
+
+    def _on_card(self, card: Card, now: float, direct: bool) -> None:
+        if card.node_id == self.node_id:
+            if card.incarnation > self._card.incarnation:
+                self._refute(card.incarnation)
+            return
+        with self._lock:
+            events = self._table.on_card(card, now, direct)
+        self._after(events)
+
+    def _after(self, events: list[Event]) -> None:
+        """Side effects of table events on the bus, then hand them to subscribers."""
+        for ev in events:
+            m = ev.member
+            log.info("member %s %s (%s, incarnation %d)", m.node_id, ev.kind,
+                     m.card.name or "-", m.incarnation)
+            if ev.kind in ("join", "update"):
+                self._connect(m.card)
+            if ev.kind == "join" and self._introduced.get(m.node_id) != m.incarnation:
+                self._introduce(m.card.endpoints["stream"])
+            if ev.kind == "leave":
+                self._disconnect(m.node_id)
+        self._events.publish(events)
+
+    def _connect(self, card: Card) -> None:
+        ep = card.endpoints["gossip"]
+        old = self._gossip_eps.get(card.node_id)
+        if old == ep:
+            return
+        if old is not None:
+            self.gossip.disconnect(old)
+        self._gossip_eps[card.node_id] = ep
+        self.gossip.connect(ep)
+
+    def _disconnect(self, node_id: str) -> None:
+        ep = self._gossip_eps.pop(node_id, None)
+        if ep is not None and ep not in self._gossip_eps.values():
+            self.gossip.disconnect(ep)
+
+    def _check(self) -> None:
+        with self._lock:
+            events = self._table.tick(time.monotonic())
+        self._after(events)
+        for node_id in [n for n in self._gossip_eps if n not in self._table]:
+            self._disconnect(node_id)  # forgotten after dead/left for forget_after
+
+    # -- loop thread: snapshots ---------------------------------------------------------
+    def _discovered(self, stream: str, gossip: str | None) -> None:
+        if not check_endpoint(stream) or stream == self._card.endpoints["stream"]:
+            return
+        for m in self._table.members():
+            if m.card.endpoints["stream"] == stream and m.state is State.ALIVE:
+                return  # already a live member
+        if gossip and check_endpoint(gossip):
+            self.gossip.connect(gossip)  # start hearing it even before the snapshot returns
+        self._introduce(stream)
+
+    def _contact_seeds(self) -> None:
+        live = {m.card.endpoints["stream"] for m in self._table.members()
+                if m.state is State.ALIVE}
+        for seed in self.seeds:
+            if seed not in live:
+                self._introduce(seed)
+
+    def _ask_card(self, node_id: str) -> None:
+        m = self._table.get(node_id)
+        if m is not None:
+            self._introduce(m.card.endpoints["stream"])
+
+    def _introduce(self, stream: str) -> None:
+        """Send our card to a peer's StreamServer and ask for its snapshot."""
+        if self._left or stream in self._inflight or stream == self._card.endpoints["stream"]:
+            return
+        self._inflight.add(stream)
+        self.counters["introductions"] += 1
+        req = make("snapshot_req", cluster=self._card.cluster, card=self._card.to_map())
+        self.client.request(stream, req, timeout=SNAPSHOT_TIMEOUT_S,
+                            on_reply=lambda call, reply: self._on_snapshot(call, reply))
+
+    def _on_snapshot(self, call: Call, reply: Message | BusError) -> None:
+        self._inflight.discard(call.endpoint)
+        if isinstance(reply, BusError):
+            log.debug("snapshot from %s failed: %s", call.endpoint, reply)
+            self.client.forget(call.endpoint)  # drop requests queued for a dead endpoint
+            return
+        if reply.type == "error":
+            log.warning("peer %s refused our introduction: %s: %s", call.endpoint,
+                        reply.get("code"), reply.get("message"))
+            return
+        if reply.type != "snapshot":
+            self.counters["dropped"] += 1
+            return
+        self.counters["snapshots_received"] += 1
+        now = time.monotonic()
+        entries = reply["cards"]
+        for entry in entries[:10_000]:
+            try:
+                card = Card.from_map(entry)
+            except CardError as exc:
+                self.counters["dropped"] += 1
+                log.debug("bad snapshot entry from %s: %s", call.endpoint, exc)
+                continue
+            if entry.get("state") not in (State.ALIVE.value, State.SUSPECT.value):
+                continue
+            direct = card.node_id == reply.sender
+            if direct:
+                self._introduced[card.node_id] = card.incarnation
+            self._on_card(card, now, direct)
+
+
+def _copy(m: Member) -> Member:
+    """Members are frozen, but their cards hold dicts: give each reader its own."""
+    c = m.card
+    return replace(m, card=replace(c, endpoints=dict(c.endpoints), extras=_deep(c.extras)))
+
+
+def _deep(value):
+    if isinstance(value, dict):
+        return {k: _deep(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep(v) for v in value]
+    return value

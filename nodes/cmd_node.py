@@ -1,0 +1,187 @@
+"""`specbus node`: run a node that joins its cluster, gossips, and leaves on SIGINT/SIGTERM.
+
+For now a node announces its roles and card and takes part in membership; drafting and
+verifying are plugged in by the nodes issue (roles register request handlers on `Node`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from discovery.interfaces import DEFAULT_INTERFACE
+from discovery.table import Event, Timeouts
+from nodes.logs import set_node_id
+from nodes.node import ROLES, Node, NodeConfig, parse_peer
+
+log = logging.getLogger(__name__)
+
+# Test-only: seconds the main thread spins in pure Python after joining (proves heartbeats
+# come from the I/O thread). Never set it in production.
+BUSY_ENV = "SPECBUS_TEST_BUSY_S"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run a specbus node until SIGINT/SIGTERM: it discovers its cluster (mDNS on the "
+        "chosen interface, plus --peer seeds), gossips its capability card and heartbeats, "
+        "and leaves cleanly. The card records --backend/--model/--drafter; actual drafting "
+        "and verifying arrive with the nodes issue."
+    )
+    parser.add_argument("--role", required=True, type=parse_roles,
+                        metavar="verifier|proposer|verifier,proposer|observer",
+                        help="what this node does (observer: listens, never offered work)")
+    parser.add_argument("--cluster", default="specbus", help="cluster name (default: specbus)")
+    parser.add_argument("--interface", default=DEFAULT_INTERFACE,
+                        help="IPv4 address, interface name, or 'all' for mDNS on every "
+                             "interface (default: 127.0.0.1, this machine only)")
+    parser.add_argument("--peer", action="append", default=[], type=peer_arg,
+                        metavar="HOST:PORT",
+                        help="seed: another node's request endpoint (repeatable); works "
+                             "where multicast does not")
+    parser.add_argument("--name", default=None,
+                        help="display name; a named node keeps its id across restarts")
+    parser.add_argument("--model", default="", help="model id (recorded on the card)")
+    parser.add_argument("--drafter", default="", help="drafter, e.g. ngram (recorded on the card)")
+    parser.add_argument("--backend", default="", help="torch|mlx (recorded on the card)")
+    parser.add_argument("--no-mdns", action="store_true",
+                        help="do not use mDNS (seeds and gossip only)")
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="where node ids and incarnation counters live "
+                             "(default: $SPECBUS_STATE_DIR or ~/.cache/specbus)")
+    parser.add_argument("--heartbeat", type=positive_float, default=Timeouts.heartbeat,
+                        help="heartbeat interval in seconds (default: %(default)s)")
+    parser.add_argument("--suspect-after", type=positive_float, default=Timeouts.suspect_after,
+                        help="silence before a member is suspect (default: %(default)s)")
+    parser.add_argument("--dead-after", type=positive_float, default=Timeouts.dead_after,
+                        help="silence before a member is dead (default: %(default)s)")
+    parser.add_argument("--print-events", action="store_true",
+                        help="print one JSON line per membership event on stdout "
+                             "(for scripts, tests and benchmarks)")
+
+
+def parse_roles(text: str) -> tuple[str, ...]:
+    roles = tuple(r.strip() for r in text.split(",") if r.strip())
+    if roles == ("observer",):
+        return roles
+    bad = [r for r in roles if r not in ROLES]
+    if not roles or bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown role {', '.join(bad) or text!r}: use verifier, proposer, "
+            "verifier,proposer or observer")
+    return tuple(dict.fromkeys(roles))
+
+
+def peer_arg(text: str) -> str:
+    try:
+        return parse_peer(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return v
+
+
+def config_from_args(args: argparse.Namespace) -> NodeConfig:
+    observer = args.role == ("observer",)
+    try:
+        timeouts = Timeouts(heartbeat=args.heartbeat, suspect_after=args.suspect_after,
+                            dead_after=args.dead_after)
+    except ValueError as exc:
+        raise SystemExit(f"specbus node: {exc}") from None
+    return NodeConfig(
+        cluster=args.cluster, roles=() if observer else args.role, observer=observer,
+        interface=args.interface, peers=tuple(args.peer), name=args.name,
+        backend=args.backend, model=args.model, drafter=args.drafter, mdns=not args.no_mdns,
+        state_dir=args.state_dir, timeouts=timeouts,
+    )
+
+
+def event_json(ev: Event) -> dict:
+    m = ev.member
+    return {"event": ev.kind, "node_id": m.node_id, "name": m.card.name,
+            "incarnation": m.incarnation, "state": m.state.value, "t": ev.at}
+
+
+class _Printer:
+    """Writes JSON lines to stdout from any thread, one whole line at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __call__(self, obj: dict) -> None:
+        line = json.dumps(obj, separators=(",", ":"))
+        with self._lock:
+            try:
+                sys.stdout.write(line + "\n")
+                sys.stdout.flush()
+            except (BrokenPipeError, ValueError):
+                pass  # reader went away; the node keeps running
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        node = Node(config_from_args(args))
+    except ValueError as exc:
+        print(f"specbus node: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    printer = _Printer() if args.print_events else None
+    try:
+        node.start()
+    except (ValueError, OSError) as exc:
+        print(f"specbus node: cannot start: {exc}", file=sys.stderr)
+        node.stop(leave=False)
+        return 1
+    for handler in logging.getLogger().handlers:
+        set_node_id(handler, node.node_id)
+    if printer is not None:
+        node.membership.subscribe(lambda ev: printer(event_json(ev)))
+        card = node.membership.card
+        printer({"event": "ready", "node_id": node.node_id, "name": card.name,
+                 "incarnation": card.incarnation, "endpoints": card.endpoints,
+                 "t": time.monotonic()})
+    try:
+        busy = float(os.environ.get(BUSY_ENV, "0") or 0)
+        if busy > 0:
+            _spin(busy, stop)
+        while not stop.wait(0.2):
+            pass
+    finally:
+        node.stop(leave=True)
+        if printer is not None:
+            g = node.gossip
+            printer({"event": "exit", "node_id": node.node_id, "bytes_out": g.bytes_out,
+                     "bytes_in": g.bytes_in, "published": g.published, "received": g.received,
+                     "dropped": g.dropped, **node.membership.counters, "t": time.monotonic()})
+    return 0
+
+
+def _spin(seconds: float, stop: threading.Event) -> None:
+    """Hold the main thread in pure-Python work (test knob, see BUSY_ENV)."""
+    end = time.monotonic() + seconds
+    x = 0
+    while time.monotonic() < end and not stop.is_set():
+        for i in range(10_000):
+            x += i * i
+    log.info("busy spin finished (%d)", x & 0xFF)

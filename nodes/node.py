@@ -1,0 +1,160 @@
+"""The node process skeleton: I/O loop, gossip, request server, membership, mDNS.
+
+Roles plug in by registering handlers: `register_request(type, fn)` for StreamServer
+requests and `register_gossip(type, fn)` for gossip messages. Handlers run on the I/O thread
+and must return quickly (long work goes to a worker thread that replies with
+`request.reply()`). Membership registers its own message types the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bus.gossip import GossipChannel
+from bus.loop import IOLoop
+from bus.sockets import SocketFactory
+from bus.streams import Request, StreamClient, StreamServer, serve_ping
+from codec.messages import Message
+from discovery.cards import Card, check_cluster
+from discovery.identity import Identity, acquire_identity
+from discovery.interfaces import DEFAULT_INTERFACE, NetChoice, resolve_interface
+from discovery.mdns import Mdns
+from discovery.membership import Membership
+from discovery.table import Timeouts
+
+log = logging.getLogger(__name__)
+
+ROLES = ("verifier", "proposer")
+
+
+@dataclass
+class NodeConfig:
+    """Everything a node needs to start; the CLI builds one from its flags."""
+
+    cluster: str = "specbus"
+    roles: tuple[str, ...] = ()
+    observer: bool = False
+    interface: str = DEFAULT_INTERFACE
+    peers: tuple[str, ...] = ()  # seeds: stream endpoints (tcp://HOST:PORT)
+    name: str | None = None
+    backend: str = ""
+    model: str = ""
+    drafter: str = ""
+    mdns: bool = True
+    state_dir: Path | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_peer(text: str) -> str:
+    """`HOST:PORT` or `tcp://HOST:PORT` -> a stream endpoint; ValueError otherwise."""
+    ep = text if text.startswith("tcp://") else f"tcp://{text}"
+    host, sep, port = ep[len("tcp://"):].rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--peer must be HOST:PORT (a node's request endpoint), got {text!r}")
+    return ep
+
+
+class Node:
+    """One specbus process: owns the I/O loop and every socket through it."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        check_cluster(config.cluster)
+        for role in config.roles:
+            if role not in ROLES:
+                raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
+        if config.observer and config.roles:
+            raise ValueError("an observer has no roles")
+        self.config = config
+        self.net: NetChoice = resolve_interface(config.interface)
+        self.identity: Identity | None = None
+        self.loop = IOLoop()
+        self.factory = SocketFactory()
+        self._requests: dict[str, Callable[[Request], None]] = {}
+        self._gossip_handlers: dict[str, Callable[[str, Message], None]] = {}
+        self.gossip: GossipChannel | None = None
+        self.server: StreamServer | None = None
+        self.client: StreamClient | None = None
+        self.membership: Membership | None = None
+        self.mdns: Mdns | None = None
+        self._stopped = False
+
+    @property
+    def node_id(self) -> str:
+        return self.identity.node_id if self.identity else ""
+
+    # -- extension points ---------------------------------------------------------------
+    def register_request(self, type_: str, fn: Callable[[Request], None]) -> None:
+        self._requests[type_] = fn
+
+    def register_gossip(self, type_: str, fn: Callable[[str, Message], None]) -> None:
+        self._gossip_handlers[type_] = fn
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> Node:
+        cfg = self.config
+        self.identity = acquire_identity(cfg.cluster, cfg.name, cfg.state_dir)
+        self.loop.start()
+        host = self.net.bind_host
+        self.gossip = GossipChannel(self.loop, self.factory, self._on_gossip,
+                                    bind_endpoint=f"tcp://{host}:0")
+        self.server = StreamServer(self.loop, self.factory, self._on_request,
+                                   bind_endpoint=f"tcp://{host}:0", sender=self.node_id)
+        self.client = StreamClient(self.loop, self.factory, sender=self.node_id)
+        extras = dict(cfg.extras)
+        if cfg.drafter:
+            extras["drafter"] = cfg.drafter
+        card = Card(
+            node_id=self.node_id, cluster=cfg.cluster, incarnation=self.identity.incarnation,
+            version=1, roles=tuple(cfg.roles), name=cfg.name or "",
+            endpoints={"gossip": self.gossip.endpoint, "stream": self.server.endpoint},
+            backend=cfg.backend, model=cfg.model, observer=cfg.observer, extras=extras,
+        )
+        self.membership = Membership(self.loop, self.gossip, self.client, self.identity, card,
+                                     cfg.timeouts, seeds=cfg.peers)
+        for t in ("card", "heartbeat", "leave"):
+            self.register_gossip(t, self.membership.handle_gossip)
+        self.register_request("snapshot_req", self.membership.handle_request)
+        self.register_request("ping", serve_ping)
+        self.membership.start()
+        if cfg.mdns:
+            self.mdns = Mdns(self.net, self.membership.on_mdns_peer)
+            self.mdns.start(card)
+        log.info("node %s up: gossip %s, requests %s, incarnation %d",
+                 self.node_id, self.gossip.endpoint, self.server.endpoint,
+                 self.identity.incarnation)
+        return self
+
+    def stop(self, leave: bool = True) -> None:
+        """Announce the leave first (peers drop us at once), then close everything."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.membership is not None and leave and self.loop.running:
+            self.membership.leave()
+            time.sleep(0.05)  # PUB sockets close with linger 0: let the leave go out first
+        if self.mdns is not None:
+            self.mdns.close()
+        self.loop.stop()
+        if self.membership is not None:
+            self.membership.close()
+        if self.identity is not None:
+            self.identity.release()
+
+    # -- I/O thread dispatch ------------------------------------------------------------
+    def _on_gossip(self, topic: str, msg: Message) -> None:
+        fn = self._gossip_handlers.get(msg.type)
+        if fn is not None:
+            fn(topic, msg)
+
+    def _on_request(self, req: Request) -> None:
+        fn = self._requests.get(req.message.type)
+        if fn is None:
+            req.fail("unsupported", f"this node does not serve {req.message.type!r} requests")
+            return
+        fn(req)

@@ -1,0 +1,79 @@
+"""`specbus members`: join briefly as an observer, print the membership table, leave.
+
+An observer has no roles, is never counted as a worker and is never offered work; it leaves
+gracefully, so the members it looked at drop it at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from discovery.interfaces import DEFAULT_INTERFACE
+from discovery.table import Member
+from nodes.cmd_node import peer_arg, positive_float
+from nodes.node import Node, NodeConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", default="specbus", help="cluster name (default: specbus)")
+    parser.add_argument("--interface", default=DEFAULT_INTERFACE,
+                        help="IPv4 address, interface name or 'all' (default: 127.0.0.1)")
+    parser.add_argument("--peer", action="append", default=[], type=peer_arg,
+                        metavar="HOST:PORT", help="seed: a node's request endpoint (repeatable)")
+    parser.add_argument("--wait", type=positive_float, default=1.5,
+                        help="seconds to listen before printing (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print a JSON list instead")
+    parser.add_argument("--no-mdns", action="store_true", help="seeds and gossip only")
+
+
+def member_json(m: Member) -> dict:
+    c = m.card
+    return {
+        "node_id": c.node_id, "name": c.name,
+        "roles": ["observer"] if c.observer else list(c.roles),
+        "state": m.state.value, "incarnation": c.incarnation, "version": c.version,
+        "endpoints": dict(c.endpoints), "backend": c.backend, "model": c.model,
+        "tokenizer": c.tokenizer, "vocab": c.vocab, "tok_s": c.tok_s, "load": c.load,
+        "free_mem": c.free_mem, "observer": c.observer, "extras": c.extras,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = ("node_id", "name", "roles", "state", "incarnation", "backend", "model", "stream")
+    data = [
+        [r["node_id"], r["name"] or "-", ",".join(r["roles"]) or "-", r["state"],
+         str(r["incarnation"]), r["backend"] or "-", r["model"] or "-",
+         r["endpoints"].get("stream", "-")]
+        for r in rows
+    ]
+    widths = [max(len(c), *(len(d[i]) for d in data)) if data else len(c)
+              for i, c in enumerate(cols)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(d, widths, strict=True)) for d in data]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = NodeConfig(cluster=args.cluster, observer=True, interface=args.interface,
+                     peers=tuple(args.peer), mdns=not args.no_mdns)
+    try:
+        node = Node(cfg).start()
+    except (ValueError, OSError) as exc:
+        print(f"specbus members: {exc}", file=sys.stderr)
+        return 2
+    try:
+        time.sleep(args.wait)
+        members = node.membership.members(include_self=False)
+    finally:
+        node.stop(leave=True)
+    rows = sorted((member_json(m) for m in members), key=lambda r: (r["name"], r["node_id"]))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif rows:
+        print(format_table(rows))
+    else:
+        print(f"no members of cluster {args.cluster!r} seen within {args.wait}s")
+    return 0
