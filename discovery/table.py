@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from discovery.cards import Card
 
 
-class State(str, enum.Enum):
+class State(enum.StrEnum):
     ALIVE = "alive"
     SUSPECT = "suspect"
     DEAD = "dead"

@@ -1,0 +1,66 @@
+"""Fixtures and helpers for discovery tests (helpers are fixtures: tests/ is not a package)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from discovery.table import Timeouts
+from nodes.node import Node, NodeConfig
+
+FAST = Timeouts(heartbeat=0.05, suspect_after=0.25, dead_after=0.5, forget_after=30.0,
+                check_every=0.02)
+
+
+def _wait_until(pred: Callable[[], bool], timeout: float = 5.0, step: float = 0.02) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+def _seed_of(node: Node) -> str:
+    return node.server.endpoint
+
+
+def _view(node: Node) -> dict[str, str]:
+    """node id -> state, as this node sees the others."""
+    return {m.node_id: m.state.value for m in node.membership.members(include_self=False)}
+
+
+@pytest.fixture
+def wait_until():
+    return _wait_until
+
+
+@pytest.fixture
+def seed_of():
+    return _seed_of
+
+
+@pytest.fixture
+def view():
+    return _view
+
+
+@pytest.fixture
+def make_node(tmp_path):
+    """Start in-process nodes (no mDNS unless asked); stops them all at teardown."""
+    nodes: list[Node] = []
+
+    def start(**kw) -> Node:
+        kw.setdefault("mdns", False)
+        kw.setdefault("timeouts", FAST)
+        kw.setdefault("roles", ("proposer",))
+        kw.setdefault("state_dir", tmp_path)
+        node = Node(NodeConfig(**kw)).start()
+        nodes.append(node)
+        return node
+
+    yield start
+    for n in nodes:
+        n.stop(leave=False)

@@ -1,0 +1,100 @@
+"""Membership between in-process nodes over real loopback ZeroMQ (seeds + gossip, no mDNS)."""
+
+from __future__ import annotations
+
+import threading
+
+from bus.streams import RemoteError
+from codec.messages import make
+
+
+def test_seed_join_is_mutual_and_events_flow(make_node, seed_of, view, wait_until):
+    a = make_node(name="a")
+    seen = []
+    a.membership.subscribe(lambda ev: seen.append((ev.kind, ev.node_id,
+                                                   threading.current_thread().name)))
+    b = make_node(name="b", peers=(seed_of(a),))
+    assert wait_until(lambda: view(a).get(b.node_id) == "alive")
+    assert wait_until(lambda: view(b).get(a.node_id) == "alive")
+    assert wait_until(lambda: ("join", b.node_id, "specbus-events") in seen)
+    me = a.membership.members()[0]
+    assert me.is_self and me.node_id == a.node_id
+
+
+def test_one_seed_is_enough_to_reach_everyone(make_node, seed_of, view, wait_until):
+    """C only knows B, B only knows A: snapshots and introductions connect all three."""
+    a = make_node()
+    b = make_node(peers=(seed_of(a),))
+    c = make_node(peers=(seed_of(b),))
+    ids = {a.node_id, b.node_id, c.node_id}
+    for n in (a, b, c):
+        assert wait_until(lambda n=n: set(view(n)) | {n.node_id} == ids
+                          and all(s == "alive" for s in view(n).values())), view(n)
+
+
+def test_card_updates_spread(make_node, seed_of, view, wait_until):
+    a = make_node()
+    b = make_node(peers=(seed_of(a),))
+    assert wait_until(lambda: a.node_id in view(b))
+    a.membership.update_card(tok_s=42.0, load=0.5, extras={"k": 1})
+    assert wait_until(lambda: b.membership.get(a.node_id).card.tok_s == 42.0)
+    got = b.membership.get(a.node_id).card
+    assert got.version == 2 and got.extras == {"k": 1}
+
+
+def test_leave_and_silent_death(make_node, seed_of, view, wait_until):
+    a = make_node()
+    b = make_node(peers=(seed_of(a),))
+    c = make_node(peers=(seed_of(a),))
+    assert wait_until(lambda: len(view(a)) == 2 and all(s == "alive" for s in view(a).values()))
+    b.stop(leave=True)
+    assert wait_until(lambda: view(a).get(b.node_id) == "left", timeout=1.0)
+    c.stop(leave=False)  # silence: suspect, then dead
+    assert wait_until(lambda: view(a).get(c.node_id) == "dead", timeout=2.0)
+
+
+def test_observer_is_listed_but_never_a_worker(make_node, seed_of, view, wait_until):
+    a = make_node()
+    o = make_node(roles=(), observer=True, peers=(seed_of(a),))
+    assert wait_until(lambda: view(a).get(o.node_id) == "alive")
+    assert [m.node_id for m in a.membership.workers()] == []
+    assert wait_until(lambda: [m.node_id for m in o.membership.workers()] == [a.node_id])
+
+
+def test_other_cluster_seed_is_refused_and_never_listed(make_node, seed_of, view, wait_until):
+    a = make_node(cluster="red")
+    b = make_node(cluster="blue", peers=(seed_of(a),))
+    call = b.client.request(seed_of(a), make("snapshot_req", cluster="blue"), timeout=2.0)
+    try:
+        call.result(2.0)
+        raise AssertionError("expected a wrong_cluster error")
+    except RemoteError as exc:
+        assert exc.code == "wrong_cluster"
+    assert view(a) == {} and view(b) == {}
+
+
+def test_refutation_bumps_incarnation(make_node, tmp_path, seed_of, view, wait_until):
+    a = make_node(name="a")
+    b = make_node(peers=(seed_of(a),))
+    assert wait_until(lambda: a.node_id in view(b))
+    inc = a.membership.card.incarnation
+    # b claims to suspect a: a must answer with a higher incarnation
+    b.membership._publish("heartbeat", cluster="specbus", incarnation=1, version=1,
+                          suspects=[a.node_id])
+    assert wait_until(lambda: a.membership.card.incarnation > inc)
+    assert wait_until(lambda: b.membership.get(a.node_id).incarnation > inc)
+    assert a.membership.counters["refutations"] >= 1
+    # and the bump is persisted for the next start
+    counter = tmp_path / "nodes" / a.node_id / "incarnation"
+    assert int(counter.read_text()) == a.membership.card.incarnation
+
+
+def test_unknown_request_type_gets_a_clear_error(make_node, seed_of, view, wait_until):
+    a = make_node()
+    b = make_node()
+    call = b.client.request(seed_of(a), make("session_close"), timeout=2.0)
+    try:
+        call.result(2.0)
+        raise AssertionError("expected an error")
+    except RemoteError as exc:
+        assert exc.code == "unsupported"

@@ -1,0 +1,126 @@
+"""Hostile gossip changes nothing and crashes nothing.
+
+A raw PUB socket (the node's SUB is connected to it) sends garbage, other clusters' cards,
+stale incarnations and forged cards for a real member; afterwards the table is unchanged and
+the node still hears its real peer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+
+from bus.sockets import SocketFactory, bind
+from codec.messages import encode, make
+from discovery.cards import Card
+from discovery.membership import topic_for
+
+TOPIC = topic_for("specbus").encode()
+
+
+@pytest.fixture
+def raw_pub():
+    sock = SocketFactory().pub()
+    endpoint = bind(sock, "tcp://127.0.0.1:0")
+    yield sock, endpoint
+    sock.close(linger=0)
+
+
+def send(sock, *frames) -> None:
+    sock.send_multipart([f if isinstance(f, bytes) else bytes(f) for f in frames])
+
+
+def msg_frames(type_, sender, **fields):
+    return [TOPIC, *encode(make(type_, sender=sender, **fields))]
+
+
+def test_malformed_gossip_changes_nothing(make_node, seed_of, view, wait_until, raw_pub):
+    sock, endpoint = raw_pub
+    a = make_node(name="a")
+    b = make_node(name="b", peers=(seed_of(a),))
+    assert wait_until(lambda: view(a).get(b.node_id) == "alive")
+    b.membership.update_card(model="real-model")
+    assert wait_until(lambda: a.membership.get(b.node_id).card.model == "real-model")
+    before = a.membership.get(b.node_id)
+    a.gossip.connect(endpoint)
+    time.sleep(0.3)  # let the SUB connect and subscribe (slow joiner)
+
+    real = b.membership.card
+    forged = Card.from_map({**real.to_map(), "incarnation": real.incarnation - 1,
+                            "version": real.version + 100, "model": "forged"})
+    ghost = Card.from_map({**real.to_map(), "node_id": "ghost1", "cluster": "other"})
+    garbage = [
+        [b"garbage"],
+        [TOPIC],
+        [TOPIC, b"\xff\xfe not msgpack"],
+        [TOPIC, msgpack.packb([1, 2, 3])],
+        [TOPIC, msgpack.packb({"v": 99, "t": "card"})],
+        [TOPIC, msgpack.packb({"v": 1, "t": "no_such_type"})],
+        [TOPIC, msgpack.packb({"v": 1, "t": "card", "from": "x"})],  # missing fields
+        [TOPIC, msgpack.packb({"v": 1, "t": "heartbeat", "from": b.node_id, "cluster": "specbus",
+                               "incarnation": "one", "version": 1})],
+        [TOPIC, *encode(make("ping"))], [TOPIC, b"x", b"extra frame"],
+        # well-formed messages that must be ignored
+        msg_frames("card", forged.node_id, **forged.wire_fields()),  # stale incarnation
+        msg_frames("card", "ghost1", **ghost.wire_fields()),  # other cluster
+        [b"specbus/other/", *encode(make("card", sender="ghost2",
+                                          **{**ghost.wire_fields(), "cluster": "other"}))],
+        msg_frames("card", "ghost3", **{**real.wire_fields(),
+                                        "endpoints": {"gossip": "nope", "stream": "nope"}}),
+        msg_frames("card", "bad id!", **real.wire_fields()),
+        msg_frames("heartbeat", b.node_id, cluster="specbus", incarnation=0, version=999),
+        msg_frames("leave", b.node_id, cluster="specbus", incarnation=real.incarnation - 1),
+        msg_frames("leave", b.node_id, cluster="other", incarnation=real.incarnation + 5),
+        msg_frames("heartbeat", "stranger", cluster="specbus", incarnation=1, version=1),
+        msg_frames("stats", b.node_id, cluster="specbus", incarnation=1, stats={"x": 1}),
+    ]
+    for _ in range(3):
+        for frames in garbage:
+            send(sock, *frames)
+    time.sleep(0.5)
+
+    after = a.membership.get(b.node_id)
+    assert after.card == before.card and after.state.value == "alive"
+    assert set(view(a)) == {b.node_id}
+    assert a.loop.running and a.loop.errors == 0
+    assert a.gossip.dropped >= 10
+    # and the node still works: b's next card change arrives
+    b.membership.update_card(load=0.75)
+    assert wait_until(lambda: a.membership.get(b.node_id).card.load == 0.75)
+    assert view(a)[b.node_id] == "alive"
+
+
+def test_forged_snapshot_request_cannot_introduce_someone_else(make_node, seed_of, view):
+    a = make_node()
+    b = make_node()
+    card = {**b.membership.card.to_map(), "node_id": "someoneelse"}
+    call = b.client.request(seed_of(a), make("snapshot_req", cluster="specbus", card=card),
+                            timeout=2.0)
+    with pytest.raises(Exception, match="bad_card"):
+        call.result(2.0)
+    bad = {**b.membership.card.to_map(), "endpoints": "x"}
+    call = b.client.request(seed_of(a), make("snapshot_req", cluster="specbus", card=bad),
+                            timeout=2.0)
+    with pytest.raises(Exception, match="bad_card"):
+        call.result(2.0)
+    assert view(a) == {}
+    assert a.loop.running
+
+
+def test_bad_cli_input_is_a_clear_error():
+    import argparse
+
+    from nodes.cmd_node import parse_roles, peer_arg
+
+    assert parse_roles("verifier,proposer") == ("verifier", "proposer")
+    assert parse_roles("observer") == ("observer",)
+    for bad in ("drafter", "", "observer,verifier"):
+        with pytest.raises(argparse.ArgumentTypeError, match="role"):
+            parse_roles(bad)
+    assert peer_arg("127.0.0.1:5555") == "tcp://127.0.0.1:5555"
+    for bad in ("127.0.0.1", "host:port", ":80", "h:70000"):
+        with pytest.raises(argparse.ArgumentTypeError, match="HOST:PORT"):
+            peer_arg(bad)
+
