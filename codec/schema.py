@@ -41,6 +41,8 @@ KIND_CHECKS = {
 }
 
 TOKEN_DTYPES = ("int32", "int64")
+ANY_DTYPE = ("int32", "int64", "float16", "bfloat16", "float32", "uint8", "bool")
+ANY_NDIM = -1
 PROB_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -87,7 +89,7 @@ class Schema:
                     f"{self.type} tensor {rule.name!r} must be {'/'.join(rule.dtypes)}, "
                     f"got {spec['dtype']}"
                 )
-            if len(spec["shape"]) != rule.ndim:
+            if rule.ndim != ANY_NDIM and len(spec["shape"]) != rule.ndim:
                 raise BadShape(
                     f"{self.type} tensor {rule.name!r} must have {rule.ndim} dims, "
                     f"got shape {spec['shape']}"
@@ -190,6 +192,12 @@ SCHEMAS: dict[str, Schema] = {
             "Generation finished; final figures.",
             required={"finish_reason": _STR},
             optional={"text": _STR, "stats": _MAP},
+        ),
+        Schema(
+            "blob",
+            "Opaque tensors of any dtype and rank (benchmarks, diagnostics).",
+            optional={"note": _STR},
+            tensors=tuple(TensorRule(f"t{i}", ANY_DTYPE, ANY_NDIM) for i in range(4)),
         ),
         Schema(
             "error",

@@ -30,6 +30,7 @@ SAMPLE_FIELDS = {
     "token_chunk": dict(index=0, text="hi"),
     "done": dict(finish_reason="stop", stats={"acceptance": 0.5}),
     "error": dict(code="oops", message="bad"),
+    "blob": dict(note="any"),
 }
 
 TOKENS = np.array([1, 2, 3], dtype=np.int32)
@@ -38,6 +39,7 @@ SAMPLE_TENSORS = {
     "session_extend": [TOKENS],
     "draft_reply": [TOKENS, np.random.default_rng(0).random((3, 11), dtype=np.float32)],
     "token_chunk": [TOKENS],
+    "blob": [np.zeros((2, 2, 2), np.uint8), np.ones(3, bool)],
 }
 
 
