@@ -1,0 +1,101 @@
+"""Three "hosts" in network namespaces on one bridge, discovering each other over real
+multicast mDNS on 10.77.0.0/24; a host's link going down is detected, and coming back rejoins.
+
+Needs root and iproute2; namespaces and links are removed in teardown even when a test fails.
+Nothing here touches a real interface: every address lives inside namespaces we create.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from tools.bench_membership import NodeProcess, all_see_each_other, event_time, wait_all
+
+pytestmark = [pytest.mark.slow, pytest.mark.netns]
+
+HOSTS = 3
+
+
+def _ip(*args: str, ns: str | None = None) -> None:
+    cmd = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=10)
+
+
+@pytest.fixture
+def lan():
+    """Namespaces `specbus-t-<rand>-{br,1..3}`: a bridge and three hosts 10.77.0.{1..3}."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2 `ip` is not installed")
+    tag = f"specbus-t-{uuid.uuid4().hex[:6]}"
+    br = f"{tag}-br"
+    hosts = [f"{tag}-{i}" for i in range(1, HOSTS + 1)]
+    created: list[str] = []
+    try:
+        for ns in (br, *hosts):
+            _ip("netns", "add", ns)
+            created.append(ns)
+            _ip("link", "set", "lo", "up", ns=ns)
+        _ip("link", "add", "br0", "type", "bridge", ns=br)
+        _ip("link", "set", "br0", "up", ns=br)
+        for i, ns in enumerate(hosts, 1):
+            # both ends are created inside our namespaces: nothing appears in the root one
+            _ip("link", "add", f"h{i}", "type", "veth", "peer", "name", "eth0", "netns", ns,
+                ns=br)
+            _ip("link", "set", f"h{i}", "master", "br0", "up", ns=br)
+            _ip("addr", "add", f"10.77.0.{i}/24", "dev", "eth0", ns=ns)
+            _ip("link", "set", "eth0", "up", ns=ns)
+    except subprocess.CalledProcessError as exc:
+        for ns in created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+        pytest.skip(f"cannot build namespaces here: {exc.stderr.strip()}")
+    procs: list[NodeProcess] = []
+    try:
+        yield {"bridge": br, "hosts": hosts, "procs": procs}
+    finally:
+        for p in procs:
+            if p.proc.poll() is None:
+                p.proc.kill()
+            p.proc.wait(10)
+        for ns in created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+def test_multicast_discovery_partition_and_rejoin(lan):
+    cluster = f"t-{uuid.uuid4().hex[:8]}"
+    nodes = []
+    for i, ns in enumerate(lan["hosts"], 1):
+        p = NodeProcess(["--role", "proposer", "--cluster", cluster,
+                         "--interface", f"10.77.0.{i}"], prefix=["ip", "netns", "exec", ns])
+        lan["procs"].append(p)
+        nodes.append(p)
+    assert wait_all(lambda: all_see_each_other(nodes), 20), [n.view() for n in nodes]
+    for i, n in enumerate(nodes, 1):
+        assert n.ready["endpoints"]["gossip"].startswith(f"tcp://10.77.0.{i}:")
+
+    cut, *others = nodes
+    t_down = time.monotonic()
+    _ip("link", "set", "h1", "down", ns=lan["bridge"])
+    dt = event_time(others, cut.node_id, "dead", t_down, 6)
+    assert dt is not None and dt <= 2.5, dt
+    assert cut.wait_event(lambda e: e["event"] == "dead" and e["t"] >= t_down, 6)
+
+    time.sleep(1.0)
+    t_up = time.monotonic()
+    _ip("link", "set", "h1", "up", ns=lan["bridge"])
+    dt = event_time(others, cut.node_id, "join", t_up, 20)
+    assert dt is not None, [n.view() for n in others]
+    assert wait_all(lambda: all_see_each_other(nodes), 20), [n.view() for n in nodes]
+
+    for n in nodes:
+        n.signal(signal.SIGTERM)
+    for n in nodes:
+        assert n.proc.wait(10) == 0
