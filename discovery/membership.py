@@ -268,7 +268,7 @@ class Membership:
 
     def _on_self_report(self, incarnation: int) -> None:
         """A message claiming to be us: another process or an old run. Stay ahead of it."""
-        if incarnation >= self._card.incarnation and incarnation != self._card.incarnation:
+        if incarnation > self._card.incarnation:
             self._refute(incarnation)
 
     def _on_card(self, card: Card, now: float, direct: bool) -> None:

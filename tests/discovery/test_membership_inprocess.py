@@ -98,3 +98,18 @@ def test_unknown_request_type_gets_a_clear_error(make_node, seed_of, view, wait_
         raise AssertionError("expected an error")
     except RemoteError as exc:
         assert exc.code == "unsupported"
+
+
+def test_mdns_on_loopback_alone_finds_peers(make_node, view, wait_until):
+    """No seeds: multicast mDNS between sockets bound to 127.0.0.1 does the discovery."""
+    import uuid
+
+    cluster = f"t-{uuid.uuid4().hex[:8]}"
+    a = make_node(cluster=cluster, mdns=True)
+    b = make_node(cluster=cluster, mdns=True)
+    other = make_node(cluster=cluster + "-x", mdns=True)
+    assert wait_until(lambda: view(a).get(b.node_id) == "alive", timeout=5)
+    assert wait_until(lambda: view(b).get(a.node_id) == "alive", timeout=5)
+    # a saw the other cluster's announcement, and ignored it
+    assert wait_until(lambda: a.membership.counters["foreign"] >= 1, timeout=5)
+    assert other.node_id not in view(a) and view(other) == {}
