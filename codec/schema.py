@@ -160,7 +160,7 @@ SCHEMAS: dict[str, Schema] = {
             "draft_req",
             "Optional delta of committed tokens, then: propose up to k next tokens.",
             required={"k": _INT, "committed": _INT},
-            optional={"want_probs": _BOOL},
+            optional={"want_probs": _BOOL, "budget_s": _FLOAT},
             tensors=(_TOKENS,),
         ),
         Schema(
@@ -176,7 +176,7 @@ SCHEMAS: dict[str, Schema] = {
             "generate_req",
             "Generate from a text prompt (or chat messages, or token ids).",
             optional={"prompt": _STR, "messages": _LIST, "max_tokens": _INT, "stop": _STRS,
-                      "chat": _BOOL, **_SAMPLING},
+                      "chat": _BOOL, "speculate": _BOOL, "proposers": _STRS, **_SAMPLING},
             tensors=(_TOKENS,),
         ),
         Schema(

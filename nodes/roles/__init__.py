@@ -1,0 +1,1 @@
+"""Node roles: what a node does with the bus once it has joined (verifier, proposer)."""

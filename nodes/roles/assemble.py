@@ -1,0 +1,157 @@
+"""Build a node's roles from its command line: load models, measure speed, fill the card.
+
+Heavy work (loading and exporting models, quantising) happens here, before the node joins, so
+its first card already carries the tokenizer fingerprint and measured speed. An `ngram`-only
+proposer loads no model at all (and never imports torch).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nodes.engine.errors import BadRequestError
+
+log = logging.getLogger(__name__)
+
+WARMUP_PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+
+
+@dataclass
+class RoleSpec:
+    roles: tuple[str, ...]
+    model: str | None = None  # None: the embedded default
+    backend: str = "torch"
+    drafter: str = "ngram"  # the proposer's drafter (or the verifier's local one)
+    max_draft: int = 8
+
+
+@dataclass
+class Roles:
+    """The assembled roles and what they add to the node's card."""
+
+    verifier: Any = None
+    proposer: Any = None
+    card: dict[str, Any] = field(default_factory=dict)
+
+    def attach(self, node) -> None:
+        for role in (self.verifier, self.proposer):
+            if role is not None:
+                role.attach(node)
+
+    def close(self) -> None:
+        for role in (self.proposer, self.verifier):
+            if role is not None:
+                role.close()
+
+    def telemetry(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.verifier is not None:
+            v = self.verifier
+            out["verifier"] = {
+                "generations": v.stats.generations, "tokens": v.stats.tokens,
+                "tok_s": round(v.stats.last_tok_s, 3), "active": v.active, "queued": v.queued,
+                "acceptance": round(v.stats.last_acceptance, 4),
+                "deadline_misses": v.stats.deadline_misses,
+                "rejected_busy": v.stats.rejected_busy,
+                "proposers": {k: link.as_dict() for k, link in v.links.items()},
+            }
+        if self.proposer is not None:
+            out["proposer"] = {"sessions_open": self.proposer.open_sessions,
+                               **self.proposer.stats.as_dict()}
+        return out
+
+
+def assemble(spec: RoleSpec) -> Roles:
+    """Load models and build the roles named in `spec` (slow: seconds to a minute)."""
+    roles = Roles()
+    needs_model = "verifier" in spec.roles or spec.drafter == "int8"
+    backend = None
+    if needs_model:
+        from nodes.backends.base import load_backend
+
+        t0 = time.perf_counter()
+        backend = load_backend(spec.backend, spec.model)
+        log.info("loaded %s on %s in %.1fs", backend.model_name, backend.name,
+                 time.perf_counter() - t0)
+        roles.card.update(backend=backend.name, model=backend.model_name,
+                          tokenizer=backend.fingerprint, vocab=backend.vocab_size)
+
+    drafter = None
+    if "proposer" in spec.roles or ("verifier" in spec.roles and spec.drafter != "none"):
+        drafter = _make_drafter(spec.drafter, backend, spec.backend)
+
+    if "verifier" in spec.roles:
+        from nodes.engine.core import Engine
+        from nodes.roles.verifier import VerifierRole
+
+        # the verifier's own drafter is its fallback when no proposer is around
+        local = drafter if "proposer" not in spec.roles else None
+        engine = Engine(backend, local, max_draft=spec.max_draft)
+        roles.card["tok_s"] = round(_measure_plain(engine), 2)
+        roles.verifier = VerifierRole(engine)
+
+    if "proposer" in spec.roles:
+        from nodes.roles.proposer import ProposerRole
+        from nodes.roles.verifier import ANY_TOKENIZER
+
+        if drafter is None:
+            raise BadRequestError("a proposer needs a drafter: ngram, int8 or model:<ref>")
+        own = getattr(drafter, "backend", None) or backend  # a model drafter's own model
+        vocab = own.vocab_size if own is not None else 0
+        roles.proposer = ProposerRole(drafter, vocab_size=vocab)
+        if drafter.fingerprint is None:
+            roles.card.setdefault("tokenizer", ANY_TOKENIZER)
+        else:
+            roles.card["tokenizer"] = drafter.fingerprint
+            roles.card["vocab"] = vocab
+            roles.card.setdefault("backend", own.name)
+            roles.card.setdefault("model", own.model_name)
+        roles.card["extras"] = {"drafter": drafter.name,
+                                "draft_tok_s": round(_measure_draft(drafter), 1)}
+        if "verifier" not in spec.roles and backend is None:
+            roles.card.setdefault("backend", "none")
+    return roles
+
+
+def _make_drafter(name: str, backend, backend_name: str):
+    """A drafter by name; `model:<ref>` loads its own model on this node's backend."""
+    if name.startswith("model:") and len(name) > len("model:"):
+        from nodes.backends.base import load_backend
+        from nodes.drafters.model import ModelDrafter
+
+        return ModelDrafter(load_backend(backend_name, name[len("model:"):]))
+    from nodes.drafters.base import make_drafter
+
+    return make_drafter(name, backend)
+
+
+def _measure_plain(engine) -> float:
+    """Plain greedy tok/s over a short fixed generation (also warms the model up)."""
+    from nodes.engine.core import GenerationParams
+
+    ids = engine.backend.tokenizer.encode(WARMUP_PROMPT, chat=False)
+    plain = type(engine)(engine.backend, None)
+    params = GenerationParams(max_tokens=8, eos_token_ids=frozenset())
+    plain.generate(ids, params)  # first forwards are cold (allocation, kernel selection)
+    return plain.generate(ids, params).tok_per_s
+
+
+def _measure_draft(drafter) -> float:
+    """Draft tokens per second of this drafter on a repetitive text (warms it up too)."""
+    from nodes.engine.sampling import SamplingParams
+
+    ids = list(range(1, 40)) * 3
+    rate = 0.0
+    for _ in range(2):  # the first draft is cold
+        session = drafter.open(ids, SamplingParams())
+        try:
+            t0 = time.perf_counter()
+            out, _ = session.draft(8)
+            dt = time.perf_counter() - t0
+        finally:
+            session.close()
+        rate = len(out) / dt if dt > 0 and len(out) else 0.0
+    return rate

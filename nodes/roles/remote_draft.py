@@ -1,0 +1,279 @@
+"""Drafts from proposers over the bus, as a `DraftSession` the engine can use unchanged.
+
+Every block, each usable proposer gets one `draft_req` carrying the tokens committed since it
+last confirmed, and a deadline derived from what we measured of it. Replies that arrive in time
+and pass validation compete; the one with the most expected accepted tokens wins. A proposer
+that is late, silent, wrong or dead costs at most its deadline, and after a few failures in a
+row it is dropped for the rest of the generation; with no usable proposer left the engine gets
+empty drafts and decodes on its own. Output never depends on any of this: the verifier checks
+every token.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from bus.streams import BusError, Call, StreamClient
+from codec.messages import Message, make
+from nodes.drafters.base import DraftSession
+from nodes.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_EMA = 0.3
+EMPTY = np.zeros(0, dtype=np.int32)
+
+
+@dataclass
+class DeadlinePolicy:
+    """How long to wait for a proposer: a multiple of what it usually takes, within bounds."""
+
+    first_s: float = 0.5  # nothing measured yet (connection set-up, drafter warm-up)
+    min_s: float = 0.004
+    max_s: float = 0.5
+    factor: float = 2.0
+    slack_s: float = 0.003
+    max_failures: int = 3  # consecutive failures before a proposer is dropped for a generation
+
+
+@dataclass
+class ProposerLink:
+    """What a verifier knows about one proposer, kept across generations."""
+
+    node_id: str
+    endpoint: str
+    name: str = ""
+    drafts: int = 0  # replies used
+    drafted: int = 0  # tokens received in used replies
+    chosen: int = 0  # replies whose tokens were verified
+    accepted: int = 0  # of those tokens, accepted by the verifier
+    verified: int = 0  # tokens of chosen replies that were checked
+    timeouts: int = 0
+    bad_replies: int = 0
+    errors: int = 0
+    net_s: float | None = None  # EMA of round trip minus the proposer's own drafting time
+    per_token_s: float = 0.0  # EMA of the proposer's drafting time per requested token
+
+    def deadline(self, k: int, policy: DeadlinePolicy) -> float:
+        if self.net_s is None:
+            return policy.first_s
+        expect = self.net_s + self.per_token_s * k
+        return min(policy.max_s, max(policy.min_s, policy.factor * expect + policy.slack_s))
+
+    def observe(self, rtt: float, drafting: float, k: int) -> None:
+        net = max(rtt - drafting, 0.0)
+        per_tok = drafting / k if k else 0.0
+        if self.net_s is None:
+            self.net_s, self.per_token_s = net, per_tok
+        else:
+            self.net_s += _EMA * (net - self.net_s)
+            self.per_token_s += _EMA * (per_tok - self.per_token_s)
+
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance with a weak prior, so new proposers get tried."""
+        return (self.accepted + 1.0) / (self.verified + 2.0)
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "drafts": self.drafts,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": round(self.accepted / self.verified, 4) if self.verified else 0.0,
+            "timeouts": self.timeouts,
+            "bad_replies": self.bad_replies,
+            "errors": self.errors,
+            "rtt_ms": round((self.net_s or 0.0) * 1000, 3),
+        }
+
+
+@dataclass
+class _Peer:
+    """Per-session state of one proposer link."""
+
+    link: ProposerLink
+    acked: int  # committed length the proposer has confirmed
+    failures: int = 0
+    dropped: bool = False
+
+
+class RemoteDraftSession(DraftSession):
+    """One generation's draft sessions on several proposers, behind the engine's interface."""
+
+    def __init__(
+        self,
+        client: StreamClient,
+        links: Sequence[ProposerLink],
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        session_id: str,
+        vocab_size: int,
+        fingerprint: str,
+        lease_s: float = 30.0,
+        policy: DeadlinePolicy | None = None,
+        is_alive: Callable[[str], bool] = lambda node_id: True,
+    ) -> None:
+        self.client = client
+        self.sid = session_id
+        self.sampling = sampling
+        self.vocab_size = vocab_size
+        self.policy = policy or DeadlinePolicy()
+        self.is_alive = is_alive
+        self.tokens = [int(t) for t in prompt_ids]
+        self.peers = [_Peer(link, acked=len(self.tokens)) for link in links]
+        self._last: tuple[_Peer, np.ndarray] | None = None
+        self.deadline_misses = 0
+        self.waited_s = 0.0
+        prompt = np.asarray(self.tokens, dtype=np.int32)
+        opening = make("session_open", session=session_id, tensors=[prompt], lease_s=lease_s,
+                       tokenizer=fingerprint, sampling=_sampling_map(sampling))
+        for peer in self.peers:
+            # not awaited: the first draft_req follows on the same connection, so the proposer
+            # sees the open first; a failed open surfaces as an error reply to that draft_req
+            self._send(peer, opening, self.policy.first_s * 4, lambda call, item: None)
+
+    # -- DraftSession -------------------------------------------------------------------------
+    def extend(self, delta: Sequence[int]) -> None:
+        delta = [int(t) for t in delta]
+        if self._last is not None and delta:
+            peer, ids = self._last
+            n = 0
+            while n < len(ids) and n < len(delta) and ids[n] == delta[n]:
+                n += 1
+            peer.link.accepted += n
+            peer.link.verified += min(len(ids), n + 1)
+            self._last = None
+        self.tokens.extend(delta)
+
+    def draft(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
+        self._last = None
+        live = [p for p in self.peers if not p.dropped]
+        for p in live:
+            if not self.is_alive(p.link.node_id):
+                self._drop(p, "not alive in membership")
+        live = [p for p in live if not p.dropped]
+        if k <= 0 or not live:
+            return EMPTY, None
+        committed = len(self.tokens)
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        t0 = time.monotonic()
+        deadlines = {}
+        for p in live:
+            wait = p.link.deadline(k, self.policy)
+            deadlines[id(p)] = t0 + wait
+            delta = np.asarray(self.tokens[p.acked :], dtype=np.int32)
+            req = make("draft_req", session=self.sid, k=k, committed=committed,
+                       want_probs=not self.sampling.greedy, budget_s=wait, tensors=[delta])
+            self._send(p, req, wait, lambda call, item, p=p: inbox.put((p, item, time.monotonic())))
+        replies: list[tuple[_Peer, np.ndarray, np.ndarray | None]] = []
+        pending = {id(p) for p in live}
+        while pending:
+            remaining = max(deadlines[i] for i in pending) - time.monotonic()
+            try:
+                p, item, at = inbox.get(timeout=max(remaining, 0.0))
+            except queue.Empty:
+                break
+            if id(p) not in pending:
+                continue
+            pending.discard(id(p))
+            got = self._check(p, item, k, committed, at - t0)
+            if got is not None:
+                replies.append((p, *got))
+        for p in live:
+            if id(p) in pending:
+                p.link.timeouts += 1
+                self.deadline_misses += 1
+                self._fail(p, "deadline")
+        self.waited_s += time.monotonic() - t0
+        if not replies:
+            return EMPTY, None
+        p, ids, probs = max(replies, key=lambda r: _expected_accepted(r[0].link, len(r[1])))
+        p.link.chosen += 1
+        self._last = (p, ids)
+        return ids, probs
+
+    def close(self) -> None:
+        for p in self.peers:
+            if not p.dropped:
+                self._send(p, make("session_close", session=self.sid), 1.0,
+                           lambda call, item: None)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _send(self, peer: _Peer, msg: Message, timeout: float,
+              on_reply: Callable[[Call, object], None]) -> None:
+        try:
+            self.client.request(peer.link.endpoint, msg, timeout=timeout, on_reply=on_reply)
+        except ValueError as exc:  # encoding refused: a bug on our side, not the proposer's
+            log.error("cannot send %s to %s: %s", msg.type, peer.link.node_id, exc)
+            self._drop(peer, "encode error")
+
+    def _check(self, p: _Peer, item, k: int, committed: int, rtt: float):
+        """A usable (ids, probs) from a reply, or None (counted)."""
+        if isinstance(item, BusError):
+            p.link.errors += 1
+            self._fail(p, str(item))
+            return None
+        msg: Message = item
+        if msg.type == "error":
+            p.link.errors += 1
+            if msg.get("code") in ("unknown_session", "out_of_sync", "tokenizer_mismatch"):
+                self._drop(p, f"{msg.get('code')}: {msg.get('message')}")
+            else:
+                self._fail(p, f"error {msg.get('code')}")
+            return None
+        ids = msg.tensors[0] if msg.type == "draft_reply" and msg.tensors else None
+        ok = (
+            ids is not None
+            and msg.session == self.sid
+            and msg.get("committed") == committed
+            and ids.ndim == 1
+            and len(ids) <= k
+            and (len(ids) == 0 or (int(ids.min()) >= 0 and int(ids.max()) < self.vocab_size))
+        )
+        probs = None
+        if ok and not self.sampling.greedy and len(ids):
+            probs = msg.tensors[1] if len(msg.tensors) > 1 else None
+            ok = probs is not None and probs.shape == (len(ids), self.vocab_size)
+            if ok:
+                probs = np.asarray(probs, dtype=np.float32)
+                ok = bool(np.isfinite(probs).all() and (probs >= 0).all())
+        if not ok:
+            p.link.bad_replies += 1
+            self._fail(p, f"malformed {msg.type}")
+            return None
+        p.acked = committed
+        p.failures = 0
+        p.link.drafts += 1
+        p.link.drafted += len(ids)
+        p.link.observe(rtt, float(msg.get("elapsed_s") or 0.0), k)
+        return np.asarray(ids, dtype=np.int64), probs
+
+    def _fail(self, p: _Peer, why: str) -> None:
+        p.failures += 1
+        if p.failures >= self.policy.max_failures:
+            self._drop(p, f"{p.failures} failures in a row, last: {why}")
+
+    def _drop(self, p: _Peer, why: str) -> None:
+        if not p.dropped:
+            p.dropped = True
+            log.info("proposer %s dropped for session %s: %s", p.link.node_id, self.sid, why)
+
+
+def _expected_accepted(link: ProposerLink, n: int) -> float:
+    a = min(link.acceptance, 0.999)
+    return sum(a ** i for i in range(1, n + 1))
+
+
+def _sampling_map(sp: SamplingParams) -> dict:
+    out = {"temperature": float(sp.temperature), "top_p": float(sp.top_p), "top_k": int(sp.top_k)}
+    if sp.seed is not None:
+        out["seed"] = int(sp.seed)
+    return out

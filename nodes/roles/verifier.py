@@ -1,0 +1,255 @@
+"""The verifier role: serve `generate_req` by speculative decoding with proposers on the bus.
+
+Requests queue (bounded) for one compute thread that owns the model: a generation runs the
+engine block by block, streaming each committed block back as a `token_chunk` and ending with
+`done` (text, token ids, figures, per-proposer stats). Drafts come from the cluster's compatible
+proposers (alive, same tokenizer fingerprint or tokenizer-agnostic) through
+`RemoteDraftSession`; with none, from the node's own drafter if it has one, else plain decoding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from bus.streams import Request
+from codec.messages import make
+from nodes.drafters.base import DraftSession
+from nodes.engine.core import Engine, GenerationParams, Stats
+from nodes.engine.errors import GenerationError
+from nodes.engine.sampling import SamplingParams
+from nodes.roles.proposer import error_code
+from nodes.roles.remote_draft import DeadlinePolicy, ProposerLink, RemoteDraftSession
+
+log = logging.getLogger(__name__)
+
+ANY_TOKENIZER = "any"  # card value of tokenizer-agnostic drafters (ngram)
+MAX_TOKENS_LIMIT = 4096
+
+
+@dataclass
+class VerifierStats:
+    generations: int = 0
+    tokens: int = 0
+    busy_s: float = 0.0
+    deadline_misses: int = 0
+    rejected_busy: int = 0
+    last_tok_s: float = 0.0
+    last_acceptance: float = 0.0
+
+
+class VerifierRole:
+    """Owns the engine (model + caches) on one compute thread; one generation at a time."""
+
+    def __init__(self, engine: Engine, max_queue: int = 16,
+                 policy: DeadlinePolicy | None = None, lease_s: float = 30.0) -> None:
+        self.engine = engine
+        self.policy = policy or DeadlinePolicy()
+        self.lease_s = lease_s
+        self.stats = VerifierStats()
+        self.links: dict[str, ProposerLink] = {}  # compute thread only
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._sids = itertools.count(1)
+        self._node = None
+        self.active = 0
+        self._worker = threading.Thread(target=self._run, name="verifier-compute", daemon=True)
+
+    def attach(self, node) -> None:
+        self._node = node
+        node.register_request("generate_req", self.enqueue)
+        self._worker.start()
+
+    def close(self) -> None:
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass
+        self._worker.join(5)
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def enqueue(self, req: Request) -> None:
+        """I/O thread: queue the request, or refuse it at once when the queue is full."""
+        try:
+            self._queue.put_nowait(req)
+        except queue.Full:
+            self.stats.rejected_busy += 1
+            req.fail("busy", f"verifier queue is full ({self._queue.maxsize} waiting)")
+
+    # -- compute thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            req = self._queue.get()
+            if req is None:
+                return
+            if req.cancelled.is_set():
+                continue
+            self.active = 1
+            try:
+                self._generate(req)
+            except GenerationError as exc:
+                req.fail(error_code(exc), str(exc)[:300])
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the node
+                log.exception("generation failed")
+                if not req.finished:
+                    req.fail("internal", f"{type(exc).__name__}: {exc}"[:300])
+            finally:
+                self.active = 0
+
+    def _generate(self, req: Request) -> None:
+        msg = req.message
+        tok = self.engine.backend.tokenizer
+        params = GenerationParams(
+            max_tokens=int(msg.get("max_tokens") or 128),
+            sampling=SamplingParams(
+                temperature=float(msg.get("temperature") or 0.0),
+                top_p=float(msg.get("top_p") or 1.0),
+                top_k=int(msg.get("top_k") or 0),
+                seed=msg.get("seed"),
+            ),
+            stop=tuple(msg.get("stop") or ()),
+        )
+        params.validate()
+        if params.max_tokens > MAX_TOKENS_LIMIT:
+            raise GenerationError(f"max_tokens {params.max_tokens} over the limit {MAX_TOKENS_LIMIT}")
+        if msg.tensors:
+            prompt_ids = [int(t) for t in msg.tensors[0]]
+        else:
+            prompt = msg.get("prompt") or ""
+            if not prompt.strip():
+                raise GenerationError("empty prompt")
+            prompt_ids = tok.encode(prompt, chat=bool(msg.get("chat", True)))
+
+        session = self._draft_session(msg, prompt_ids, params.sampling)
+        stats = Stats()
+        t0 = time.perf_counter()
+        generated: list[int] = []
+        sent_text = ""
+        finish = "cancelled"
+        final_text = None
+        try:
+            for index, block in enumerate(
+                self.engine.stream(prompt_ids, params, stats=stats, draft_session=session)
+            ):
+                if req.cancelled.is_set():
+                    break
+                generated.extend(block.token_ids)
+                text = block.text if block.text is not None else tok.decode(generated)
+                piece = text[len(sent_text):] if text.startswith(sent_text) else ""
+                if piece.endswith("\ufffd") and block.finish_reason is None:
+                    piece = ""  # half of a multi-byte character: wait for the rest
+                else:
+                    sent_text = text
+                req.reply(make("token_chunk", index=index, text=piece,
+                               tensors=[np.asarray(block.token_ids, dtype=np.int32)]), more=True)
+                if block.finish_reason is not None:
+                    finish, final_text = block.finish_reason, text
+        finally:
+            if session is not None and session is not _NO_DRAFTS:
+                session.close()
+        elapsed = time.perf_counter() - t0
+        if req.cancelled.is_set():
+            return
+        self._account(generated, elapsed, stats, session)
+        text = final_text if final_text is not None else tok.decode(generated)
+        req.reply(make("done", finish_reason=finish, text=text, stats={
+            "token_ids": generated,
+            "tokens": tok.token_strings(generated),
+            "prompt_tokens": len(prompt_ids),
+            "elapsed_s": round(elapsed, 4),
+            "tok_per_s": round(len(generated) / elapsed, 3) if elapsed > 0 else 0.0,
+            "acceptance": round(stats.acceptance, 4),
+            "mean_accepted_len": round(stats.mean_accepted_len, 4),
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "blocks": stats.blocks,
+            "spec_blocks": stats.spec_blocks,
+            "plain_steps": stats.plain_steps,
+            "deadline_misses": session.deadline_misses if isinstance(session, RemoteDraftSession)
+            else 0,
+            "model": self.engine.backend.model_name,
+            "backend": self.engine.backend.name,
+            "verifier": self._node.node_id if self._node else "",
+            "proposers": self._proposer_stats(session),
+        }))
+
+    def _draft_session(self, msg, prompt_ids, sampling):
+        """Remote proposers when the cluster has compatible ones; else the local drafter."""
+        if msg.get("speculate") is False:
+            return _NO_DRAFTS
+        links = self._compatible_links(msg.get("proposers"))
+        if links:
+            node = self._node
+            return RemoteDraftSession(
+                node.client, links, prompt_ids, sampling,
+                session_id=f"{node.node_id}-{next(self._sids)}",
+                vocab_size=self.engine.backend.vocab_size,
+                fingerprint=self.engine.backend.fingerprint,
+                lease_s=self.lease_s, policy=self.policy,
+                is_alive=self._is_alive,
+            )
+        return None  # the engine opens a session on its own drafter, if any
+
+    def _compatible_links(self, only: list[str] | None) -> list[ProposerLink]:
+        if self._node is None or self._node.membership is None:
+            return []
+        fp = self.engine.backend.fingerprint
+        out = []
+        for m in self._node.membership.workers():
+            card = m.card
+            if "proposer" not in card.roles or m.is_self:
+                continue
+            if only is not None and card.node_id not in only and card.name not in only:
+                continue
+            if card.tokenizer not in (fp, ANY_TOKENIZER):
+                continue
+            if card.vocab and card.tokenizer != ANY_TOKENIZER and card.vocab != self.engine.backend.vocab_size:
+                continue
+            link = self.links.get(card.node_id)
+            endpoint = card.endpoints.get("stream", "")
+            if link is None or link.endpoint != endpoint:
+                link = ProposerLink(card.node_id, endpoint, card.name)
+                self.links[card.node_id] = link
+            out.append(link)
+        return out
+
+    def _is_alive(self, node_id: str) -> bool:
+        m = self._node.membership.get(node_id) if self._node else None
+        return m is not None and m.state.value == "alive"
+
+    def _proposer_stats(self, session) -> dict:
+        if not isinstance(session, RemoteDraftSession):
+            return {}
+        return {p.link.node_id: p.link.as_dict() for p in session.peers}
+
+    def _account(self, generated, elapsed, stats, session) -> None:
+        s = self.stats
+        s.generations += 1
+        s.tokens += len(generated)
+        s.busy_s += elapsed
+        s.last_tok_s = len(generated) / elapsed if elapsed > 0 else 0.0
+        s.last_acceptance = stats.acceptance
+        if isinstance(session, RemoteDraftSession):
+            s.deadline_misses += session.deadline_misses
+
+
+class _NoDrafts(DraftSession):
+    """Never drafts: plain decoding on request (`speculate: false`), same engine, same cache
+    discipline, so a plain run is the exact baseline of a speculative one."""
+
+    def extend(self, delta) -> None:
+        pass
+
+    def draft(self, k):
+        return np.zeros(0, dtype=np.int32), None
+
+
+_NO_DRAFTS = _NoDrafts()

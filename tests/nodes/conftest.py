@@ -1,0 +1,39 @@
+import pytest
+
+from bus.loop import IOLoop
+from bus.sockets import SocketFactory
+from bus.streams import StreamClient, StreamServer
+
+
+class BusHost:
+    """The part of `nodes.node.Node` a role uses (request registry + client), on a real bus."""
+
+    def __init__(self, loop, factory, node_id="host"):
+        self.node_id = node_id
+        self._handlers = {}
+        self.server = StreamServer(loop, factory, self._dispatch, sender=node_id)
+        self.client = StreamClient(loop, factory, sender=node_id)
+        self.membership = None
+
+    def register_request(self, type_, fn):
+        self._handlers[type_] = fn
+
+    def _dispatch(self, req):
+        fn = self._handlers.get(req.message.type)
+        if fn is None:
+            req.fail("unsupported", req.message.type)
+        else:
+            fn(req)
+
+
+@pytest.fixture
+def bus():
+    loop = IOLoop(name="roles-io").start()
+    factory = SocketFactory()
+    yield loop, factory
+    loop.stop()
+
+
+@pytest.fixture
+def host(bus):
+    return BusHost(*bus)
