@@ -231,6 +231,7 @@ class Bench:
                 rates_in.append(ev["bytes_in"] / life)
         suspects = sum(len([e for e in p.events if e["event"] == "suspect"]) for p in procs)
         return {"converge_s": done - last_ready, "from_spawn_s": done - first_spawn,
+                "spawn_to_last_ready_s": last_ready - first_spawn,
                 "bytes_out": statistics.mean(rates_out), "bytes_in": statistics.mean(rates_in),
                 "suspects": suspects}
 
@@ -284,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
         "leave_s": summary(jlk["leave_s"]),
         f"converge_{args.nodes}_s": round(conv["converge_s"], 4),
         f"converge_{args.nodes}_from_spawn_s": round(conv["from_spawn_s"], 4),
+        f"spawn_to_last_ready_{args.nodes}_s": round(conv["spawn_to_last_ready_s"], 4),
         "false_suspicions": busy + conv["suspects"],
         "false_suspicions_busy_run": busy,
         "false_suspicions_convergence_run": conv["suspects"],
