@@ -1,0 +1,45 @@
+"""Prompt-lookup drafter: longest suffix first, most recent occurrence, 0..k tokens."""
+
+from __future__ import annotations
+
+from nodes.drafters.ngram import NgramDrafter
+from nodes.engine import SamplingParams
+
+SP = SamplingParams()
+
+
+def draft(tokens, k, **kw):
+    ids, probs = NgramDrafter(**kw).open(tokens, SP).draft(k)
+    assert probs is None and ids.dtype.name == "int32"
+    return ids.tolist()
+
+
+def test_longest_suffix_wins():
+    # suffix [1, 2] occurs followed by 9; suffix [2] alone most recently followed by 5
+    tokens = [1, 2, 9, 9, 2, 5, 5, 1, 2]
+    assert draft(tokens, 3) == [9, 9, 2]
+    assert draft(tokens, 3, max_n=1) == [5, 5, 1]
+
+
+def test_most_recent_occurrence():
+    tokens = [3, 7, 1, 3, 8, 2, 3]
+    assert draft(tokens, 2, max_n=1) == [8, 2]
+
+
+def test_no_match_gives_nothing_and_never_pads():
+    assert draft([1, 2, 3, 4], 5) == []
+    assert draft([4, 1, 4], 5) == [1, 4]  # only what exists, no padding
+    assert draft([4, 1, 4], 0) == []
+
+
+def test_extend_sees_generated_tokens():
+    s = NgramDrafter(min_n=2).open([10, 11, 12], SP)
+    assert s.draft(4)[0].tolist() == []
+    s.extend([13, 10, 11])
+    assert s.draft(4)[0].tolist() == [12, 13, 10, 11]
+    s.extend([12])
+    assert s.draft(2)[0].tolist() == [13, 10]
+
+
+def test_min_n_respected():
+    assert draft([5, 6, 7, 5], 2, min_n=2) == []

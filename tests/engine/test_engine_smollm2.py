@@ -1,0 +1,79 @@
+"""Integration: the real embedded SmolLM2-135M, speculative output == the model alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from nodes.engine import Engine, GenerationParams
+from nodes.engine.core import Stats
+
+pytestmark = pytest.mark.slow
+
+N = 40
+CODE = (
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    "    return total / len(values)\n"
+)
+PROMPT = "Rename the function mean to average and return the code:\n\n" + CODE
+
+
+@pytest.fixture(scope="module")
+def smol_torch(smollm2_folder):
+    from nodes.backends.torch_backend import TorchBackend
+
+    return TorchBackend.load(str(smollm2_folder), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def smol_prompt(smol_torch):
+    ids = smol_torch.tokenizer.encode(PROMPT, chat=True)
+    assert ids[:3] != smol_torch.tokenizer.encode(PROMPT, chat=False)[:3]  # template applied
+    return ids
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smol_torch, smol_prompt):
+    import torch
+
+    eos = smol_torch.tokenizer.hf.eos_token_id
+    out = smol_torch.model.generate(
+        torch.tensor([smol_prompt]),
+        attention_mask=torch.ones(1, len(smol_prompt), dtype=torch.long),
+        do_sample=False, max_new_tokens=N, eos_token_id=eos, pad_token_id=eos,
+        top_k=None, top_p=None, temperature=None,
+    )
+    return out[0, len(smol_prompt):].tolist()
+
+
+@pytest.mark.parametrize("drafter_name", ["ngram", "int8"])
+def test_smollm2_torch_matches_hf(smol_torch, smol_prompt, hf_reference, drafter_name):
+    from nodes.drafters.base import make_drafter
+
+    engine = Engine(smol_torch, make_drafter(drafter_name, smol_torch))
+    stats = Stats()
+    out = []
+    for block in engine.stream(smol_prompt, GenerationParams(max_tokens=N), stats=stats):
+        assert block.cache_len == block.committed_len - 1
+        out.extend(block.token_ids)
+    assert out == hf_reference
+    assert stats.drafted > 0 and stats.accepted > 0  # speculation happened and helped
+
+
+def test_smollm2_mlx_matches_mlx_lm(smollm2_folder):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from nodes.backends.mlx_backend import MlxBackend
+    from nodes.drafters.ngram import NgramDrafter
+
+    backend = MlxBackend.load(str(smollm2_folder))
+    ids = backend.tokenizer.encode(PROMPT, chat=True)
+    eos = backend.tokenizer.hf.eos_token_id
+    expected = []
+    for tok, _ in generate_step(mx.array(ids), backend.model, max_tokens=32):
+        expected.append(int(tok))
+        if tok == eos:
+            break
+    gen = Engine(backend, NgramDrafter()).generate(ids, GenerationParams(max_tokens=32))
+    assert gen.token_ids == expected
+    assert gen.stats.accepted > 0
