@@ -11,6 +11,10 @@ How a node joins (details in docs/discovery.md):
   `snapshot` of every live card it knows (ZeroMQ guide "Clone" pattern). Cards in the
   snapshot we did not know are connected and introduced to in turn, so a node that can see
   one peer still reaches everyone.
+- Heartbeats carry a digest of the sender's live view (`peers`: [count, crc32 of the sorted
+  ids, itself included]). A node whose own view is smaller, or as large but different, asks
+  that peer for a snapshot (at most once a second per peer): members learned late still
+  spread, even when nobody runs mDNS.
 - Failure detection is local: every node subscribes to every member's PUB, and silence
   longer than `suspect_after` / `dead_after` makes a member suspect / dead. Heartbeats list
   the ids their sender suspects; a node that finds itself there bumps its incarnation and
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -41,6 +46,7 @@ MEMBERSHIP_TYPES = ("card", "heartbeat", "leave")
 SNAPSHOT_TIMEOUT_S = 1.0
 SEED_RETRY_S = 1.0
 CARD_REPUBLISH_S = 5.0  # anti-entropy for peers that missed a card update
+SYNC_MIN_INTERVAL_S = 1.0  # digest mismatch: at most one snapshot request per peer per second
 
 
 def topic_for(cluster: str) -> str:
@@ -74,6 +80,7 @@ class Membership:
         self._introduced: dict[str, int] = {}  # node id -> incarnation we exchanged cards with
         self._gossip_eps: dict[str, str] = {}  # node id -> PUB endpoint we subscribe to
         self._last_refute = -1e9
+        self._last_sync: dict[str, float] = {}  # node id -> when we last asked it to sync
         self._left = False
         self.counters = {"dropped": 0, "foreign": 0, "refutations": 0, "snapshots_served": 0,
                          "snapshots_received": 0, "introductions": 0}
@@ -177,7 +184,27 @@ class Membership:
         suspects = self._table.suspects()
         if suspects:
             fields["suspects"] = suspects
+        fields["peers"] = list(self._digest())
         self._publish("heartbeat", **fields)
+
+    def _digest(self) -> tuple[int, int]:
+        """[count, crc32] of the ids we hold alive, ourselves included."""
+        ids = sorted([m.node_id for m in self._table.members() if m.state is State.ALIVE]
+                     + [self.node_id])
+        return len(ids), zlib.crc32(",".join(ids).encode())
+
+    def _check_digest(self, sender: str, peers: object, now: float) -> None:
+        """Ask `sender` for a snapshot if it seems to know members we do not."""
+        if not (isinstance(peers, list) and len(peers) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in peers)):
+            return
+        count, crc = self._digest()
+        if peers[0] < count or (peers[0] == count and peers[1] == crc):
+            return
+        if now - self._last_sync.get(sender, -1e9) < SYNC_MIN_INTERVAL_S:
+            return
+        self._last_sync[sender] = now
+        self._ask_card(sender)
 
     def _set_card(self, card: Card) -> None:
         with self._lock:
@@ -225,6 +252,8 @@ class Membership:
             self._after(events)
             if need_card:
                 self._ask_card(sender)
+            else:
+                self._check_digest(sender, msg.get("peers"), now)
             suspects = msg.get("suspects") or []
             if self.node_id in suspects:
                 self._refute(self._card.incarnation)
@@ -315,6 +344,8 @@ class Membership:
         self._after(events)
         for node_id in [n for n in self._gossip_eps if n not in self._table]:
             self._disconnect(node_id)  # forgotten after dead/left for forget_after
+            self._last_sync.pop(node_id, None)
+            self._introduced.pop(node_id, None)
 
     # -- loop thread: snapshots ---------------------------------------------------------
     def _discovered(self, stream: str, gossip: str | None) -> None:

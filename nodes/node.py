@@ -49,6 +49,12 @@ class NodeConfig:
     state_dir: Path | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     extras: dict[str, Any] = field(default_factory=dict)
+    # initial card fields measured by the roles (tokenizer, vocab, tok_s, free_mem, ...);
+    # they override backend/model above and their `extras` are merged
+    card_fields: dict[str, Any] = field(default_factory=dict)
+
+
+CARD_SETTABLE = ("backend", "model", "tokenizer", "vocab", "tok_s", "load", "free_mem", "extras")
 
 
 def parse_peer(text: str) -> str:
@@ -70,6 +76,9 @@ class Node:
                 raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
         if config.observer and config.roles:
             raise ValueError("an observer has no roles")
+        bad = [k for k in config.card_fields if k not in CARD_SETTABLE]
+        if bad:
+            raise ValueError(f"card fields {bad} cannot be set (settable: {CARD_SETTABLE})")
         self.config = config
         self.net: NetChoice = resolve_interface(config.interface)
         self.identity: Identity | None = None
@@ -106,15 +115,7 @@ class Node:
         self.server = StreamServer(self.loop, self.factory, self._on_request,
                                    bind_endpoint=f"tcp://{host}:0", sender=self.node_id)
         self.client = StreamClient(self.loop, self.factory, sender=self.node_id)
-        extras = dict(cfg.extras)
-        if cfg.drafter:
-            extras["drafter"] = cfg.drafter
-        card = Card(
-            node_id=self.node_id, cluster=cfg.cluster, incarnation=self.identity.incarnation,
-            version=1, roles=tuple(cfg.roles), name=cfg.name or "",
-            endpoints={"gossip": self.gossip.endpoint, "stream": self.server.endpoint},
-            backend=cfg.backend, model=cfg.model, observer=cfg.observer, extras=extras,
-        )
+        card = self._first_card()
         self.membership = Membership(self.loop, self.gossip, self.client, self.identity, card,
                                      cfg.timeouts, seeds=cfg.peers)
         for t in ("card", "heartbeat", "leave"):
@@ -129,6 +130,22 @@ class Node:
                  self.node_id, self.gossip.endpoint, self.server.endpoint,
                  self.identity.incarnation)
         return self
+
+    def _first_card(self) -> Card:
+        cfg = self.config
+        extras = dict(cfg.extras)
+        if cfg.drafter:
+            extras["drafter"] = cfg.drafter
+        fields: dict[str, Any] = {"backend": cfg.backend, "model": cfg.model}
+        fields.update({k: v for k, v in cfg.card_fields.items() if k != "extras"})
+        extras.update(cfg.card_fields.get("extras") or {})
+        card = Card(
+            node_id=self.node_id, cluster=cfg.cluster, incarnation=self.identity.incarnation,
+            version=1, roles=tuple(cfg.roles), name=cfg.name or "",
+            endpoints={"gossip": self.gossip.endpoint, "stream": self.server.endpoint},
+            observer=cfg.observer, extras=extras, **fields,
+        )
+        return Card.from_map(card.to_map())  # same checks as a card from the wire
 
     def stop(self, leave: bool = True) -> None:
         """Announce the leave first (peers drop us at once), then close everything."""

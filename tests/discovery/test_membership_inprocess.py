@@ -113,3 +113,18 @@ def test_mdns_on_loopback_alone_finds_peers(make_node, view, wait_until):
     # a saw the other cluster's announcement, and ignored it
     assert wait_until(lambda: a.membership.counters["foreign"] >= 1, timeout=5)
     assert other.node_id not in view(a) and view(other) == {}
+
+
+def test_roles_fill_the_first_card(make_node, seed_of, wait_until):
+    import pytest
+
+    a = make_node()
+    b = make_node(peers=(seed_of(a),), drafter="ngram", backend="none",
+                  card_fields={"tokenizer": "fp1", "vocab": 49152, "tok_s": 23.0,
+                               "extras": {"draft_tok_s": 900.0}})
+    assert wait_until(lambda: a.membership.get(b.node_id) is not None)
+    c = a.membership.get(b.node_id).card
+    assert (c.tokenizer, c.vocab, c.tok_s, c.backend) == ("fp1", 49152, 23.0, "none")
+    assert c.extras == {"drafter": "ngram", "draft_tok_s": 900.0}
+    with pytest.raises(ValueError, match="cannot be set"):
+        make_node(card_fields={"incarnation": 99})
