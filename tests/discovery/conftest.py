@@ -10,7 +10,7 @@ import pytest
 from discovery.table import Timeouts
 from nodes.node import Node, NodeConfig
 
-FAST = Timeouts(heartbeat=0.05, suspect_after=0.25, dead_after=0.5, forget_after=30.0,
+FAST = Timeouts(heartbeat=0.05, suspect_after=0.5, dead_after=1.0, forget_after=30.0,
                 check_every=0.02)
 
 

@@ -109,6 +109,9 @@ def test_corrupt_counter_recovers(tmp_path):
 def test_interface_resolution():
     assert resolve_interface("127.0.0.1").bind_host == "127.0.0.1"
     assert resolve_interface("lo").bind_host == "127.0.0.1"
+    assert resolve_interface("lo").mdns == ("127.0.0.1",)
+    everywhere = resolve_interface("all")  # resolution only: nothing is opened
+    assert everywhere.mdns is None and everywhere.bind_host != "0.0.0.0"
     for bad, match in (("nosuchif0", "no such interface"), ("0.0.0.0", "concrete"),
                        ("::1", "IPv4"), ("203.0.113.77", "not on any interface"),
                        ("", "IPv4 address")):

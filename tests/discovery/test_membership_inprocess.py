@@ -50,7 +50,7 @@ def test_leave_and_silent_death(make_node, seed_of, view, wait_until):
     b.stop(leave=True)
     assert wait_until(lambda: view(a).get(b.node_id) == "left", timeout=1.0)
     c.stop(leave=False)  # silence: suspect, then dead
-    assert wait_until(lambda: view(a).get(c.node_id) == "dead", timeout=2.0)
+    assert wait_until(lambda: view(a).get(c.node_id) == "dead", timeout=3.0)
 
 
 def test_observer_is_listed_but_never_a_worker(make_node, seed_of, view, wait_until):
