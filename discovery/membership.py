@@ -384,7 +384,12 @@ class Membership:
         self._inflight.discard(call.endpoint)
         if isinstance(reply, BusError):
             log.debug("snapshot from %s failed: %s", call.endpoint, reply)
-            self.client.forget(call.endpoint)  # drop requests queued for a dead endpoint
+            owners = [m for m in self._table.members()
+                      if m.card.endpoints["stream"] == call.endpoint and m.state is State.ALIVE]
+            if not owners:
+                # nobody alive there (a dead seed): drop the requests queued for it; a live
+                # member's connection is left alone, roles may have calls in flight on it
+                self.client.forget(call.endpoint)
             return
         if reply.type == "error":
             log.warning("peer %s refused our introduction: %s: %s", call.endpoint,
