@@ -128,3 +128,27 @@ def test_roles_fill_the_first_card(make_node, seed_of, wait_until):
     assert c.extras == {"drafter": "ngram", "draft_tok_s": 900.0}
     with pytest.raises(ValueError, match="cannot be set"):
         make_node(card_fields={"incarnation": 99})
+
+
+def test_members_command_prints_table_and_json(make_node, seed_of, capsys):
+    import argparse
+    import json
+
+    from tools import members
+
+    a = make_node(name="alpha", backend="torch", model="smollm2")
+    parser = argparse.ArgumentParser()
+    members.add_arguments(parser)
+    peer = seed_of(a).removeprefix("tcp://")
+    args = parser.parse_args(["--peer", peer, "--no-mdns", "--wait", "0.5"])
+    assert members.run(args) == 0
+    out = capsys.readouterr().out
+    assert "NODE_ID" in out and a.node_id in out and "alpha" in out and "smollm2" in out
+    args = parser.parse_args(["--peer", peer, "--no-mdns", "--wait", "0.5", "--json"])
+    assert members.run(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["node_id"] for r in rows] == [a.node_id]
+    assert rows[0]["roles"] == ["proposer"] and rows[0]["state"] == "alive"
+    args = parser.parse_args(["--cluster", "empty-x", "--no-mdns", "--wait", "0.2"])
+    assert members.run(args) == 0
+    assert "no members" in capsys.readouterr().out

@@ -70,8 +70,10 @@ def test_cpu_bound_main_thread_is_never_suspected(cluster):
         assert n.view()[busy.node_id] == "alive"
     # the busy node itself also kept up with everyone
     assert [e for e in busy.events if e["event"] in ("suspect", "dead")] == []
-    busy.signal(signal.SIGTERM)  # signals are handled even while spinning
+    busy.signal(signal.SIGINT)  # SIGINT leaves gracefully too
     assert busy.proc.wait(5) == 0
+    assert all(n.wait_event(lambda e: e["event"] == "leave" and e["node_id"] == busy.node_id, 2)
+               for n in idle)
 
 
 def test_other_cluster_is_never_listed(cluster):
