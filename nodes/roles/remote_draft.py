@@ -80,18 +80,19 @@ class ProposerLink:
         """Per-token acceptance with a weak prior, so new proposers get tried."""
         return (self.accepted + 1.0) / (self.verified + 2.0)
 
-    def as_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "drafts": self.drafts,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "acceptance": round(self.accepted / self.verified, 4) if self.verified else 0.0,
-            "timeouts": self.timeouts,
-            "bad_replies": self.bad_replies,
-            "errors": self.errors,
-            "rtt_ms": round((self.net_s or 0.0) * 1000, 3),
-        }
+    COUNTERS = ("drafts", "drafted", "chosen", "accepted", "verified", "timeouts",
+                "bad_replies", "errors")
+
+    def counters(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in self.COUNTERS}
+
+    def as_dict(self, since: dict[str, int] | None = None) -> dict:
+        """Counters (minus a `counters()` snapshot taken earlier, if given) and RTT."""
+        out = {k: v - (since or {}).get(k, 0) for k, v in self.counters().items()}
+        out["acceptance"] = round(out["accepted"] / out["verified"], 4) if out["verified"] else 0.0
+        out["rtt_ms"] = round((self.net_s or 0.0) * 1000, 3)
+        out["name"] = self.name
+        return out
 
 
 @dataclass
@@ -100,6 +101,7 @@ class _Peer:
 
     link: ProposerLink
     acked: int  # committed length the proposer has confirmed
+    start: dict[str, int]  # the link's counters when this session began
     failures: int = 0
     dropped: bool = False
 
@@ -128,7 +130,7 @@ class RemoteDraftSession(DraftSession):
         self.policy = policy or DeadlinePolicy()
         self.is_alive = is_alive
         self.tokens = [int(t) for t in prompt_ids]
-        self.peers = [_Peer(link, acked=len(self.tokens)) for link in links]
+        self.peers = [_Peer(link, len(self.tokens), link.counters()) for link in links]
         self._last: tuple[_Peer, np.ndarray] | None = None
         self.deadline_misses = 0
         self.waited_s = 0.0
@@ -199,6 +201,11 @@ class RemoteDraftSession(DraftSession):
         p.link.chosen += 1
         self._last = (p, ids)
         return ids, probs
+
+    def stats(self) -> dict[str, dict]:
+        """Per-proposer figures for this session only."""
+        return {p.link.node_id: {**p.link.as_dict(since=p.start), "dropped": p.dropped}
+                for p in self.peers}
 
     def close(self) -> None:
         for p in self.peers:

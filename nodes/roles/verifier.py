@@ -228,7 +228,7 @@ class VerifierRole:
     def _proposer_stats(self, session) -> dict:
         if not isinstance(session, RemoteDraftSession):
             return {}
-        return {p.link.node_id: p.link.as_dict() for p in session.peers}
+        return session.stats()
 
     def _account(self, generated, elapsed, stats, session) -> None:
         s = self.stats

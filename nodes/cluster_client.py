@@ -1,0 +1,122 @@
+"""Generate through a cluster: join as an observer, find a verifier, stream its tokens.
+
+Used by `specbus generate` (without `--local`), the demo and the benchmarks. The observer never
+counts as a worker and is never offered work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from bus.streams import BusError
+from codec.messages import Message, make
+from discovery.interfaces import DEFAULT_INTERFACE
+from discovery.table import Member, State
+
+
+class ClusterError(RuntimeError):
+    """No verifier could be found or the generation failed on the cluster."""
+
+
+@dataclass
+class GenerateRequest:
+    prompt: str
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    chat: bool = True
+    speculate: bool = True
+    proposers: list[str] | None = None
+
+    def message(self) -> Message:
+        fields: dict[str, Any] = dict(
+            prompt=self.prompt, max_tokens=self.max_tokens, temperature=self.temperature,
+            top_p=self.top_p, top_k=self.top_k, stop=list(self.stop), chat=self.chat,
+            speculate=self.speculate,
+        )
+        if self.seed is not None:
+            fields["seed"] = self.seed
+        if self.proposers is not None:
+            fields["proposers"] = list(self.proposers)
+        return make("generate_req", **fields)
+
+
+@dataclass
+class Result:
+    text: str
+    finish_reason: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "finish_reason": self.finish_reason, **self.stats}
+
+
+class ClusterClient:
+    """An observer node that sends generation requests to the cluster's verifiers."""
+
+    def __init__(self, cluster: str, interface: str = DEFAULT_INTERFACE,
+                 peers: tuple[str, ...] = (), mdns: bool = True) -> None:
+        from nodes.node import Node, NodeConfig
+
+        self.node = Node(NodeConfig(cluster=cluster, observer=True, interface=interface,
+                                    peers=peers, mdns=mdns))
+
+    def __enter__(self) -> ClusterClient:
+        self.node.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.node.stop(leave=True)
+
+    def wait_for(self, pred: Callable[[list[Member]], bool], timeout: float) -> list[Member]:
+        deadline = time.monotonic() + timeout
+        while True:
+            members = [m for m in self.node.membership.members(include_self=False)
+                       if m.state is State.ALIVE]
+            if pred(members):
+                return members
+            if time.monotonic() >= deadline:
+                return members
+            time.sleep(0.05)
+
+    def verifiers(self, timeout: float = 10.0) -> list[Member]:
+        members = self.wait_for(lambda ms: any("verifier" in m.card.roles for m in ms), timeout)
+        found = [m for m in members if "verifier" in m.card.roles and m.card.is_worker]
+        if not found:
+            raise ClusterError(
+                f"no verifier found in cluster {self.node.config.cluster!r} within {timeout:g}s "
+                f"(members seen: {len(members)}); start one with "
+                f"`specbus node --role verifier --cluster {self.node.config.cluster}`"
+            )
+        return sorted(found, key=lambda m: (m.card.load, m.node_id))
+
+    def stream(self, req: GenerateRequest, verifier: Member | None = None,
+               idle_timeout: float = 120.0) -> Iterator[Message]:
+        """Yield `token_chunk` messages, then the final `done`."""
+        target = verifier or self.verifiers()[0]
+        call = self.node.client.request(target.card.endpoints["stream"], req.message())
+        try:
+            for msg in call.replies(timeout=idle_timeout):
+                yield msg
+        except BusError as exc:
+            raise ClusterError(f"generation on {target.node_id} failed: {exc}") from exc
+        finally:
+            if not call.done:
+                call.cancel()
+
+    def generate(self, req: GenerateRequest, verifier: Member | None = None,
+                 on_text: Callable[[str], None] | None = None) -> Result:
+        last = None
+        for msg in self.stream(req, verifier):
+            if msg.type == "token_chunk" and on_text is not None and msg.get("text"):
+                on_text(msg["text"])
+            last = msg
+        if last is None or last.type != "done":
+            raise ClusterError("the verifier ended the stream without a final result")
+        return Result(last.get("text", ""), last["finish_reason"], dict(last.get("stats") or {}))

@@ -1,0 +1,136 @@
+"""`specbus demo`: a local cluster doing real speculative decoding, plain vs speculative.
+
+Starts separate node processes on loopback — one verifier on the embedded default model, one
+`ngram` proposer, one `int8` proposer — lets them find each other (mDNS on 127.0.0.1), runs a
+fixed prompt set plain and speculative through the cluster, checks the outputs are identical
+token for token, prints a table, and shuts the cluster down cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tools.prompts import PROMPTS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=96, help="tokens per prompt")
+    parser.add_argument("--proposers", default="ngram,int8",
+                        help="comma-separated drafters, one proposer process each")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="keep node logs here (default: a temporary folder)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from nodes.cluster_client import ClusterClient, ClusterError, GenerateRequest
+    from tools.local_cluster import ClusterStartError, LocalCluster
+
+    if args.max_tokens <= 0:
+        print("specbus demo: --max-tokens must be positive", file=sys.stderr)
+        return 2
+    drafters = [d.strip() for d in args.proposers.split(",") if d.strip()]
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specbus-demo-"))
+    say = _Say()
+    with LocalCluster(log_dir=log_dir) as cluster:
+        try:
+            say(f"starting cluster {cluster.cluster!r} on 127.0.0.1 (logs: {log_dir})")
+            v = cluster.start_node("verifier", "--role", "verifier", "--drafter", "none")
+            say(f"  verifier   {v.node_id}  ready")
+            for d in drafters:
+                p = cluster.start_node(f"proposer-{d}", "--role", "proposer", "--drafter", d)
+                say(f"  proposer   {p.node_id}  ready ({d})")
+        except ClusterStartError as exc:
+            print(f"specbus demo: {exc}", file=sys.stderr)
+            return 1
+        with ClusterClient(cluster.cluster) as client:
+            t0 = time.monotonic()
+            members = client.wait_for(
+                lambda ms: len([m for m in ms if m.card.is_worker]) >= 1 + len(drafters), 15.0)
+            workers = [m for m in members if m.card.is_worker]
+            say(f"discovered {len(workers)} workers over mDNS in {time.monotonic() - t0:.1f}s")
+            if len(workers) < 1 + len(drafters):
+                print("specbus demo: not every node was discovered", file=sys.stderr)
+                return 1
+            names = {m.node_id: m.card.name for m in members}
+            try:
+                rows = _run_prompts(client, args.max_tokens, say, names)
+            except ClusterError as exc:
+                print(f"specbus demo: {exc}", file=sys.stderr)
+                return 1
+    say("cluster stopped")
+    print(render(rows))
+    ok = all(r["identical"] for r in rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "identical": ok}, indent=2) + "\n")
+    if not ok:
+        print("specbus demo: speculative output differed from plain output", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_prompts(client, max_tokens: int, say, names: dict[str, str]) -> list[dict]:
+    from nodes.cluster_client import GenerateRequest
+
+    verifier = client.verifiers()[0]
+    rows = []
+    for name, klass, prompt in PROMPTS:
+        base = dict(prompt=prompt, max_tokens=max_tokens)
+        plain = client.generate(GenerateRequest(**base, speculate=False), verifier)
+        spec = client.generate(GenerateRequest(**base), verifier)
+        p, s = plain.stats, spec.stats
+        row = {
+            "prompt": name, "class": klass,
+            "tokens": len(s["token_ids"]),
+            "plain_tok_s": p["tok_per_s"], "spec_tok_s": s["tok_per_s"],
+            "speedup": round(s["tok_per_s"] / p["tok_per_s"], 3) if p["tok_per_s"] else 0.0,
+            "acceptance": s["acceptance"], "mean_accepted_len": s["mean_accepted_len"],
+            "identical": p["token_ids"] == s["token_ids"],
+            "proposers": {names.get(k, k): v for k, v in s.get("proposers", {}).items()},
+        }
+        rows.append(row)
+        say(f"  {name:14} plain {row['plain_tok_s']:6.1f} tok/s   speculative "
+            f"{row['spec_tok_s']:6.1f} tok/s   x{row['speedup']:.2f}   "
+            f"{'identical' if row['identical'] else 'DIFFERENT'}")
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    head = (f"{'prompt':14} {'class':15} {'plain tok/s':>11} {'spec tok/s':>10} "
+            f"{'speedup':>8} {'accept':>7} {'mean acc':>8} {'same':>5}")
+    lines = ["", "specbus demo: plain vs speculative through the cluster", head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['prompt']:14} {r['class']:15} {r['plain_tok_s']:>11.1f} {r['spec_tok_s']:>10.1f} "
+            f"{r['speedup']:>7.2f}x {r['acceptance']:>7.2f} {r['mean_accepted_len']:>8.2f} "
+            f"{'yes' if r['identical'] else 'NO':>5}")
+    for klass in sorted({r["class"] for r in rows}):
+        med = statistics.median(r["speedup"] for r in rows if r["class"] == klass)
+        lines.append(f"median speedup, {klass}: x{med:.2f}")
+    lines += ["", "per proposer (all prompts):",
+              f"{'proposer':18} {'drafts':>7} {'drafted':>8} {'accepted':>9} {'accept':>7} "
+              f"{'timeouts':>8} {'rtt ms':>7}"]
+    totals: dict[str, dict] = {}
+    for r in rows:
+        for name, st in r["proposers"].items():
+            t = totals.setdefault(name, {"drafts": 0, "drafted": 0, "accepted": 0,
+                                         "verified": 0, "timeouts": 0, "rtt": []})
+            for k in ("drafts", "drafted", "accepted", "verified", "timeouts"):
+                t[k] += st[k]
+            t["rtt"].append(st["rtt_ms"])
+    for name, t in totals.items():
+        acc = t["accepted"] / t["verified"] if t["verified"] else 0.0
+        lines.append(f"{name:18} {t['drafts']:>7} {t['drafted']:>8} {t['accepted']:>9} "
+                     f"{acc:>7.2f} {t['timeouts']:>8} {statistics.median(t['rtt']):>7.2f}")
+    return "\n".join(lines)
+
+
+class _Say:
+    def __call__(self, text: str) -> None:
+        print(text, flush=True)
