@@ -23,8 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drafter", default="ngram", help="none | ngram | int8 | model:<ref> (default: ngram)"
     )
-    parser.add_argument("--model", default=None, help="alias, folder or cached HF repo id "
-                        "(default: the embedded smollm2-135m)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="alias, folder or cached HF repo id (default: the embedded smollm2-135m)",
+    )
     parser.add_argument("--backend", default="torch", choices=("torch", "mlx"))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-draft", type=int, default=8, help="longest draft block")
@@ -34,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument(
-        "--chat", action=argparse.BooleanOptionalAction, default=True,
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="wrap the prompt in the model's chat template (default: on)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -77,8 +82,12 @@ def _run_local(args: argparse.Namespace) -> int:
     )
     params.validate()
     engine = load_engine(
-        LocalConfig(args.model, args.backend, None if args.drafter == "none" else args.drafter,
-                    args.max_draft)
+        LocalConfig(
+            args.model,
+            args.backend,
+            None if args.drafter == "none" else args.drafter,
+            args.max_draft,
+        )
     )
     ids = encode_prompt(engine, args.prompt, chat=args.chat, system=args.system)
 
@@ -88,7 +97,7 @@ def _run_local(args: argparse.Namespace) -> int:
         text = block.text
         if text is None:
             return
-        sys.stdout.write(text[shown[0]:])
+        sys.stdout.write(text[shown[0] :])
         sys.stdout.flush()
         shown[0] = len(text)
 
@@ -106,7 +115,7 @@ def _run_local(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
     else:
-        sys.stdout.write(gen.text[shown[0]:] + "\n")
+        sys.stdout.write(gen.text[shown[0] :] + "\n")
         print(
             f"[{len(gen.token_ids)} tokens, {result['tok_per_s']:.1f} tok/s, "
             f"drafter {result['drafter']}, acceptance {result['acceptance']:.2f}, "

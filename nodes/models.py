@@ -73,7 +73,7 @@ def _smollm2_gguf() -> Path:
 
 
 def atomic_build(target: Path, build) -> Path:
-    """Run `build(tmp_dir)` and rename the result to `target`, so a killed build leaves no half folder."""
+    """Run `build(tmp_dir)`, then rename it to `target`: a killed build leaves no half folder."""
     if _is_model_folder(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,7 @@ class DraftSession(ABC):
 
     def close(self) -> None:
         """Release per-session resources (caches); the session is unusable afterwards."""
+        return None
 
 
 class Drafter(ABC):

@@ -34,7 +34,8 @@ class Int8Drafter(ModelDrafter):
     def from_verifier(cls, verifier: Backend) -> Int8Drafter:
         if verifier.name != "torch":
             raise BadRequestError(
-                f"the int8 drafter quantizes a torch model; the verifier backend is {verifier.name!r}"
+                "the int8 drafter quantizes a torch model; "
+                f"the verifier backend is {verifier.name!r}"
             )
         from nodes.backends.torch_backend import TorchBackend
 

@@ -1,8 +1,8 @@
 """The in-process speculative-decoding engine (cheap to import: no torch/mlx here).
 
-    from nodes.engine import Engine, GenerationParams, SamplingParams
-    engine = Engine(load_backend("torch"), make_drafter("ngram"))
-    for block in engine.stream(prompt_ids, GenerationParams(max_tokens=64)): ...
+from nodes.engine import Engine, GenerationParams, SamplingParams
+engine = Engine(load_backend("torch"), make_drafter("ngram"))
+for block in engine.stream(prompt_ids, GenerationParams(max_tokens=64)): ...
 """
 
 from nodes.engine.core import Block, Engine, Generation, GenerationParams, Stats

@@ -46,7 +46,11 @@ class DraftLengthController:
         known = sorted(self._verify)
         if len(known) == 1:
             m = known[0]
-            return self._verify[m] * (1 + self.prior_slope * (n - 1)) / (1 + self.prior_slope * (m - 1))
+            return (
+                self._verify[m]
+                * (1 + self.prior_slope * (n - 1))
+                / (1 + self.prior_slope * (m - 1))
+            )
         lo = max((m for m in known if m < n), default=None)
         hi = min((m for m in known if m > n), default=None)
         if lo is None:

@@ -20,8 +20,13 @@ import numpy as np
 
 from nodes.engine.adaptive import DraftLengthController
 from nodes.engine.errors import BadRequestError
-from nodes.engine.sampling import SamplingParams, accept_greedy, accept_sampling, sample
-from nodes.engine.sampling import probs_from_logits
+from nodes.engine.sampling import (
+    SamplingParams,
+    accept_greedy,
+    accept_sampling,
+    probs_from_logits,
+    sample,
+)
 
 if TYPE_CHECKING:
     from nodes.backends.base import Backend
@@ -264,7 +269,11 @@ class Engine:
             ids = ids[: bad[0]]
         if probs is not None:
             probs = np.asarray(probs)
-            if probs.ndim != 2 or probs.shape[0] < len(ids) or probs.shape[1] < self.backend.vocab_size:
+            if (
+                probs.ndim != 2
+                or probs.shape[0] < len(ids)
+                or probs.shape[1] < self.backend.vocab_size
+            ):
                 probs = None  # unusable: treat drafts as deterministic
             else:
                 probs = probs[: len(ids), : self.backend.vocab_size]

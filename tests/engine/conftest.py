@@ -26,7 +26,10 @@ def smollm2_folder():
 
 def _tokenizer_files(src, dst) -> None:
     for name in os.listdir(src):
-        if name.startswith("tokenizer") or name in ("chat_template.jinja", "special_tokens_map.json"):
+        if name.startswith("tokenizer") or name in (
+            "chat_template.jinja",
+            "special_tokens_map.json",
+        ):
             shutil.copy(os.path.join(src, name), dst)
 
 

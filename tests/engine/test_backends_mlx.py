@@ -37,8 +37,9 @@ def test_mlx_reference_is_not_degenerate(mlx_reference):
 def test_mlx_greedy_matches_mlx_lm(tiny_mlx, prompt_ids, mlx_reference, scripted, mode, k):
     engine = Engine(tiny_mlx, scripted(prompt_ids + mlx_reference, mode, 49152), fixed_k=k)
     out = []
-    for block in engine.stream(prompt_ids, GenerationParams(max_tokens=N, eos_token_ids=NO_EOS),
-                               stats=Stats()):
+    for block in engine.stream(
+        prompt_ids, GenerationParams(max_tokens=N, eos_token_ids=NO_EOS), stats=Stats()
+    ):
         assert block.cache_len == block.committed_len - 1
         out.extend(block.token_ids)
     assert out == mlx_reference[:N]
@@ -48,7 +49,9 @@ def test_mlx_eos_inside_draft(tiny_mlx, prompt_ids, mlx_reference, scripted):
     eos = mlx_reference[5]
     expected = mlx_greedy(tiny_mlx, prompt_ids, N, eos_id=eos)
     engine = Engine(tiny_mlx, scripted(prompt_ids + mlx_reference, "perfect", 49152), fixed_k=8)
-    gen = engine.generate(prompt_ids, GenerationParams(max_tokens=N, eos_token_ids=frozenset({eos})))
+    gen = engine.generate(
+        prompt_ids, GenerationParams(max_tokens=N, eos_token_ids=frozenset({eos}))
+    )
     assert gen.token_ids == expected and gen.finish_reason == "eos"
 
 

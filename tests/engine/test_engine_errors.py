@@ -81,7 +81,9 @@ def _cli(*args):
     code = "import sys; from nodes.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run(
         [sys.executable, "-c", code, "generate", *args],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -105,11 +107,28 @@ def test_cli_bad_input_one_line_exit_2(args, needle):
 def test_cli_json_local(tiny_folder):
     import json
 
-    r = _cli("--local", "--prompt", "Hello there", "--model", str(tiny_folder),
-             "--max-tokens", "6", "--json", "--drafter", "ngram")
+    r = _cli(
+        "--local",
+        "--prompt",
+        "Hello there",
+        "--model",
+        str(tiny_folder),
+        "--max-tokens",
+        "6",
+        "--json",
+        "--drafter",
+        "ngram",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    for key in ("text", "token_ids", "tokens", "elapsed_s", "tok_per_s", "acceptance",
-                "mean_accepted_len"):
+    for key in (
+        "text",
+        "token_ids",
+        "tokens",
+        "elapsed_s",
+        "tok_per_s",
+        "acceptance",
+        "mean_accepted_len",
+    ):
         assert key in out
     assert len(out["token_ids"]) == len(out["tokens"]) <= 6

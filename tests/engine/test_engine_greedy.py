@@ -58,8 +58,13 @@ def test_greedy_matches_hf(tiny_torch, prompt_ids, reference, scripted, mode, k)
 def test_perfect_drafts_are_all_accepted(tiny_torch, prompt_ids, reference, scripted):
     engine = Engine(tiny_torch, scripted(prompt_ids + reference, "perfect", 49152), fixed_k=7)
     stats = Stats()
-    blocks = list(engine.stream(prompt_ids, GenerationParams(max_tokens=N,
-                  eos_token_ids=frozenset({49151})), stats=stats))
+    blocks = list(
+        engine.stream(
+            prompt_ids,
+            GenerationParams(max_tokens=N, eos_token_ids=frozenset({49151})),
+            stats=stats,
+        )
+    )
     assert stats.acceptance == 1.0
     # prefill block + ceil((N-1)/8) blocks of 8 committed tokens
     assert len(blocks) == 1 + -(-(N - 1) // 8)
@@ -68,8 +73,13 @@ def test_perfect_drafts_are_all_accepted(tiny_torch, prompt_ids, reference, scri
 def test_wrong_drafts_are_all_rejected(tiny_torch, prompt_ids, reference, scripted):
     engine = Engine(tiny_torch, scripted(prompt_ids + reference, "wrong", 49152), fixed_k=4)
     stats = Stats()
-    list(engine.stream(prompt_ids, GenerationParams(max_tokens=N,
-         eos_token_ids=frozenset({49151})), stats=stats))
+    list(
+        engine.stream(
+            prompt_ids,
+            GenerationParams(max_tokens=N, eos_token_ids=frozenset({49151})),
+            stats=stats,
+        )
+    )
     assert stats.accepted == 0 and stats.drafted > 0
 
 
@@ -81,8 +91,9 @@ def test_eos_inside_draft(tiny_torch, prompt_ids, reference, scripted, k):
     expected = hf_greedy(tiny_torch, prompt_ids, N, eos_id=eos)
     assert expected == reference[:cut]
     engine = Engine(tiny_torch, scripted(prompt_ids + reference, "perfect", 49152), fixed_k=k)
-    gen = engine.generate(prompt_ids, GenerationParams(max_tokens=N,
-                          eos_token_ids=frozenset({eos})))
+    gen = engine.generate(
+        prompt_ids, GenerationParams(max_tokens=N, eos_token_ids=frozenset({eos}))
+    )
     assert gen.token_ids == expected
     assert gen.finish_reason == "eos"
 
@@ -90,8 +101,9 @@ def test_eos_inside_draft(tiny_torch, prompt_ids, reference, scripted, k):
 def test_max_tokens_respected_with_long_drafts(tiny_torch, prompt_ids, reference, scripted):
     for n in (1, 2, 5, 9):
         engine = Engine(tiny_torch, scripted(prompt_ids + reference, "long", 49152), fixed_k=8)
-        gen = engine.generate(prompt_ids, GenerationParams(max_tokens=n,
-                              eos_token_ids=frozenset({49151})))
+        gen = engine.generate(
+            prompt_ids, GenerationParams(max_tokens=n, eos_token_ids=frozenset({49151}))
+        )
         assert gen.token_ids == reference[:n]
         assert gen.finish_reason == "length"
 
@@ -108,8 +120,9 @@ def test_ngram_and_model_drafters_match_hf(tiny_torch, tiny_draft_folder, prompt
         for k in (4, None):
             stats = Stats()
             out = []
-            for block in Engine(tiny_torch, drafter, fixed_k=k).stream(prompt_ids, params,
-                                                                       stats=stats):
+            for block in Engine(tiny_torch, drafter, fixed_k=k).stream(
+                prompt_ids, params, stats=stats
+            ):
                 assert block.cache_len == block.committed_len - 1
                 out.extend(block.token_ids)
             assert out == reference[:N], drafter.name

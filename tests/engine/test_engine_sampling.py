@@ -25,6 +25,8 @@ SAMPLES = 600
 def prompt_ids(tiny_torch):
     """Short prompt: these tests run hundreds of generations."""
     return tiny_torch.tokenizer.encode("The quick brown fox")
+
+
 CHI2_CRIT_DF15_ALPHA1E3 = 37.697
 
 
@@ -144,8 +146,9 @@ def test_same_seed_same_output(tiny_torch, tiny_draft_folder, prompt_ids):
     assert a == b
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8),
-                                                    (0.5, 20, 0.9)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 20, 0.9)]
+)
 def test_logits_processing_matches_hf(temperature, top_k, top_p):
     import torch
     from transformers.generation.logits_process import (

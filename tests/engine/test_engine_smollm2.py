@@ -39,10 +39,15 @@ def hf_reference(smol_torch, smol_prompt):
     out = smol_torch.model.generate(
         torch.tensor([smol_prompt]),
         attention_mask=torch.ones(1, len(smol_prompt), dtype=torch.long),
-        do_sample=False, max_new_tokens=N, eos_token_id=eos, pad_token_id=eos,
-        top_k=None, top_p=None, temperature=None,
+        do_sample=False,
+        max_new_tokens=N,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        top_k=None,
+        top_p=None,
+        temperature=None,
     )
-    return out[0, len(smol_prompt):].tolist()
+    return out[0, len(smol_prompt) :].tolist()
 
 
 @pytest.mark.parametrize("drafter_name", ["ngram", "int8"])

@@ -1,0 +1,324 @@
+"""`specbus bench decode --local`: plain vs speculative decoding on the embedded model.
+
+One process, same prompts for every configuration: input-grounded (code edit, extraction and
+quoting), where prompt lookup should shine, and open-ended chat, where speculation must not
+hurt. Compares our engine (plain, ngram, int8) with Hugging Face generate (plain, prompt lookup,
+assisted with the same int8 drafter) and the MLX backend (plain, ngram). Reports medians over
+prompts per class; greedy outputs are also checked against each backend's plain output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+_CODE = """def load_users(path):
+    users = []
+    with open(path) as handle:
+        for line in handle:
+            name, email, age = line.strip().split(",")
+            users.append({"name": name, "email": email, "age": int(age)})
+    return users
+
+
+def adults(users):
+    return [user for user in users if user["age"] >= 18]
+"""
+
+_TEXT = (
+    "The Lighthouse Committee met on 4 March. Maria Okafor reported that the east lamp was "
+    "repaired for 1,240 euros. Tom Reyes said the stairs need new railings before the summer "
+    "season. The committee agreed to open the tower to visitors on weekends from 1 June, "
+    "with tickets at 3 euros for adults and free entry for children under twelve."
+)
+
+PROMPTS: list[tuple[str, str]] = [
+    (
+        "input-grounded",
+        "Rename the variable `users` to `people` everywhere in this code and "
+        "return the full code:\n\n" + _CODE,
+    ),
+    (
+        "input-grounded",
+        "Add a docstring to each function in this code and return the full code:\n\n" + _CODE,
+    ),
+    (
+        "input-grounded",
+        "Copy the sentence about the stairs and the sentence about tickets "
+        "word for word from this text:\n\n" + _TEXT,
+    ),
+    (
+        "input-grounded",
+        "Extract every person mentioned in this text with what they said, "
+        "quoting the text:\n\n" + _TEXT,
+    ),
+    ("open-ended", "Write a short story about a robot who learns to paint."),
+    ("open-ended", "What are three tips for staying focused while studying?"),
+]
+
+
+@dataclass
+class Run:
+    token_ids: list[int]
+    elapsed_s: float
+    acceptance: float | None = None
+    mean_accepted_len: float | None = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--local", action="store_true", help="everything in this process")
+    parser.add_argument("--model", default=None, help="default: the embedded smollm2-135m")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--quick", action="store_true", help="one prompt per class, 48 tokens, fewer configurations"
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per prompt and configuration; the fastest counts",
+    )
+    parser.add_argument("--no-mlx", action="store_true", help="skip the MLX rows")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
+
+
+def _engine_runner(engine) -> Callable[[list[int], int], Run]:
+    from nodes.engine.core import GenerationParams
+
+    def run(ids: list[int], n: int) -> Run:
+        g = engine.generate(ids, GenerationParams(max_tokens=n, eos_token_ids=frozenset()))
+        spec = g.stats.spec_blocks > 0
+        return Run(
+            g.token_ids,
+            g.elapsed_s,
+            g.stats.acceptance if spec else None,
+            g.stats.mean_accepted_len if spec else None,
+        )
+
+    return run
+
+
+def _hf_runner(backend, **gen_kwargs) -> Callable[[list[int], int], Run]:
+    import torch
+
+    model = backend.model
+
+    def run(ids: list[int], n: int) -> Run:
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=backend.tokenizer.hf.eos_token_id,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+            **gen_kwargs,
+        )
+        dt = time.perf_counter() - t0
+        return Run(out[0, len(ids) :].tolist(), dt)
+
+    return run
+
+
+def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int], Run]]]]:
+    """(name, backend, factory); factories load lazily so a failing one is skipped alone."""
+    from nodes.backends.base import load_backend
+    from nodes.drafters.int8 import Int8Drafter
+    from nodes.drafters.ngram import NgramDrafter
+    from nodes.engine.core import Engine
+
+    cache: dict = {}
+
+    def torch_backend():
+        if "torch" not in cache:
+            cache["torch"] = load_backend("torch", args.model)
+        return cache["torch"]
+
+    def int8():
+        if "int8" not in cache:
+            cache["int8"] = Int8Drafter.from_verifier(torch_backend())
+        return cache["int8"]
+
+    def mlx_backend():
+        if "mlx" not in cache:
+            cache["mlx"] = load_backend("mlx", args.model)
+        return cache["mlx"]
+
+    configs = [
+        ("engine-plain", "torch", lambda: _engine_runner(Engine(torch_backend()))),
+        ("engine-ngram", "torch", lambda: _engine_runner(Engine(torch_backend(), NgramDrafter()))),
+        ("hf-plain", "torch", lambda: _hf_runner(torch_backend())),
+        (
+            "hf-prompt-lookup",
+            "torch",
+            lambda: _hf_runner(torch_backend(), prompt_lookup_num_tokens=10),
+        ),
+        ("engine-int8", "torch", lambda: _engine_runner(Engine(torch_backend(), int8()))),
+        (
+            "hf-assisted-int8",
+            "torch",
+            lambda: _hf_runner(torch_backend(), assistant_model=int8().backend.model),
+        ),
+    ]
+    if not args.no_mlx:
+        configs += [
+            ("mlx-plain", "mlx", lambda: _engine_runner(Engine(mlx_backend()))),
+            ("mlx-ngram", "mlx", lambda: _engine_runner(Engine(mlx_backend(), NgramDrafter()))),
+        ]
+    if args.quick:
+        keep = {"engine-plain", "engine-ngram", "hf-prompt-lookup", "engine-int8"}
+        configs = [c for c in configs if c[0] in keep or (c[1] == "mlx" and not args.no_mlx)]
+    return configs
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 4) if xs else None
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.local:
+        print(
+            "specbus bench decode: only --local is available (cluster mode comes with the "
+            "nodes feature)",
+            file=sys.stderr,
+        )
+        return 2
+    from nodes.engine.errors import GenerationError
+
+    try:
+        return _run(args)
+    except GenerationError as exc:
+        print(f"specbus bench decode: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from nodes import models
+    from nodes.backends.tokenizer import Tokenizer
+
+    n = 48 if args.quick else args.max_tokens
+    prompts = PROMPTS
+    if args.quick:
+        prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
+    tok = Tokenizer(models.resolve(args.model).path)
+    encoded = [(cls, tok.encode(text, chat=True)) for cls, text in prompts]
+
+    runners = []
+    for name, backend, factory in _configs(args):
+        try:
+            runner = factory()
+            runner(encoded[0][1][:32], 8)  # warm-up (allocations, learnt costs)
+        except Exception as exc:  # noqa: BLE001 - one broken configuration must not end the run
+            log.warning("skipping %s: %s", name, exc)
+            print(f"  skipped {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
+        runners.append((name, backend, runner))
+
+    # interleave configurations prompt by prompt, so background load hits them all alike
+    per_prompt: list[dict] = []
+    baseline: dict[str, list[int]] = {}  # backend:prompt -> plain output, for the identity check
+    plain_speed: dict[int, float] = {}
+    for i, (cls, ids) in enumerate(encoded):
+        for name, backend, runner in runners:
+            r = min((runner(ids, n) for _ in range(args.repeat)), key=lambda x: x.elapsed_s)
+            tps = len(r.token_ids) / r.elapsed_s
+            key = f"{backend}:{i}"
+            if name in ("engine-plain", "mlx-plain"):
+                baseline[key] = r.token_ids
+            if name == "engine-plain":
+                plain_speed[i] = tps
+            row = {
+                "name": name,
+                "backend": backend,
+                "prompt_class": cls,
+                "prompt": i,
+                "tokens": len(r.token_ids),
+                "elapsed_s": round(r.elapsed_s, 3),
+                "tok_per_s": round(tps, 2),
+                "speedup": round(tps / plain_speed[i], 3) if i in plain_speed else None,
+                "acceptance": r.acceptance,
+                "mean_accepted_len": r.mean_accepted_len,
+                "identical_to_plain": (r.token_ids == baseline[key]) if key in baseline else None,
+            }
+            per_prompt.append(row)
+            print(
+                f"  {name:18s} {cls:15s} prompt {i}: {tps:6.1f} tok/s "
+                f"speedup {row['speedup']} acc {r.acceptance}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    rows = []
+    for name in dict.fromkeys(r["name"] for r in per_prompt):
+        for cls in dict.fromkeys(r["prompt_class"] for r in per_prompt):
+            sel = [r for r in per_prompt if r["name"] == name and r["prompt_class"] == cls]
+            if not sel:
+                continue
+            rows.append(
+                {
+                    "name": name,
+                    "backend": sel[0]["backend"],
+                    "prompt_class": cls,
+                    "prompts": len(sel),
+                    "tok_per_s": _median(r["tok_per_s"] for r in sel),
+                    "speedup": _median(r["speedup"] for r in sel),
+                    "acceptance": _median(r["acceptance"] for r in sel),
+                    "mean_accepted_len": _median(r["mean_accepted_len"] for r in sel),
+                    "identical_to_plain": all(r["identical_to_plain"] is not False for r in sel),
+                }
+            )
+    _print_table(rows, n)
+    if args.json:
+        doc = {
+            "rows": rows,
+            "per_prompt": per_prompt,
+            "max_tokens": n,
+            "quick": args.quick,
+            "command": "specbus " + " ".join(sys.argv[1:]),
+            "machine": {
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "loadavg_end": os.getloadavg(),
+            },
+        }
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=2)
+    return 0
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def _print_table(rows: list[dict], n: int) -> None:
+    print(
+        f"decode benchmark: {n} new tokens per prompt, medians over prompts "
+        "(speedup vs engine-plain on the same prompt)"
+    )
+    print(
+        f"{'name':18s} {'backend':7s} {'class':15s} {'tok/s':>7s} {'speedup':>8s} "
+        f"{'accept':>7s} {'mean acc':>8s} {'identical':>9s}"
+    )
+    for r in rows:
+        print(
+            f"{r['name']:18s} {r['backend']:7s} {r['prompt_class']:15s} "
+            f"{_fmt(r['tok_per_s'], '7.1f')} {_fmt(r['speedup'], '8.2f')} "
+            f"{_fmt(r['acceptance'], '7.2f')} {_fmt(r['mean_accepted_len'], '8.2f')} "
+            f"{str(r['identical_to_plain']):>9s}"
+        )
