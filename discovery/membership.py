@@ -43,8 +43,9 @@ from discovery.table import Event, Member, MemberTable, State, Timeouts
 log = logging.getLogger(__name__)
 
 MEMBERSHIP_TYPES = ("card", "heartbeat", "leave")
-SNAPSHOT_TIMEOUT_S = 1.0
+SNAPSHOT_TIMEOUT_S = 2.0
 SEED_RETRY_S = 1.0
+DISCOVERED_RETRY_FOR_S = 30.0  # keep retrying an mDNS-found endpoint until it answers
 CARD_REPUBLISH_S = 5.0  # anti-entropy for peers that missed a card update
 SYNC_MIN_INTERVAL_S = 1.0  # digest mismatch: at most one snapshot request per peer per second
 
@@ -81,6 +82,8 @@ class Membership:
         self._gossip_eps: dict[str, str] = {}  # node id -> PUB endpoint we subscribe to
         self._last_refute = -1e9
         self._last_sync: dict[str, float] = {}  # node id -> when we last asked it to sync
+        # discovered stream endpoint -> (retry until, its PUB endpoint or None)
+        self._pending: dict[str, tuple[float, str | None]] = {}
         self._left = False
         self.counters = {"dropped": 0, "foreign": 0, "refutations": 0, "snapshots_served": 0,
                          "snapshots_received": 0, "introductions": 0}
@@ -356,14 +359,26 @@ class Membership:
                 return  # already a live member
         if gossip and check_endpoint(gossip):
             self.gossip.connect(gossip)  # start hearing it even before the snapshot returns
+        else:
+            gossip = None
+        self._pending[stream] = (time.monotonic() + DISCOVERED_RETRY_FOR_S, gossip)
         self._introduce(stream)
 
     def _contact_seeds(self) -> None:
+        """Every second: seeds, and discovered endpoints, that no live member owns yet."""
         live = {m.card.endpoints["stream"] for m in self._table.members()
                 if m.state is State.ALIVE}
-        for seed in self.seeds:
-            if seed not in live:
-                self._introduce(seed)
+        now = time.monotonic()
+        for ep, (until, gossip) in list(self._pending.items()):
+            if ep in live:
+                del self._pending[ep]
+            elif now > until:
+                del self._pending[ep]  # never answered: stop hearing that address too
+                if gossip is not None and gossip not in self._gossip_eps.values():
+                    self.gossip.disconnect(gossip)
+        for ep in (*self.seeds, *self._pending):
+            if ep not in live:
+                self._introduce(ep)
 
     def _ask_card(self, node_id: str) -> None:
         m = self._table.get(node_id)
