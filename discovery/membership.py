@@ -34,6 +34,7 @@ from bus.gossip import GossipChannel
 from bus.loop import IOLoop, Timer
 from bus.streams import BusError, Call, Request, StreamClient
 from codec.messages import Message, make
+from codec.schema import PROTOCOL_VERSION
 from discovery.cards import Card, CardError, check_endpoint
 from discovery.events import EventBus, Subscriber
 from discovery.identity import Identity
@@ -48,6 +49,7 @@ SEED_RETRY_S = 1.0
 DISCOVERED_RETRY_FOR_S = 30.0  # keep retrying an mDNS-found endpoint until it answers
 CARD_REPUBLISH_S = 5.0  # anti-entropy for peers that missed a card update
 SYNC_MIN_INTERVAL_S = 1.0  # digest mismatch: at most one snapshot request per peer per second
+UPDATABLE = ("backend", "model", "tokenizer", "vocab", "tok_s", "load", "free_mem", "extras")
 
 
 def topic_for(cluster: str) -> str:
@@ -123,7 +125,15 @@ class Membership:
                 if m.state is State.ALIVE and m.card.is_worker]
 
     def update_card(self, **changes) -> None:
-        """Publish a new version of our card (e.g. measured tok/s, load)."""
+        """Publish a new version of our card (e.g. measured tok/s, load).
+
+        Only capability fields may change (`UPDATABLE`); a bad value raises CardError here,
+        in the caller's thread.
+        """
+        bad = [k for k in changes if k not in UPDATABLE]
+        if bad:
+            raise CardError(f"card fields {bad} cannot be updated (updatable: {UPDATABLE})")
+        Card.from_map(self.card.evolve(**changes).to_map())  # validate before queueing
         self.loop.call_soon(lambda: self._set_card(self._card.evolve(**changes)))
 
     def discovered(self, stream: str, gossip: str | None = None) -> None:
@@ -132,9 +142,10 @@ class Membership:
 
     def on_mdns_peer(self, ad: PeerAd) -> None:
         """mDNS callback (zeroconf thread): only peers of our cluster and protocol count."""
-        if ad.cluster != self._card.cluster or ad.node_id == self._card.node_id:
-            if ad.cluster != self._card.cluster:
-                self.counters["foreign"] += 1
+        if ad.cluster != self._card.cluster or ad.proto != PROTOCOL_VERSION:
+            self.counters["foreign"] += 1
+            return
+        if ad.node_id == self._card.node_id:
             return
         self.discovered(ad.stream, ad.gossip)
 

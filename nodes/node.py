@@ -24,7 +24,7 @@ from discovery.cards import Card, check_cluster
 from discovery.identity import Identity, acquire_identity
 from discovery.interfaces import DEFAULT_INTERFACE, NetChoice, resolve_interface
 from discovery.mdns import Mdns
-from discovery.membership import Membership
+from discovery.membership import UPDATABLE, Membership
 from discovery.table import Timeouts
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class NodeConfig:
     card_fields: dict[str, Any] = field(default_factory=dict)
 
 
-CARD_SETTABLE = ("backend", "model", "tokenizer", "vocab", "tok_s", "load", "free_mem", "extras")
+CARD_SETTABLE = UPDATABLE
 
 
 def parse_peer(text: str) -> str:

@@ -40,6 +40,14 @@ def test_card_updates_spread(make_node, seed_of, view, wait_until):
     assert wait_until(lambda: b.membership.get(a.node_id).card.tok_s == 42.0)
     got = b.membership.get(a.node_id).card
     assert got.version == 2 and got.extras == {"k": 1}
+    import pytest
+
+    from discovery.cards import CardError
+
+    with pytest.raises(CardError, match="cannot be updated"):
+        a.membership.update_card(incarnation=99)
+    with pytest.raises(CardError, match="vocab"):
+        a.membership.update_card(vocab="lots")
 
 
 def test_leave_and_silent_death(make_node, seed_of, view, wait_until):
