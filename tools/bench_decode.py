@@ -96,7 +96,7 @@ def _engine_runner(engine) -> Callable[[list[int], int], Run]:
     from nodes.engine.core import GenerationParams
 
     def run(ids: list[int], n: int) -> Run:
-        g = engine.generate(ids, GenerationParams(max_tokens=n, eos_token_ids=frozenset()))
+        g = engine.generate(ids, GenerationParams(max_tokens=n))
         spec = g.stats.spec_blocks > 0
         return Run(
             g.token_ids,
@@ -121,7 +121,7 @@ def _hf_runner(backend, **gen_kwargs) -> Callable[[list[int], int], Run]:
             attention_mask=torch.ones_like(x),
             do_sample=False,
             max_new_tokens=n,
-            min_new_tokens=n,
+            eos_token_id=backend.tokenizer.hf.eos_token_id,
             pad_token_id=backend.tokenizer.hf.eos_token_id,
             top_k=None,
             top_p=None,

@@ -45,12 +45,17 @@ class NgramSession(DraftSession):
 
 
 class NgramDrafter(Drafter):
-    """Deterministic, tokenizer-agnostic; returns 0..k tokens."""
+    """Deterministic, tokenizer-agnostic; returns 0..k tokens.
+
+    min_n defaults to 2: single-token matches (" the", ",") mostly propose junk on open-ended
+    text (measured on the decode benchmark prompts: 2..4 beats 1..4 on every open-ended prompt
+    and on 3 of 4 input-grounded ones).
+    """
 
     name = "ngram"
     fingerprint = None
 
-    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not (1 <= min_n <= max_n):
             raise BadRequestError(f"ngram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n

@@ -8,8 +8,8 @@ from nodes.engine import SamplingParams
 SP = SamplingParams()
 
 
-def draft(tokens, k, **kw):
-    ids, probs = NgramDrafter(**kw).open(tokens, SP).draft(k)
+def draft(tokens, k, min_n=1, **kw):
+    ids, probs = NgramDrafter(min_n=min_n, **kw).open(tokens, SP).draft(k)
     assert probs is None and ids.dtype.name == "int32"
     return ids.tolist()
 
@@ -43,3 +43,8 @@ def test_extend_sees_generated_tokens():
 
 def test_min_n_respected():
     assert draft([5, 6, 7, 5], 2, min_n=2) == []
+
+
+def test_default_ignores_single_token_matches():
+    assert NgramDrafter().open([4, 1, 4], SP).draft(3)[0].tolist() == []
+    assert NgramDrafter().open([4, 1, 9, 4, 1], SP).draft(3)[0].tolist() == [9, 4, 1]
