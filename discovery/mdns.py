@@ -6,6 +6,11 @@ hand each resolved peer to a callback and never touch ZeroMQ sockets from here. 
 bound to the chosen interface only (loopback by default, where Linux delivers multicast
 between processes once IP_MULTICAST_IF is 127.0.0.1, which zeroconf sets). If mDNS cannot
 start, the node carries on with seeds and gossip.
+
+All our questions are QM (multicast answers). Zeroconf asks its first question QU by default,
+and a unicast answer to port 5353 reaches only one of the sockets sharing that port with
+SO_REUSEPORT: with several nodes on one host (loopback, tests, benchmarks) the asker would
+often never see it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from zeroconf import (
+    DNSQuestionType,
     InterfaceChoice,
     IPVersion,
     ServiceBrowser,
@@ -32,6 +38,7 @@ from discovery.interfaces import NetChoice
 log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_specbus._tcp.local."
+RESOLVE_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,8 @@ class Mdns:
             server=f"specbus-{card.node_id}.local.",
         )
         self._pool.submit(self._register)
-        self._browser = ServiceBrowser(self._zc, SERVICE_TYPE, handlers=[self._on_change])
+        self._browser = ServiceBrowser(self._zc, SERVICE_TYPE, handlers=[self._on_change],
+                                       question_type=DNSQuestionType.QM)
         return True
 
     def _register(self) -> None:
@@ -131,14 +139,19 @@ class Mdns:
                     pass  # pool shut down while closing
 
     def _resolve(self, name: str) -> None:
-        if self._closed or self._zc is None:
-            return
-        try:
-            info = self._zc.get_service_info(SERVICE_TYPE, name, timeout=1500)
-        except Exception as exc:  # noqa: BLE001 - zeroconf internals; one peer, not the node
-            log.debug("mDNS lookup of %s failed: %s", name, exc)
-            return
+        info = None
+        for _ in range(RESOLVE_ATTEMPTS):
+            if self._closed or self._zc is None:
+                return
+            try:
+                info = self._zc.get_service_info(SERVICE_TYPE, name, timeout=1500,
+                                                 question_type=DNSQuestionType.QM)
+            except Exception as exc:  # noqa: BLE001 - zeroconf internals; one peer, not the node
+                log.debug("mDNS lookup of %s failed: %s", name, exc)
+            if info is not None:
+                break
         if info is None:
+            log.debug("mDNS service %s did not resolve", name)
             return
         try:
             ad = parse_properties(info.properties or {})

@@ -63,7 +63,7 @@ def test_cpu_bound_main_thread_is_never_suspected(cluster):
     idle = [cluster() for _ in range(2)]
     busy = cluster(env={"SPECBUS_TEST_BUSY_S": str(busy_s)})
     nodes = [*idle, busy]
-    assert wait_all(lambda: all_see_each_other(nodes), 15)
+    assert wait_all(lambda: all_see_each_other(nodes), 15), [n.view() for n in nodes]
     time.sleep(busy_s + 0.5)
     for n in idle:
         assert n.events_about(busy.node_id, "suspect") == []
@@ -79,7 +79,7 @@ def test_cpu_bound_main_thread_is_never_suspected(cluster):
 def test_other_cluster_is_never_listed(cluster):
     mine = [cluster() for _ in range(2)]
     other = cluster(cluster=f"{cluster.name}-other")
-    assert wait_all(lambda: all_see_each_other(mine), 15)
+    assert wait_all(lambda: all_see_each_other(mine), 15), [n.view() for n in mine]
     other.wait_ready()
     time.sleep(1.5)  # mDNS had every chance to show it
     for n in mine:
@@ -100,7 +100,7 @@ def test_other_cluster_is_never_listed(cluster):
 def test_restart_rejoins_with_higher_incarnation(cluster, tmp_path):
     a = cluster()
     first = cluster("--name", "phoenix", "--state-dir", str(tmp_path))
-    assert wait_all(lambda: all_see_each_other([a, first]), 15)
+    assert wait_all(lambda: all_see_each_other([a, first]), 15), [a.view(), first.view()]
     inc = first.ready["incarnation"]
     first.proc.kill()  # crash, no leave
     first.proc.wait(5)
