@@ -16,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+import zmq
+
 from discovery.interfaces import DEFAULT_INTERFACE
 from discovery.table import Event, Timeouts
 from nodes.logs import set_node_id
@@ -35,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and leaves cleanly. The card records --backend/--model/--drafter; actual drafting "
         "and verifying arrive with the nodes issue."
     )
+    parser.epilog = (
+        f"Test-only: {BUSY_ENV}=SECONDS makes the main thread spin in pure Python for that "
+        "long after joining (proves heartbeats come from the I/O thread); never set it in "
+        "production."
+    )
     parser.add_argument("--role", required=True, type=parse_roles,
                         metavar="verifier|proposer|verifier,proposer|observer",
                         help="what this node does (observer: listens, never offered work)")
@@ -46,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="HOST:PORT",
                         help="seed: another node's request endpoint (repeatable); works "
                              "where multicast does not")
+    parser.add_argument("--port", type=int, default=0,
+                        help="fixed request port (gossip uses port + 1), handy as a --peer "
+                             "seed for others (default: ephemeral ports)")
     parser.add_argument("--name", default=None,
                         help="display name; a named node keeps its id across restarts")
     parser.add_argument("--model", default="", help="model id (recorded on the card)")
@@ -105,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         raise SystemExit(f"specbus node: {exc}") from None
     return NodeConfig(
         cluster=args.cluster, roles=() if observer else args.role, observer=observer,
-        interface=args.interface, peers=tuple(args.peer), name=args.name,
+        interface=args.interface, peers=tuple(args.peer), port=args.port, name=args.name,
         backend=args.backend, model=args.model, drafter=args.drafter, mdns=not args.no_mdns,
         state_dir=args.state_dir, timeouts=timeouts,
     )
@@ -149,12 +159,16 @@ def run(args: argparse.Namespace) -> int:
     printer = _Printer() if args.print_events else None
     try:
         node.start()
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, zmq.ZMQError) as exc:
         print(f"specbus node: cannot start: {exc}", file=sys.stderr)
         node.stop(leave=False)
         return 1
     for handler in logging.getLogger().handlers:
         set_node_id(handler, node.node_id)
+    card = node.membership.card
+    print(f"specbus node {node.node_id}{f' ({card.name})' if card.name else ''} in cluster "
+          f"{card.cluster!r}: requests {card.endpoints['stream']}, gossip "
+          f"{card.endpoints['gossip']}, incarnation {card.incarnation}", file=sys.stderr)
     if printer is not None:
         node.membership.subscribe(lambda ev: printer(event_json(ev)))
         card = node.membership.card

@@ -41,6 +41,7 @@ class NodeConfig:
     observer: bool = False
     interface: str = DEFAULT_INTERFACE
     peers: tuple[str, ...] = ()  # seeds: stream endpoints (tcp://HOST:PORT)
+    port: int = 0  # request (ROUTER) port, gossip PUB on port + 1; 0: ephemeral ports
     name: str | None = None
     backend: str = ""
     model: str = ""
@@ -76,6 +77,9 @@ class Node:
                 raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
         if config.observer and config.roles:
             raise ValueError("an observer has no roles")
+        if not (config.port == 0 or 0 < config.port < 65535):
+            raise ValueError(f"--port must be 1..65534 (the gossip port is port + 1), "
+                             f"got {config.port}")
         bad = [k for k in config.card_fields if k not in CARD_SETTABLE]
         if bad:
             raise ValueError(f"card fields {bad} cannot be set (settable: {CARD_SETTABLE})")
@@ -109,11 +113,11 @@ class Node:
         cfg = self.config
         self.identity = acquire_identity(cfg.cluster, cfg.name, cfg.state_dir)
         self.loop.start()
-        host = self.net.bind_host
+        host, port = self.net.bind_host, cfg.port
         self.gossip = GossipChannel(self.loop, self.factory, self._on_gossip,
-                                    bind_endpoint=f"tcp://{host}:0")
+                                    bind_endpoint=f"tcp://{host}:{port + 1 if port else 0}")
         self.server = StreamServer(self.loop, self.factory, self._on_request,
-                                   bind_endpoint=f"tcp://{host}:0", sender=self.node_id)
+                                   bind_endpoint=f"tcp://{host}:{port}", sender=self.node_id)
         self.client = StreamClient(self.loop, self.factory, sender=self.node_id)
         card = self._first_card()
         self.membership = Membership(self.loop, self.gossip, self.client, self.identity, card,
