@@ -358,8 +358,9 @@ class Membership:
         self._after(events)
         for node_id in [n for n in self._gossip_eps if n not in self._table]:
             self._disconnect(node_id)  # forgotten after dead/left for forget_after
-            self._last_sync.pop(node_id, None)
-            self._introduced.pop(node_id, None)
+        for book in (self._introduced, self._last_sync):
+            for node_id in [n for n in book if n not in self._table]:
+                del book[node_id]
 
     # -- loop thread: snapshots ---------------------------------------------------------
     def _discovered(self, stream: str, gossip: str | None) -> None:
