@@ -156,9 +156,14 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    try:
+        busy = float(os.environ.get(BUSY_ENV, "0") or 0)
+    except ValueError:
+        print(f"specbus node: {BUSY_ENV} must be a number of seconds", file=sys.stderr)
+        return 2
     printer = _Printer() if args.print_events else None
     try:
-        node.start()
+        node.start(on_event=(lambda ev: printer(event_json(ev))) if printer else None)
     except (ValueError, OSError, zmq.ZMQError) as exc:
         print(f"specbus node: cannot start: {exc}", file=sys.stderr)
         node.stop(leave=False)
@@ -170,13 +175,10 @@ def run(args: argparse.Namespace) -> int:
           f"{card.cluster!r}: requests {card.endpoints['stream']}, gossip "
           f"{card.endpoints['gossip']}, incarnation {card.incarnation}", file=sys.stderr)
     if printer is not None:
-        node.membership.subscribe(lambda ev: printer(event_json(ev)))
-        card = node.membership.card
         printer({"event": "ready", "node_id": node.node_id, "name": card.name,
                  "incarnation": card.incarnation, "endpoints": card.endpoints,
                  "t": time.monotonic()})
     try:
-        busy = float(os.environ.get(BUSY_ENV, "0") or 0)
         if busy > 0:
             _spin(busy, stop)
         while not stop.wait(0.2):

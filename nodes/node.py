@@ -21,6 +21,7 @@ from bus.sockets import SocketFactory
 from bus.streams import Request, StreamClient, StreamServer, serve_ping
 from codec.messages import Message
 from discovery.cards import Card, check_cluster
+from discovery.events import Subscriber
 from discovery.identity import Identity, acquire_identity
 from discovery.interfaces import DEFAULT_INTERFACE, NetChoice, resolve_interface
 from discovery.mdns import Mdns
@@ -109,7 +110,8 @@ class Node:
         self._gossip_handlers[type_] = fn
 
     # -- lifecycle ----------------------------------------------------------------------
-    def start(self) -> Node:
+    def start(self, on_event: Subscriber | None = None) -> Node:
+        """Join the cluster; `on_event` is subscribed before anything can happen."""
         cfg = self.config
         self.identity = acquire_identity(cfg.cluster, cfg.name, cfg.state_dir)
         self.loop.start()
@@ -126,6 +128,8 @@ class Node:
             self.register_gossip(t, self.membership.handle_gossip)
         self.register_request("snapshot_req", self.membership.handle_request)
         self.register_request("ping", serve_ping)
+        if on_event is not None:
+            self.membership.subscribe(on_event)
         self.membership.start()
         if cfg.mdns:
             self.mdns = Mdns(self.net, self.membership.on_mdns_peer)
