@@ -1,0 +1,103 @@
+"""Node telemetry: about once a second, publish a `stats` message on the cluster's stats topic.
+
+Figures come from the roles (verifier: tok/s, active/queued, per-proposer acceptance, deadline
+misses; proposer: sessions, drafts served, draft tok/s) plus what every node has: CPU and memory
+use, bus RTT to each peer (a `ping` every few seconds), malformed messages dropped. Stats go on
+their own topic prefix so only monitors subscribe to them; workers never receive them.
+
+Everything runs on the I/O thread (timers), reading role counters that the compute threads
+update; a slightly stale figure is fine for a live view.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bus.streams import BusError, Call
+from codec.messages import Message, make
+
+log = logging.getLogger(__name__)
+
+STATS_EVERY_S = 1.0
+PING_EVERY_S = 3.0
+
+
+def stats_topic(cluster: str) -> str:
+    """Topic prefix of a cluster's telemetry (distinct from membership gossip)."""
+    return f"specbus-stats/{cluster}/"
+
+
+class Telemetry:
+    """Publishes one `stats` message per interval for a started `Node`."""
+
+    def __init__(self, node, providers: list[Callable[[], dict[str, Any]]] | None = None,
+                 every: float = STATS_EVERY_S, ping_every: float = PING_EVERY_S) -> None:
+        self.node = node
+        self.providers = list(providers or [])
+        self.every = every
+        self.ping_every = ping_every
+        self.rtt_ms: dict[str, float] = {}  # peer node id -> last measured RTT (I/O thread)
+        self._timers: list = []
+        self._seq = 0
+        self._proc = None
+
+    def start(self) -> None:
+        import psutil
+
+        self._proc = psutil.Process(os.getpid())
+        self._proc.cpu_percent(None)  # first call primes the counter
+        loop = self.node.loop
+        self._timers = [loop.call_every(self.every, self._publish, first=self.every),
+                        loop.call_every(self.ping_every, self._ping_peers, first=0.5)]
+
+    def stop(self) -> None:
+        for t in self._timers:
+            t.cancel()
+
+    def snapshot(self) -> dict[str, Any]:
+        node = self.node
+        mem = self._proc.memory_info().rss if self._proc else 0
+        server, gossip, client = node.server, node.gossip, node.client
+        out: dict[str, Any] = {
+            "cpu_percent": round(self._proc.cpu_percent(None), 1) if self._proc else 0.0,
+            "rss_bytes": int(mem),
+            "dropped": {"gossip": gossip.dropped, "requests": server.dropped,
+                        "replies": client.dropped},
+            "rtt_ms": dict(self.rtt_ms),
+        }
+        for provider in self.providers:
+            try:
+                out.update(provider())
+            except Exception:  # noqa: BLE001 - a broken figure must not stop the others
+                log.exception("telemetry provider failed")
+        return out
+
+    # -- I/O thread ---------------------------------------------------------------------------
+    def _publish(self) -> None:
+        card = self.node.membership.card
+        self._seq += 1
+        msg = make("stats", sender=self.node.node_id, seq=self._seq, cluster=card.cluster,
+                   incarnation=card.incarnation, stats=self.snapshot())
+        self.node.gossip.publish(stats_topic(card.cluster), msg)
+
+    def _ping_peers(self) -> None:
+        for m in self.node.membership.members(include_self=False):
+            if m.state.value != "alive":
+                self.rtt_ms.pop(m.node_id, None)
+                continue
+            endpoint = m.card.endpoints.get("stream")
+            if endpoint:
+                self._ping(m.node_id, endpoint)
+
+    def _ping(self, node_id: str, endpoint: str) -> None:
+        t0 = time.perf_counter()
+
+        def done(call: Call, item: Message | BusError) -> None:
+            if isinstance(item, Message) and item.type == "pong":
+                self.rtt_ms[node_id] = round((time.perf_counter() - t0) * 1000, 3)
+
+        self.node.client.request(endpoint, make("ping"), timeout=1.0, on_reply=done)
