@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_specbus._tcp.local."
 RESOLVE_ATTEMPTS = 3
+SELF_CHECK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class Mdns:
         self._closed = False
         self.seen = 0
         self.malformed = 0
+        self.self_seen = threading.Event()
 
     def start(self, card: Card) -> bool:
         """Start announcing and browsing; False (logged) if mDNS is unavailable here."""
@@ -128,9 +132,24 @@ class Mdns:
             self._zc.register_service(self._info, cooperating_responders=True)
         except Exception as exc:  # noqa: BLE001 - zeroconf raises many kinds; keep running
             log.warning("mDNS registration failed: %s", exc)
+            return
+        # Self-check: our browser should hear our own announcement (IP_MULTICAST_LOOP). If it
+        # does not, multicast is not delivered on this interface; say so, once.
+        deadline = time.monotonic() + SELF_CHECK_S
+        while not self.self_seen.wait(0.1):
+            if self._closed:
+                return  # never hold up shutdown
+            if time.monotonic() > deadline:
+                where = "every interface" if self.net.mdns is None else ", ".join(self.net.mdns)
+                log.warning("mDNS on %s: our own announcement never came back within %.0fs; "
+                            "multicast may not work here, use --peer seeds", where, SELF_CHECK_S)
+                return
 
     def _on_change(self, zeroconf: Zeroconf, service_type: str, name: str,
                    state_change: ServiceStateChange) -> None:
+        if self._info is not None and name == self._info.name:
+            self.self_seen.set()  # our own multicast came back: mDNS works on this interface
+            return
         if state_change in (ServiceStateChange.Added, ServiceStateChange.Updated):
             if not self._closed:
                 try:

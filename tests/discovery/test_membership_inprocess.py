@@ -118,6 +118,7 @@ def test_mdns_on_loopback_alone_finds_peers(make_node, view, wait_until):
     other = make_node(cluster=cluster + "-x", mdns=True)
     assert wait_until(lambda: view(a).get(b.node_id) == "alive", timeout=5)
     assert wait_until(lambda: view(b).get(a.node_id) == "alive", timeout=5)
+    assert a.mdns.self_seen.wait(5)  # the self-check: our own multicast comes back
     # a saw the other cluster's announcement, and ignored it
     assert wait_until(lambda: a.membership.counters["foreign"] >= 1, timeout=5)
     assert other.node_id not in view(a) and view(other) == {}
