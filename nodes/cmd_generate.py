@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--backend", default="torch", choices=("torch", "mlx"))
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--max-draft", type=int, default=8, help="longest draft block")
+    parser.add_argument("--max-draft", type=int, default=16, help="longest draft block")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)

@@ -88,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="runs per prompt and configuration; the fastest counts",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads for every configuration (default 1: with any background load, "
+        "multi-threaded CPU forwards stall badly, which would swamp the comparison)",
+    )
     parser.add_argument("--no-mlx", action="store_true", help="skip the MLX rows")
     parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
 
@@ -211,6 +218,10 @@ def _run(args: argparse.Namespace) -> int:
     from nodes import models
     from nodes.backends.tokenizer import Tokenizer
 
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     n = 48 if args.quick else args.max_tokens
     prompts = PROMPTS
     if args.quick:
@@ -286,6 +297,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         doc = {
             "rows": rows,
+            "threads": args.threads,
             "per_prompt": per_prompt,
             "max_tokens": n,
             "quick": args.quick,

@@ -40,13 +40,18 @@ class Backend(ABC):
     def forward(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
         """Append `token_ids` to the cache; return logits float32 [len(token_ids), vocab]."""
 
+    def forward_last(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
+        """Like `forward` but only the last row, float32 [vocab]; skips the LM head elsewhere
+        (for a 200-token prompt that head is most of the prefill cost)."""
+        return self.forward(cache, token_ids)[-1]
+
     def prefill(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
         """Process a whole prompt; return the logits row for the next token, float32 [vocab].
 
         Backends override this to split the prompt the way their reference generator does, so
         greedy output stays bit-identical to it.
         """
-        return self.forward(cache, token_ids)[-1]
+        return self.forward_last(cache, token_ids)
 
     @abstractmethod
     def cache_length(self, cache: Any) -> int:

@@ -59,13 +59,17 @@ class MlxBackend(Backend):
         logits = self.model(mx.array([list(token_ids)]), cache=cache)
         return np.array(logits[0].astype(mx.float32))
 
+    def forward_last(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
+        logits = self.model(mx.array([list(token_ids)]), cache=cache)
+        return np.array(logits[0, -1].astype(mx.float32))
+
     def prefill(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
         # like mlx_lm.generate_step: everything but the last token, then the last one alone
         ids = list(token_ids)
         if len(ids) > 1:
             self.model(mx.array([ids[:-1]]), cache=cache)
             mx.eval([c.state for c in cache])
-        return self.forward(cache, ids[-1:])[-1]
+        return self.forward_last(cache, ids[-1:])
 
     def cache_length(self, cache: Any) -> int:
         return int(cache[0].offset)

@@ -74,6 +74,13 @@ class TorchBackend(Backend):
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
         return out.logits[0].float().cpu().numpy()
 
+    @torch.inference_mode()
+    def forward_last(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
+        # logits_to_keep=1 is also what HF generate uses for the prompt
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float().cpu().numpy()
+
     def cache_length(self, cache: Any) -> int:
         return int(cache.get_seq_length())
 

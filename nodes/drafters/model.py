@@ -46,7 +46,7 @@ class ModelSession(DraftSession):
         ids: list[int] = []
         probs: list[np.ndarray] = []
         for _ in range(k):
-            row = self.backend.forward(self.cache, feed)[-1]
+            row = self.backend.forward_last(self.cache, feed)
             if self.params.greedy:
                 tok = int(np.argmax(row))
             else:

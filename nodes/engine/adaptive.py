@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-_DECAY = 0.9  # weight of history per speculative block
+_DECAY = 0.7  # weight of history per block: acceptance comes in phases (copying or not)
 _EMA = 0.3
 
 
 @dataclass
 class DraftLengthController:
-    max_k: int = 8
+    max_k: int = 16
     min_k: int = 1
     probe_every: int = 8
     prior_acceptance: float = 0.5

@@ -116,8 +116,9 @@ class Generation:
 class Engine:
     """Verifier backend + optional drafter. One generation at a time per engine instance.
 
-    `fixed_k` disables adaptation (tests, benchmarks); otherwise each generation gets a fresh
-    `DraftLengthController` seeded with this engine's learnt costs.
+    `fixed_k` disables adaptation (tests); otherwise the engine's `DraftLengthController` picks
+    each block's draft length, and what it learnt (costs, recent acceptance) carries over to the
+    next generation on this engine.
     """
 
     def __init__(
@@ -125,7 +126,7 @@ class Engine:
         backend: Backend,
         drafter: Drafter | None = None,
         *,
-        max_draft: int = 8,
+        max_draft: int = 16,
         fixed_k: int | None = None,
     ) -> None:
         if drafter is not None:
@@ -189,6 +190,8 @@ class Engine:
                 generated.extend(new)
                 stats.blocks += 1
                 committed = len(prompt) + len(generated)
+                # roll back rejected (or cut-off) drafts: keep all committed but the pending one
+                backend.crop(cache, committed - 1)
                 yield Block(
                     token_ids=new,
                     drafted=drafted,
@@ -218,8 +221,6 @@ class Engine:
                 else:
                     accepted, nxt = accept_sampling(logits, drafts, probs, sp, rng)
                 new = [*drafts[:accepted].tolist(), nxt]
-                # roll back rejected drafts: keep everything committed except the new pending
-                backend.crop(cache, committed + accepted)
                 if drafted:
                     stats.spec_blocks += 1
                     stats.drafted += drafted

@@ -18,7 +18,7 @@ class LocalConfig:
     model: str | None = None  # alias, folder or cached HF repo id; None: embedded default
     backend: str = "torch"
     drafter: str | None = "ngram"  # none | ngram | int8 | model:<ref>
-    max_draft: int = 8
+    max_draft: int = 16
 
 
 def load_engine(cfg: LocalConfig) -> Engine:

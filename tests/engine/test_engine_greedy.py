@@ -91,11 +91,9 @@ def test_eos_inside_draft(tiny_torch, prompt_ids, reference, scripted, k):
     expected = hf_greedy(tiny_torch, prompt_ids, N, eos_id=eos)
     assert expected == reference[:cut]
     engine = Engine(tiny_torch, scripted(prompt_ids + reference, "perfect", 49152), fixed_k=k)
-    gen = engine.generate(
-        prompt_ids, GenerationParams(max_tokens=N, eos_token_ids=frozenset({eos}))
-    )
-    assert gen.token_ids == expected
-    assert gen.finish_reason == "eos"
+    params = GenerationParams(max_tokens=N, eos_token_ids=frozenset({eos}))
+    assert run(engine, prompt_ids, params) == expected  # also checks the cache after EOS
+    assert engine.generate(prompt_ids, params).finish_reason == "eos"
 
 
 def test_max_tokens_respected_with_long_drafts(tiny_torch, prompt_ids, reference, scripted):
