@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
 from discovery.interfaces import DEFAULT_INTERFACE
 from discovery.table import Member
 from nodes.cmd_node import peer_arg, positive_float
+from nodes.logs import set_node_id
 from nodes.node import Node, NodeConfig
 
 
@@ -64,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"specbus members: {exc}", file=sys.stderr)
         return 2
+    for handler in logging.getLogger().handlers:
+        set_node_id(handler, node.node_id)
     try:
         time.sleep(args.wait)
         members = node.membership.members(include_self=False)
