@@ -1,7 +1,8 @@
-"""`specbus node`: run a node that joins its cluster, gossips, and leaves on SIGINT/SIGTERM.
+"""`specbus node`: run a node that joins its cluster, serves its roles, and leaves on
+SIGINT/SIGTERM.
 
-For now a node announces its roles and card and takes part in membership; drafting and
-verifying are plugged in by the nodes issue (roles register request handlers on `Node`).
+Roles (nodes/roles) are assembled before joining — models loaded, speed measured — so the first
+card is complete; they register their request handlers on `Node` before it starts.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from discovery.interfaces import DEFAULT_INTERFACE
 from discovery.table import Event, Timeouts
 from nodes.logs import set_node_id
 from nodes.node import ROLES, Node, NodeConfig, parse_peer
+from nodes.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Run a specbus node until SIGINT/SIGTERM: it discovers its cluster (mDNS on the "
         "chosen interface, plus --peer seeds), gossips its capability card and heartbeats, "
-        "and leaves cleanly. The card records --backend/--model/--drafter; actual drafting "
-        "and verifying arrive with the nodes issue."
+        "serves its roles, and leaves cleanly. A verifier loads --model and serves "
+        "generation requests, borrowing drafts from the cluster's proposers; a proposer serves "
+        "draft sessions with its --drafter."
     )
     parser.epilog = (
         f"Test-only: {BUSY_ENV}=SECONDS makes the main thread spin in pure Python for that "
@@ -58,9 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "seed for others (default: ephemeral ports)")
     parser.add_argument("--name", default=None,
                         help="display name; a named node keeps its id across restarts")
-    parser.add_argument("--model", default="", help="model id (recorded on the card)")
-    parser.add_argument("--drafter", default="", help="drafter, e.g. ngram (recorded on the card)")
-    parser.add_argument("--backend", default="", help="torch|mlx (recorded on the card)")
+    parser.add_argument("--model", default="",
+                        help="model the verifier runs (and int8 quantizes): alias, folder or "
+                             "cached HF repo id (default: the embedded smollm2-135m)")
+    parser.add_argument("--drafter", default="",
+                        help="ngram | int8 | model:REF | none; a proposer's drafter "
+                             "(default ngram), or a verifier's own fallback (default none)")
+    parser.add_argument("--backend", default="", choices=("", "torch", "mlx"),
+                        help="torch (default) or mlx")
+    parser.add_argument("--max-draft", type=int, default=8,
+                        help="longest draft block a verifier asks for (default 8)")
     parser.add_argument("--no-mdns", action="store_true",
                         help="do not use mDNS (seeds and gossip only)")
     parser.add_argument("--state-dir", type=Path, default=None,
@@ -145,10 +155,14 @@ class _Printer:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        node = Node(config_from_args(args))
-    except ValueError as exc:
+        config = config_from_args(args)
+        roles = _assemble_roles(args, config)
+        node = Node(config)
+    except ValueError as exc:  # includes GenerationError: unknown model, drafter, mismatch
         print(f"specbus node: {exc}", file=sys.stderr)
         return 2
+    if roles is not None:
+        roles.attach(node)  # handlers are in place before the node can receive a request
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -178,19 +192,46 @@ def run(args: argparse.Namespace) -> int:
         printer({"event": "ready", "node_id": node.node_id, "name": card.name,
                  "incarnation": card.incarnation, "endpoints": card.endpoints,
                  "t": time.monotonic()})
+    telemetry = Telemetry(node, providers=[roles.telemetry] if roles else [])
+    telemetry.start()
     try:
         if busy > 0:
             _spin(busy, stop)
         while not stop.wait(0.2):
             pass
     finally:
+        telemetry.stop()
         node.stop(leave=True)
+        if roles is not None:
+            roles.close()
         if printer is not None:
             g = node.gossip
             printer({"event": "exit", "node_id": node.node_id, "bytes_out": g.bytes_out,
                      "bytes_in": g.bytes_in, "published": g.published, "received": g.received,
                      "dropped": g.dropped, **node.membership.counters, "t": time.monotonic()})
     return 0
+
+
+def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
+    """Load what the roles need (models, drafters) and put what they measured on the card.
+
+    Slow (model loading) and done before joining, so the first card is already complete. A
+    proposer's drafter defaults to `ngram`; a verifier drafts nothing itself unless asked (it
+    borrows the cluster's proposers).
+    """
+    if config.observer or not config.roles:
+        return None
+    from nodes.roles.assemble import RoleSpec, assemble
+
+    default = "ngram" if "proposer" in config.roles else "none"
+    spec = RoleSpec(roles=config.roles, model=args.model or None,
+                    backend=args.backend or "torch", drafter=args.drafter or default,
+                    max_draft=args.max_draft)
+    roles = assemble(spec)
+    config.card_fields = {**config.card_fields, **roles.card}
+    if "proposer" in config.roles:
+        config.drafter = spec.drafter
+    return roles
 
 
 def _spin(seconds: float, stop: threading.Event) -> None:
