@@ -92,14 +92,17 @@ def _run_local(args: argparse.Namespace) -> int:
     ids = encode_prompt(engine, args.prompt, chat=args.chat, system=args.system)
 
     shown = [0]
+    # hold back what could be the start of a stop string until the block that settles it
+    holdback = max((len(x) for x in args.stop), default=1) - 1
 
     def show(block) -> None:
         text = block.text
         if text is None:
             return
-        sys.stdout.write(text[shown[0] :])
+        end = len(text) if block.finish_reason else max(len(text) - holdback, shown[0])
+        sys.stdout.write(text[shown[0] : end])
         sys.stdout.flush()
-        shown[0] = len(text)
+        shown[0] = end
 
     decode = engine.backend.tokenizer.decode
     generated: list[int] = []

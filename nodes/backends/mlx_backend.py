@@ -16,6 +16,8 @@ from nodes.engine.errors import ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
+PREFILL_STEP = 2048  # mlx_lm.generate_step's default prefill_step_size
+
 
 class MlxBackend(Backend):
     """An mlx-lm model with plain `KVCache` layers (trimmable, unlike `RotatingKVCache`)."""
@@ -64,10 +66,11 @@ class MlxBackend(Backend):
         return np.array(logits[0, -1].astype(mx.float32))
 
     def prefill(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
-        # like mlx_lm.generate_step: everything but the last token, then the last one alone
+        # like mlx_lm.generate_step: all but the last token in chunks, then the last one alone
         ids = list(token_ids)
-        if len(ids) > 1:
-            self.model(mx.array([ids[:-1]]), cache=cache)
+        for start in range(0, len(ids) - 1, PREFILL_STEP):
+            chunk = ids[start : min(start + PREFILL_STEP, len(ids) - 1)]
+            self.model(mx.array([chunk]), cache=cache)
             mx.eval([c.state for c in cache])
         return self.forward_last(cache, ids[-1:])
 

@@ -45,6 +45,8 @@ def test_min_n_respected():
     assert draft([5, 6, 7, 5], 2, min_n=2) == []
 
 
-def test_default_ignores_single_token_matches():
-    assert NgramDrafter().open([4, 1, 4], SP).draft(3)[0].tolist() == []
-    assert NgramDrafter().open([4, 1, 9, 4, 1], SP).draft(3)[0].tolist() == [9, 4, 1]
+def test_default_prefers_long_context():
+    # [1, 2, 3] last followed by 8; the shorter suffix [2, 3] most recently by 9
+    tokens = [1, 2, 3, 8, 0, 2, 3, 9, 5, 1, 2, 3]
+    assert NgramDrafter().open(tokens, SP).draft(1)[0].tolist() == [8]
+    assert NgramDrafter(max_n=2).open(tokens, SP).draft(1)[0].tolist() == [9]
