@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 # Test-only: seconds the main thread spins in pure Python after joining (proves heartbeats
 # come from the I/O thread). Never set it in production.
 BUSY_ENV = "SPECBUS_TEST_BUSY_S"
+# Test/benchmark-only: a proposer holds each draft reply this many milliseconds, emulating a
+# slower network (this VM's kernel has no netem). Never set it in production.
+ADDED_RTT_ENV = "SPECBUS_TEST_ADDED_RTT_MS"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.epilog = (
         f"Test-only: {BUSY_ENV}=SECONDS makes the main thread spin in pure Python for that "
-        "long after joining (proves heartbeats come from the I/O thread); never set it in "
-        "production."
+        "long after joining (proves heartbeats come from the I/O thread); "
+        f"{ADDED_RTT_ENV}=MS makes a proposer hold each draft reply that long (emulates a "
+        "slower network for the latency sweep). Never set them in production."
     )
     parser.add_argument("--role", required=True, type=parse_roles,
                         metavar="verifier|proposer|verifier,proposer|observer",
@@ -71,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch (default) or mlx")
     parser.add_argument("--max-draft", type=int, default=8,
                         help="longest draft block a verifier asks for (default 8)")
+    parser.add_argument("--session-lease", type=positive_float, default=30.0,
+                        help="seconds a proposer keeps a verifier's idle draft session "
+                             "(a verifier sets it on the sessions it opens; default 30)")
     parser.add_argument("--no-mdns", action="store_true",
                         help="do not use mDNS (seeds and gossip only)")
     parser.add_argument("--state-dir", type=Path, default=None,
@@ -226,12 +233,24 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
     default = "ngram" if "proposer" in config.roles else "none"
     spec = RoleSpec(roles=config.roles, model=args.model or None,
                     backend=args.backend or "torch", drafter=args.drafter or default,
-                    max_draft=args.max_draft)
+                    max_draft=args.max_draft, lease_s=args.session_lease,
+                    reply_delay_s=_env_seconds(ADDED_RTT_ENV, 1000.0))
     roles = assemble(spec)
     config.card_fields = {**config.card_fields, **roles.card}
     if "proposer" in config.roles:
         config.drafter = spec.drafter
     return roles
+
+
+def _env_seconds(name: str, per_second: float) -> float:
+    text = os.environ.get(name, "") or "0"
+    try:
+        value = float(text) / per_second
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {text!r}")
+    return value
 
 
 def _spin(seconds: float, stop: threading.Event) -> None:

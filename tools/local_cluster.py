@@ -71,10 +71,14 @@ class LocalCluster:
     nodes: list[NodeProc] = field(default_factory=list)
 
     def start_node(self, name: str, *flags: str, wait: float = 180.0,
-                   seed: bool = False) -> NodeProc:
-        """Start `python -m nodes --name NAME FLAGS...` and wait for its `ready` line."""
-        args = [sys.executable, "-m", "nodes", "--cluster", self.cluster, "--name", name,
-                "--print-events", *flags]
+                   seed: bool = False, prefix: list[str] | None = None,
+                   env: dict[str, str] | None = None) -> NodeProc:
+        """Start `python -m nodes --name NAME FLAGS...` and wait for its `ready` line.
+
+        `prefix` runs it under another command (e.g. `ip netns exec NS`); `env` adds variables.
+        """
+        args = [*(prefix or []), sys.executable, "-m", "nodes", "--cluster", self.cluster,
+                "--name", name, "--print-events", *flags]
         if not self.mdns:
             args.append("--no-mdns")
         if seed or not self.mdns:
@@ -85,7 +89,7 @@ class LocalCluster:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             stderr = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - child owns it
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(env or {})}
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                 env=env, cwd=Path(__file__).resolve().parents[1])
         node = NodeProc(args, proc, name)

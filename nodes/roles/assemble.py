@@ -26,6 +26,8 @@ class RoleSpec:
     backend: str = "torch"
     drafter: str = "ngram"  # the proposer's drafter (or the verifier's local one)
     max_draft: int = 8
+    lease_s: float = 30.0  # draft-session lease a verifier asks proposers for
+    reply_delay_s: float = 0.0  # proposer test/bench knob: added round-trip time
 
 
 @dataclass
@@ -91,7 +93,7 @@ def assemble(spec: RoleSpec) -> Roles:
         local = drafter if "proposer" not in spec.roles else None
         engine = Engine(backend, local, max_draft=spec.max_draft)
         roles.card["tok_s"] = round(_measure_plain(engine), 2)
-        roles.verifier = VerifierRole(engine)
+        roles.verifier = VerifierRole(engine, lease_s=spec.lease_s)
 
     if "proposer" in spec.roles:
         from nodes.roles.proposer import ProposerRole
@@ -101,7 +103,8 @@ def assemble(spec: RoleSpec) -> Roles:
             raise BadRequestError("a proposer needs a drafter: ngram, int8 or model:<ref>")
         own = getattr(drafter, "backend", None) or backend  # a model drafter's own model
         vocab = own.vocab_size if own is not None else 0
-        roles.proposer = ProposerRole(drafter, vocab_size=vocab)
+        roles.proposer = ProposerRole(drafter, vocab_size=vocab,
+                                      reply_delay_s=spec.reply_delay_s)
         if drafter.fingerprint is None:
             roles.card.setdefault("tokenizer", ANY_TOKENIZER)
         else:

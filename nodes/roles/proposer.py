@@ -72,18 +72,22 @@ class ProposerRole:
 
     TYPES = ("session_open", "session_extend", "draft_req", "session_close")
 
-    def __init__(self, drafter: Drafter, vocab_size: int, sweep_every: float = 0.25) -> None:
+    def __init__(self, drafter: Drafter, vocab_size: int, sweep_every: float = 0.25,
+                 reply_delay_s: float = 0.0) -> None:
         self.drafter = drafter
+        self.reply_delay_s = reply_delay_s  # test/bench knob: emulate a slower network
         self.vocab_size = vocab_size
         self.stats = ProposerStats()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._sessions: dict[str, _Session] = {}  # worker thread only
         self._sweep_every = sweep_every
         self._stop = threading.Event()
+        self._loop = None
         self._worker = threading.Thread(target=self._run, name="proposer-worker", daemon=True)
 
     # -- wiring -----------------------------------------------------------------------------
     def attach(self, node) -> None:
+        self._loop = node.loop if hasattr(node, "loop") else None
         for t in self.TYPES:
             node.register_request(t, self.enqueue)
         self._worker.start()
@@ -158,7 +162,8 @@ class ProposerRole:
         if not 0 <= k <= MAX_K:
             raise BadRequestError(f"k must be in 0..{MAX_K}, got {k}")
         budget = msg.get("budget_s")
-        if budget is not None and time.monotonic() - arrived > float(budget):
+        late = budget is not None and time.monotonic() - arrived > float(budget)
+        if late or req.cancelled.is_set():
             # the verifier has given up on this block already: don't waste a draft on it
             self.stats.stale_skipped += 1
             ids, probs = np.zeros(0, np.int32), None
@@ -174,8 +179,12 @@ class ProposerRole:
         tensors = [ids]
         if session.want_probs and probs is not None and len(ids):
             tensors.append(np.ascontiguousarray(np.asarray(probs, dtype=np.float32)[: len(ids)]))
-        req.reply(make("draft_reply", committed=session.committed, elapsed_s=elapsed,
-                       tensors=tensors))
+        reply = make("draft_reply", committed=session.committed, elapsed_s=elapsed,
+                     tensors=tensors)
+        if self.reply_delay_s > 0 and self._loop is not None:
+            self._loop.call_later(self.reply_delay_s, lambda: req.reply(reply))
+        else:
+            req.reply(reply)
 
     def _open(self, req: Request) -> None:
         msg = req.message

@@ -40,6 +40,9 @@ class DeadlinePolicy:
     factor: float = 2.0
     slack_s: float = 0.003
     max_failures: int = 3  # consecutive failures before a proposer is dropped for a generation
+    explore_every: int = 8  # blocks between tries of a proposer that does not look worth it
+    prior_step_s: float = 0.06  # plain verifier step before one is measured
+    prior_slope: float = 0.08  # relative verify cost per extra fed token before measuring
 
 
 @dataclass
@@ -104,6 +107,7 @@ class _Peer:
     start: dict[str, int]  # the link's counters when this session began
     failures: int = 0
     dropped: bool = False
+    idle_blocks: int = 0  # blocks since it was last asked
 
 
 class RemoteDraftSession(DraftSession):
@@ -132,6 +136,8 @@ class RemoteDraftSession(DraftSession):
         self.tokens = [int(t) for t in prompt_ids]
         self.peers = [_Peer(link, len(self.tokens), link.counters()) for link in links]
         self._last: tuple[_Peer, np.ndarray] | None = None
+        self._mark: tuple[int, float] | None = None  # (tokens fed next, when) for costs
+        self.costs = _VerifyCosts(self.policy)
         self.deadline_misses = 0
         self.waited_s = 0.0
         prompt = np.asarray(self.tokens, dtype=np.int32)
@@ -144,6 +150,11 @@ class RemoteDraftSession(DraftSession):
 
     # -- DraftSession -------------------------------------------------------------------------
     def extend(self, delta: Sequence[int]) -> None:
+        now = time.monotonic()
+        if self._mark is not None:
+            fed, since = self._mark
+            self.costs.record(fed, now - since)
+        self._mark = (1, now)  # unless a draft follows, the next forward is a plain step
         delta = [int(t) for t in delta]
         if self._last is not None and delta:
             peer, ids = self._last
@@ -156,51 +167,92 @@ class RemoteDraftSession(DraftSession):
         self.tokens.extend(delta)
 
     def draft(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
+        ids, probs = self._draft(k)
+        self._mark = (len(ids) + 1, time.monotonic())  # the forward that follows feeds these
+        return ids, probs
+
+    def _draft(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
         self._last = None
-        live = [p for p in self.peers if not p.dropped]
-        for p in live:
-            if not self.is_alive(p.link.node_id):
+        for p in self.peers:
+            if not p.dropped and not self.is_alive(p.link.node_id):
                 self._drop(p, "not alive in membership")
-        live = [p for p in live if not p.dropped]
-        if k <= 0 or not live:
+        ask = self._worth_asking(k)
+        if k <= 0 or not ask:
             return EMPTY, None
         committed = len(self.tokens)
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         t0 = time.monotonic()
-        deadlines = {}
-        for p in live:
+        deadlines: dict[int, float] = {}
+        calls: dict[int, Call] = {}
+        for p in ask:
+            p.idle_blocks = 0
             wait = p.link.deadline(k, self.policy)
             deadlines[id(p)] = t0 + wait
             delta = np.asarray(self.tokens[p.acked :], dtype=np.int32)
             req = make("draft_req", session=self.sid, k=k, committed=committed,
                        want_probs=not self.sampling.greedy, budget_s=wait, tensors=[delta])
-            self._send(p, req, wait, lambda call, item, p=p: inbox.put((p, item, time.monotonic())))
+            call = self._send(p, req, wait,
+                              lambda call, item, p=p: inbox.put((p, item, time.monotonic())))
+            if call is not None:
+                calls[id(p)] = call
         replies: list[tuple[_Peer, np.ndarray, np.ndarray | None]] = []
-        pending = {id(p) for p in live}
+        pending = {id(p): p for p in ask if id(p) in calls}
         while pending:
-            remaining = max(deadlines[i] for i in pending) - time.monotonic()
+            best = max((_expected_accepted(r[0].link, len(r[1])) for r in replies), default=0.0)
+            worth = [p for p in pending.values() if self._worth_waiting(p, k, best, t0)]
+            if not worth:
+                break
+            remaining = max(deadlines[id(p)] for p in worth) - time.monotonic()
             try:
                 p, item, at = inbox.get(timeout=max(remaining, 0.0))
             except queue.Empty:
                 break
-            if id(p) not in pending:
+            if pending.pop(id(p), None) is None:
                 continue
-            pending.discard(id(p))
             got = self._check(p, item, k, committed, at - t0)
             if got is not None:
                 replies.append((p, *got))
-        for p in live:
-            if id(p) in pending:
+        now = time.monotonic()
+        for key, p in pending.items():
+            calls[key].cancel()  # tell the proposer to skip it if it has not started
+            if now >= deadlines[key]:
                 p.link.timeouts += 1
                 self.deadline_misses += 1
                 self._fail(p, "deadline")
-        self.waited_s += time.monotonic() - t0
+        self.waited_s += now - t0
         if not replies:
             return EMPTY, None
         p, ids, probs = max(replies, key=lambda r: _expected_accepted(r[0].link, len(r[1])))
         p.link.chosen += 1
         self._last = (p, ids)
         return ids, probs
+
+    def _worth_asking(self, k: int) -> list[_Peer]:
+        """Proposers expected to beat plain decoding at k, plus one due for exploration."""
+        live = [p for p in self.peers if not p.dropped]
+        plain_rate = 1.0 / self.costs.cost(1)
+        out = []
+        for p in live:
+            p.idle_blocks += 1
+            link = p.link
+            if link.net_s is None or p.idle_blocks > self.policy.explore_every:
+                out.append(p)
+                continue
+            a = min(link.acceptance, 0.999)
+            tokens = (1 - a ** (k + 1)) / (1 - a)
+            cost = self.costs.cost(k + 1) + link.net_s + link.per_token_s * k
+            if tokens / cost > plain_rate:
+                out.append(p)
+        return out
+
+    def _worth_waiting(self, p: _Peer, k: int, best: float, t0: float) -> bool:
+        """Wait for p if its expected extra accepted tokens beat what the wait costs."""
+        link = p.link
+        if link.net_s is None:
+            return best <= 0.0  # unmeasured: wait (up to its deadline) unless we have a draft
+        eta = t0 + link.net_s + link.per_token_s * k
+        lost = max(eta - time.monotonic(), 0.0) / self.costs.cost(1)
+        return _expected_accepted(link, k) - best > lost
 
     def stats(self) -> dict[str, dict]:
         """Per-proposer figures for this session only."""
@@ -215,12 +267,14 @@ class RemoteDraftSession(DraftSession):
 
     # -- helpers ------------------------------------------------------------------------------
     def _send(self, peer: _Peer, msg: Message, timeout: float,
-              on_reply: Callable[[Call, object], None]) -> None:
+              on_reply: Callable[[Call, object], None]) -> Call | None:
         try:
-            self.client.request(peer.link.endpoint, msg, timeout=timeout, on_reply=on_reply)
+            return self.client.request(peer.link.endpoint, msg, timeout=timeout,
+                                       on_reply=on_reply)
         except ValueError as exc:  # encoding refused: a bug on our side, not the proposer's
             log.error("cannot send %s to %s: %s", msg.type, peer.link.node_id, exc)
             self._drop(peer, "encode error")
+            return None
 
     def _check(self, p: _Peer, item, k: int, committed: int, rtt: float):
         """A usable (ids, probs) from a reply, or None (counted)."""
@@ -272,6 +326,33 @@ class RemoteDraftSession(DraftSession):
         if not p.dropped:
             p.dropped = True
             log.info("proposer %s dropped for session %s: %s", p.link.node_id, self.sid, why)
+
+
+class _VerifyCosts:
+    """Verifier forward time per fed-token count, measured between the engine's calls.
+
+    The engine calls `extend` right after each forward, so the time from the previous call
+    (draft return, or extend when no draft was asked) to `extend` is that forward.
+    """
+
+    def __init__(self, policy: DeadlinePolicy) -> None:
+        self.policy = policy
+        self._ema: dict[int, float] = {}
+
+    def record(self, fed: int, seconds: float) -> None:
+        old = self._ema.get(fed)
+        self._ema[fed] = seconds if old is None else old + _EMA * (seconds - old)
+
+    def cost(self, fed: int) -> float:
+        if fed in self._ema:
+            return self._ema[fed]
+        base = self._ema.get(1, self.policy.prior_step_s)
+        if self._ema:
+            n, t = max(self._ema.items())
+            if n > 1 and fed > 1:
+                return t * (1 + self.policy.prior_slope * (fed - 1)) / (
+                    1 + self.policy.prior_slope * (n - 1))
+        return base * (1 + self.policy.prior_slope * (fed - 1))
 
 
 def _expected_accepted(link: ProposerLink, n: int) -> float:
