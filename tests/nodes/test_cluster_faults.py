@@ -1,0 +1,155 @@
+"""Proposers that die, hang or lie cost at most a bounded wait, and the output stays identical.
+
+Real processes on loopback with the real SmolLM2 verifier; proposers come and go per test.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from nodes.cluster_client import ClusterClient, GenerateRequest
+from tools.local_cluster import LocalCluster
+from tools.monitor_view import ClusterView
+
+pytestmark = pytest.mark.slow
+
+# a long input-grounded generation, so a proposer can be killed in the middle of it
+PROMPT = ("Copy the following text exactly, word for word: The committee will meet on "
+          "Tuesday at the main office to review the budget for the next fiscal year. The "
+          "committee will then approve the hiring plan and publish the minutes of the meeting "
+          "on the website for everyone to read before the end of the month.")
+MAX = 96
+GAP_BOUND_S = 3.0  # a deadline (<= 0.5 s) plus a few verifier steps on a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(log_dir=tmp_path_factory.mktemp("logs"), mdns=False)
+    try:
+        c.start_node("v", "--role", "verifier", "--session-lease", "2")
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with ClusterClient(cluster.cluster, peers=(cluster.nodes[0].stream,), mdns=False) as cc:
+        cc.verifiers(30)
+        yield cc
+
+
+@pytest.fixture(scope="module")
+def plain(client):
+    return client.generate(GenerateRequest(PROMPT, max_tokens=MAX, speculate=False))
+
+
+def start_proposer(cluster, client, name):
+    p = cluster.start_node(name, "--role", "proposer", "--drafter", "ngram", seed=True)
+    client.wait_for(lambda ms: any(m.node_id == p.node_id for m in ms), 15)
+    return p
+
+
+def timed_generation(client, proposers, during=None, at=1.0):
+    """Generate, calling `during()` `at` seconds in; return (result, chunk arrival gaps)."""
+    arrivals, out = [], {}
+
+    def run():
+        text, last = [], None
+        for msg in client.stream(GenerateRequest(PROMPT, max_tokens=MAX, proposers=proposers)):
+            arrivals.append(time.monotonic())
+            last = msg
+        out["done"] = last
+
+    t = threading.Thread(target=run)
+    t.start()
+    if during is not None:
+        time.sleep(at)
+        during()
+    t.join(600)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return out["done"], gaps
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+def test_proposer_dies_or_hangs_mid_generation(cluster, client, plain, sig):
+    p = start_proposer(cluster, client, f"victim-{sig.name.lower()}")
+    try:
+        done, gaps = timed_generation(client, [p.node_id], during=lambda: p.signal(sig))
+    finally:
+        p.signal(signal.SIGCONT)
+        p.signal(signal.SIGKILL)
+    assert done.type == "done"
+    assert done["stats"]["token_ids"] == plain.stats["token_ids"]
+    assert max(gaps) < GAP_BOUND_S, max(gaps)
+    st = done["stats"]["proposers"][p.node_id]
+    assert st["drafts"] >= 1  # it did draft before it went away
+
+
+@pytest.mark.parametrize("mode", ["garbage", "wrong_session", "other_tokenizer",
+                                  "wrong_position"])
+def test_lying_proposer_is_ignored_and_counted(cluster, client, plain, mode):
+    seed = cluster.nodes[0].stream.removeprefix("tcp://")
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("liar_proposer.py")), cluster.cluster,
+         mode, seed], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    try:
+        liar_id = proc.stdout.readline().split()[1]
+        client.wait_for(lambda ms: any(m.node_id == liar_id for m in ms), 15)
+        done, _ = timed_generation(client, [liar_id])
+        assert done["stats"]["token_ids"] == plain.stats["token_ids"]
+        st = done["stats"]["proposers"][liar_id]
+        assert st["accepted"] == 0 and st["drafts"] == 0
+        assert st["bad_replies"] + st["timeouts"] + st["errors"] >= 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_sessions_of_a_killed_verifier_expire_on_the_proposer(cluster, client):
+    """A second verifier dies mid-generation; its session on the proposer ends with the lease."""
+    p = start_proposer(cluster, client, "lease-proposer")
+    v2 = cluster.start_node("v-doomed", "--role", "verifier", "--session-lease", "2",
+                            seed=True)
+    view = ClusterView()
+    client.node.register_gossip("stats", lambda topic, msg: view.on_stats(msg.sender,
+                                                                         msg["stats"]))
+    from nodes.telemetry import stats_topic
+
+    client.node.gossip.subscribe(stats_topic(cluster.cluster))
+
+    def sessions_open():
+        ns = view.stats(p.node_id)
+        return None if ns is None else ns.latest.get("proposer", {}).get("sessions_open")
+
+    verifier = next(m for m in client.verifiers() if m.node_id == v2.node_id)
+    call_thread = threading.Thread(target=lambda: _drain(client, verifier, p.node_id))
+    call_thread.start()
+    deadline = time.monotonic() + 60
+    while sessions_open() != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sessions_open() == 1
+    v2.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    while sessions_open() != 0 and time.monotonic() < killed + 10:
+        time.sleep(0.1)
+    assert sessions_open() == 0
+    assert time.monotonic() - killed < 2 + 1 + 1.5  # lease + stats interval + slack
+    call_thread.join(30)
+    p.signal(signal.SIGTERM)
+
+
+def _drain(client, verifier, proposer_id):
+    try:
+        for _ in client.stream(GenerateRequest(PROMPT, max_tokens=MAX, proposers=[proposer_id]),
+                               verifier, idle_timeout=5):
+            pass
+    except Exception:  # noqa: BLE001 - the verifier is killed on purpose
+        pass

@@ -1,0 +1,135 @@
+"""Real node processes on loopback, the real SmolLM2: output through the bus is identical to
+the verifier alone and to Hugging Face greedy, whatever proposers take part."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+from codec.messages import decode
+from nodes.cluster_client import ClusterClient, GenerateRequest
+from tools.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+PROMPT = ("Copy the following sentence exactly, word for word: The committee will meet on "
+          "Tuesday at the main office to review the budget for the next fiscal year.")
+MAX = 40
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(log_dir=tmp_path_factory.mktemp("logs"), mdns=False)
+    try:
+        c.start_node("v1", "--role", "verifier")
+        c.start_node("ngram", "--role", "proposer", "--drafter", "ngram")
+        c.start_node("int8", "--role", "proposer", "--drafter", "int8")
+        c.start_node("mlx", "--role", "proposer", "--backend", "mlx",
+                     "--drafter", "model:smollm2-135m")
+        c.start_node("v2", "--role", "verifier")
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    seeds = tuple(n.stream for n in cluster.nodes)
+    with ClusterClient(cluster.cluster, peers=seeds, mdns=False) as cc:
+        cc.wait_for(lambda ms: len([m for m in ms if m.card.is_worker]) >= 5, 30)
+        yield cc
+
+
+def verifier(client, name):
+    return next(m for m in client.verifiers() if m.card.name == name)
+
+
+def node_id(cluster, name):
+    return next(n.node_id for n in cluster.nodes if n.name == name)
+
+
+@pytest.fixture(scope="module")
+def plain(client):
+    return client.generate(GenerateRequest(PROMPT, max_tokens=MAX, speculate=False),
+                           verifier(client, "v1"))
+
+
+def test_plain_through_the_bus_matches_hugging_face_greedy(plain):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nodes.backends.tokenizer import Tokenizer
+    from nodes.models import resolve
+
+    folder = resolve("smollm2-135m").path
+    ids = Tokenizer(folder).encode(PROMPT, chat=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True,
+                                                 dtype=torch.float32)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=MAX, do_sample=False)
+    assert plain.stats["token_ids"] == out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("who", ["ngram", "int8", "mlx", "all"])
+def test_speculative_output_is_identical(client, cluster, plain, who):
+    only = None if who == "all" else [node_id(cluster, who)]
+    res = client.generate(GenerateRequest(PROMPT, max_tokens=MAX, proposers=only),
+                          verifier(client, "v1"))
+    assert res.stats["token_ids"] == plain.stats["token_ids"]
+    assert res.text == plain.text
+    used = res.stats["proposers"]
+    assert set(used) == ({node_id(cluster, n) for n in ("ngram", "int8", "mlx")}
+                         if who == "all" else set(only))
+    # speculation really happened over the bus
+    assert sum(p["drafts"] for p in used.values()) >= 1, list(used.values())
+    assert all(p["bad_replies"] == 0 for p in used.values())
+
+
+def test_two_verifiers_share_one_proposer_concurrently(client, cluster, plain):
+    ngram = [node_id(cluster, "ngram")]
+    results = {}
+
+    def run(name):
+        results[name] = client.generate(GenerateRequest(PROMPT, max_tokens=MAX, proposers=ngram),
+                                         verifier(client, name))
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in ("v1", "v2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert set(results) == {"v1", "v2"}
+    for r in results.values():
+        assert r.stats["token_ids"] == plain.stats["token_ids"]
+        assert r.stats["proposers"][ngram[0]]["drafts"] >= 1
+
+
+def test_garbage_to_a_nodes_router_is_answered_and_real_clients_still_served(client, cluster,
+                                                                            plain):
+    ctx = zmq.Context.instance()
+    for name in ("v1", "ngram"):
+        node = next(n for n in cluster.nodes if n.name == name)
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(node.stream)
+        try:
+            for junk in ([b"\x00\xffgarbage"], [b"\x81\xa1v\x01", b"x" * 10], [b""] * 3):
+                raw.send_multipart(junk)
+                assert raw.poll(5000), f"{name} did not answer garbage"
+                assert decode(raw.recv_multipart()).type == "error"
+        finally:
+            raw.close()
+    res = client.generate(GenerateRequest(PROMPT, max_tokens=MAX), verifier(client, "v1"))
+    assert res.stats["token_ids"] == plain.stats["token_ids"]
+
+
+def test_sampling_through_the_bus_uses_draft_probabilities(client, cluster):
+    res = client.generate(GenerateRequest(PROMPT, max_tokens=24, temperature=0.8, seed=3,
+                                          proposers=[node_id(cluster, "int8")]),
+                          verifier(client, "v1"))
+    stats = res.stats["proposers"][node_id(cluster, "int8")]
+    assert stats["bad_replies"] == 0 and stats["drafts"] >= 1
+    assert len(res.stats["token_ids"]) >= 1
+    assert np.all(np.asarray(res.stats["token_ids"]) < 49152)
