@@ -56,7 +56,7 @@ def test_leave_and_silent_death(make_node, seed_of, view, wait_until):
     c = make_node(peers=(seed_of(a),))
     assert wait_until(lambda: len(view(a)) == 2 and all(s == "alive" for s in view(a).values()))
     b.stop(leave=True)
-    assert wait_until(lambda: view(a).get(b.node_id) == "left", timeout=1.0)
+    assert wait_until(lambda: view(a).get(b.node_id) == "left", timeout=3.0)
     c.stop(leave=False)  # silence: suspect, then dead
     assert wait_until(lambda: view(a).get(c.node_id) == "dead", timeout=3.0)
 
