@@ -4,8 +4,8 @@ Expected tokens committed by a block with k drafts at per-token acceptance a is
 E(k) = (1 - a^(k+1)) / (1 - a). We pick the k maximising E(k) / (verify(k+1) + draft(k)),
 where k = 0 is a plain decode step. Verify cost is learnt per fed-token count (it is strongly
 sublinear on CPU), draft cost per drafted token. When speculation does not pay we decode plainly
-and re-probe now and then so a drafter that starts agreeing (e.g. the output begins to quote the
-input) is picked up again.
+and re-probe now and then (backing off while probes keep failing) so a drafter that starts
+agreeing (e.g. the output begins to quote the input) is picked up again.
 """
 
 from __future__ import annotations
@@ -21,21 +21,30 @@ class DraftLengthController:
     max_k: int = 16
     min_k: int = 1
     probe_every: int = 8
+    max_probe_every: int = 32
     prior_acceptance: float = 0.5
     prior_weight: float = 2.0
     #: relative verify cost per extra fed token before measurements (58 ms -> 90 ms for 1 -> 8)
     prior_slope: float = 0.08
+    margin: float = 1.0
     _acc: float = 0.0
     _trials: float = 0.0
     _verify: dict[int, float] = field(default_factory=dict)  # fed tokens -> EMA seconds
     _draft_per_token: float | None = None
     _plain_streak: int = 0
+    _probing: bool = False
+    _probe_interval: int = 8
+
+    def __post_init__(self) -> None:
+        self._probe_interval = self.probe_every
+        # the prior is decayed like any observation, so evidence soon outweighs it
+        self._acc = self.prior_acceptance * self.prior_weight
+        self._trials = self.prior_weight
 
     @property
     def acceptance(self) -> float:
         """Estimated probability that the next draft token is accepted."""
-        w = self.prior_weight
-        return (self._acc + w * self.prior_acceptance) / (self._trials + w)
+        return self._acc / self._trials
 
     def verify_cost(self, n: int) -> float:
         """Seconds for a verifier forward over n tokens (learnt; linear interpolation)."""
@@ -70,12 +79,15 @@ class DraftLengthController:
     def choose_k(self) -> int:
         """Draft length for the next block; 0 means a plain step."""
         best_k = max(range(self.min_k, self.max_k + 1), key=self.expected_rate)
-        if self.expected_rate(best_k) > self.expected_rate(0):
+        # demand a margin: costs are noisy, and a wrong "yes" costs more than a wrong "no"
+        if self.expected_rate(best_k) > self.margin * self.expected_rate(0):
             self._plain_streak = 0
+            self._probing = False
             return best_k
         self._plain_streak += 1
-        if self._plain_streak >= self.probe_every:
+        if self._plain_streak >= self._probe_interval:
             self._plain_streak = 0
+            self._probing = True
             return max(self.min_k, 2)
         return 0
 
@@ -93,6 +105,10 @@ class DraftLengthController:
     def record_acceptance(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
+        if self._probing:  # failed probes back off exponentially, a hit resets the interval
+            self._probing = False
+            backoff = min(2 * self._probe_interval, self.max_probe_every)
+            self._probe_interval = self.probe_every if accepted else backoff
         trials = accepted + (1 if accepted < drafted else 0)
         self._acc = _DECAY * self._acc + accepted
         self._trials = _DECAY * self._trials + trials

@@ -73,6 +73,7 @@ class Stats:
     accepted: int = 0
     verify_s: float = 0.0
     draft_s: float = 0.0
+    drafter_errors: int = 0
     k_hist: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -96,6 +97,7 @@ class Stats:
             "mean_accepted_len": self.mean_accepted_len,
             "verify_s": self.verify_s,
             "draft_s": self.draft_s,
+            "drafter_errors": self.drafter_errors,
         }
 
 
@@ -206,7 +208,15 @@ class Engine:
                 pending = generated[-1]
                 remaining = params.max_tokens - len(generated)
                 delta = generated[told - len(prompt) :]
-                drafts, probs = self._ask(session, delta, remaining, stats)
+                try:
+                    drafts, probs = self._ask(session, delta, remaining, stats)
+                except Exception as exc:  # noqa: BLE001 - a broken drafter must not end generation
+                    log.warning("drafter failed, decoding alone from here on: %r", exc)
+                    stats.drafter_errors += 1
+                    if draft_session is None and session is not None:
+                        _close_quietly(session)
+                    session = draft_session = None
+                    drafts, probs = np.zeros(0, dtype=np.int64), None
                 told = len(prompt) + len(generated)
                 drafted = len(drafts)
 
@@ -310,3 +320,10 @@ class Engine:
             if cut >= 0:
                 return new[: i + 1], "stop", text[:cut]
         return new, finish, decode(generated + new) if finish else None
+
+
+def _close_quietly(session: DraftSession) -> None:
+    try:
+        session.close()
+    except Exception as exc:  # noqa: BLE001 - already failing; closing is best effort
+        log.debug("closing a failed draft session: %r", exc)

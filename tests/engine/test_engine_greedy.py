@@ -35,9 +35,11 @@ def reference(tiny_torch, prompt_ids):
 def run(engine, prompt_ids, params):
     """Generate via the streaming API, checking the KV invariant after every block."""
     out = []
-    for block in engine.stream(prompt_ids, params, stats=Stats()):
+    stats = Stats()
+    for block in engine.stream(prompt_ids, params, stats=stats):
         assert block.cache_len == block.committed_len - 1, "cache must hold committed minus pending"
         out.extend(block.token_ids)
+    assert stats.drafter_errors == 0
     return out
 
 
@@ -138,3 +140,40 @@ def test_stop_string(tiny_torch, prompt_ids, reference):
     assert gen.text == full[: full.find(stop)]
     assert stop in tiny_torch.tokenizer.decode(gen.token_ids)
     assert gen.token_ids == reference[: len(gen.token_ids)]
+
+
+class _ExplodingDrafter:
+    """Drafts correctly a few times, then raises: generation must go on alone, unchanged."""
+
+    name = "exploding"
+    fingerprint = None
+
+    def __init__(self, inner, after):
+        self.inner, self.after = inner, after
+
+    def check_compatible(self, fingerprint):
+        return None
+
+    def open(self, prompt_ids, params):
+        session = self.inner.open(prompt_ids, params)
+        calls = [0]
+        real_draft = session.draft
+
+        def draft(k):
+            calls[0] += 1
+            if calls[0] > self.after:
+                raise ConnectionError("proposer vanished")
+            return real_draft(k)
+
+        session.draft = draft
+        return session
+
+
+def test_failing_drafter_degrades_to_plain(tiny_torch, prompt_ids, reference, scripted):
+    drafter = _ExplodingDrafter(scripted(prompt_ids + reference, "perfect", 49152), after=2)
+    stats = Stats()
+    engine = Engine(tiny_torch, drafter, fixed_k=3)
+    params = GenerationParams(max_tokens=N, eos_token_ids=frozenset({49151}))
+    out = [t for b in engine.stream(prompt_ids, params, stats=stats) for t in b.token_ids]
+    assert out == reference[:N]
+    assert stats.drafter_errors == 1 and stats.accepted == 6
