@@ -87,6 +87,7 @@ class Membership:
         # discovered stream endpoint -> (retry until, its PUB endpoint or None)
         self._pending: dict[str, tuple[float, str | None]] = {}
         self._left = False
+        self._refused: set[str] = set()  # endpoints that answered our introduction with an error
         self.counters = {"dropped": 0, "foreign": 0, "refutations": 0, "snapshots_served": 0,
                          "snapshots_received": 0, "introductions": 0}
 
@@ -419,8 +420,11 @@ class Membership:
                 self.client.forget(call.endpoint)
             return
         if reply.type == "error":
-            log.warning("peer %s refused our introduction: %s: %s", call.endpoint,
-                        reply.get("code"), reply.get("message"))
+            first = call.endpoint not in self._refused
+            self._refused.add(call.endpoint)  # seeds are retried every second: warn once
+            log.log(logging.WARNING if first else logging.DEBUG,
+                    "peer %s refused our introduction: %s: %s", call.endpoint,
+                    reply.get("code"), reply.get("message"))
             return
         if reply.type != "snapshot":
             self.counters["dropped"] += 1
