@@ -161,3 +161,53 @@ def test_members_command_prints_table_and_json(make_node, seed_of, capsys):
     args = parser.parse_args(["--cluster", "empty-x", "--no-mdns", "--wait", "0.2"])
     assert members.run(args) == 0
     assert "no members" in capsys.readouterr().out
+
+
+def test_view_digest_spreads_a_member_learned_late(make_node, seed_of, view, wait_until):
+    """C's first snapshot from B lacks A; B's heartbeat digest makes C ask again and find A."""
+    a = make_node()
+    b = make_node(peers=(seed_of(a),))
+    assert wait_until(lambda: a.node_id in view(b))
+    real = b.membership._snapshot_maps
+    calls = []
+
+    def first_one_only_b():
+        calls.append(1)
+        if len(calls) == 1:
+            return real()[:1]  # only b's own card
+        return real()
+
+    b.membership._snapshot_maps = first_one_only_b
+    c = make_node(peers=(seed_of(b),))
+    assert wait_until(lambda: set(view(c)) == {a.node_id, b.node_id}, timeout=5), view(c)
+    assert wait_until(lambda: c.node_id in view(a))
+    assert len(calls) >= 2
+
+
+def test_discovered_endpoint_is_retried_until_it_answers(make_node, view, wait_until):
+    """An endpoint found before its node listens (e.g. a stale or early mDNS record)."""
+    import socket
+
+    def free_pair() -> int:
+        """A port P with P and P + 1 free (request and gossip)."""
+        for _ in range(50):
+            with socket.socket() as s1, socket.socket() as s2:
+                s1.bind(("127.0.0.1", 0))
+                p = s1.getsockname()[1]
+                try:
+                    s2.bind(("127.0.0.1", p + 1))
+                except OSError:
+                    continue
+                return p
+        raise AssertionError("no free port pair")
+
+    port = free_pair()
+    a = make_node()
+    a.membership.discovered(f"tcp://127.0.0.1:{port}")
+    import time
+
+    time.sleep(2.5)  # the first introduction times out (2 s)
+    b = make_node(port=port)
+    assert b.server.endpoint == f"tcp://127.0.0.1:{port}"
+    assert b.gossip.endpoint == f"tcp://127.0.0.1:{port + 1}"
+    assert wait_until(lambda: view(a).get(b.node_id) == "alive", timeout=5)
