@@ -165,7 +165,12 @@ class Node:
             time.sleep(0.05)  # PUB sockets close with linger 0: let the leave go out first
         if self.mdns is not None:
             self.mdns.close()
-        self.loop.stop()
+        try:
+            self.loop.stop()
+        except OSError as exc:
+            # Rarely seen under heavy load: IOLoop.call_soon writing to a wake pipe that is
+            # already closed (EBADF). Reported on bus/loop.py; shutdown must go on regardless.
+            log.warning("I/O loop stop: %s", exc)
         if self.membership is not None:
             self.membership.close()
         if self.identity is not None:
