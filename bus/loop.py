@@ -58,6 +58,7 @@ class IOLoop:
         self._closers: list[Callable[[], None]] = []
         self._stopping = False
         self._closed = False
+        self._wake_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.errors = 0  # handler exceptions caught (logged, loop kept running)
 
@@ -87,13 +88,14 @@ class IOLoop:
     # -- scheduling (thread-safe) ---------------------------------------------------------
     def call_soon(self, fn: Callable[[], Any]) -> None:
         """Run `fn()` on the I/O thread as soon as possible."""
-        if self._closed:
-            return  # loop finished: nothing left to run it
-        self._calls.append(fn)
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass  # pipe full: the loop is already due to wake
+        with self._wake_lock:  # the pipe must not be closed (and its fd reused) mid-write
+            if self._closed:
+                return  # loop finished: nothing left to run it
+            self._calls.append(fn)
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # pipe full: the loop is already due to wake
 
     def run_sync(self, fn: Callable[[], Any], timeout: float | None = 10.0) -> Any:
         """Run `fn()` on the I/O thread and return its result (or raise its exception)."""
@@ -205,6 +207,7 @@ class IOLoop:
             self._guard(fn)
         for sock in list(self._readers):
             self.remove_reader(sock, close=True)
-        self._closed = True
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._wake_lock:
+            self._closed = True
+            os.close(self._wake_r)
+            os.close(self._wake_w)
