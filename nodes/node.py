@@ -168,8 +168,8 @@ class Node:
         try:
             self.loop.stop()
         except OSError as exc:
-            # Rarely seen under heavy load: IOLoop.call_soon writing to a wake pipe that is
-            # already closed (EBADF). Reported on bus/loop.py; shutdown must go on regardless.
+            # Seen under heavy load before bus/loop.py closed its wake pipe under a lock
+            # (EBADF from call_soon); kept so that shutdown always goes on.
             log.warning("I/O loop stop: %s", exc)
         if self.membership is not None:
             self.membership.close()
