@@ -134,8 +134,9 @@ SCHEMAS: dict[str, Schema] = {
             required={"cluster": _STR, "incarnation": _INT, "stats": _MAP},
         ),
         # -- request streams (DEALER/ROUTER) ----------------------------------------------
-        Schema("snapshot_req", "Ask a peer for every card it knows (late joiner).",
-               required={"cluster": _STR}),
+        Schema("snapshot_req", "Ask a peer for every card it knows (late joiner); carries the "
+               "asker's own card so the introduction is mutual.",
+               required={"cluster": _STR}, optional={"card": _MAP}),
         Schema("snapshot", "Reply to snapshot_req: known cards with their states.",
                required={"cards": _LIST}),
         Schema("ping", "Round-trip probe.", optional={"payload": _STR}),

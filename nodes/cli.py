@@ -50,6 +50,9 @@ def add_subcommands(
     sub.required = True
     for name, (module_name, help_text) in commands.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        # accepted after the command too (`python -m nodes --role ... --log-level INFO`)
+        p.add_argument("--log-level", type=str.upper, choices=LEVELS, default=argparse.SUPPRESS,
+                       help="logging level (default: WARNING)")
         if chosen is not None and name == argv[chosen]:
             module = importlib.import_module(module_name)
             if hasattr(module, "SUBCOMMANDS"):
