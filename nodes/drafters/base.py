@@ -36,6 +36,9 @@ class DraftSession(ABC):
     def draft(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Up to k proposed next tokens after everything committed so far."""
 
+    def warm(self) -> None:
+        """Optional: do per-session set-up (e.g. prompt prefill) ahead of the first draft."""
+
     def close(self) -> None:
         """Release per-session resources (caches); the session is unusable afterwards."""
         return None

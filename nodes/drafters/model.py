@@ -29,6 +29,16 @@ class ModelSession(DraftSession):
     def extend(self, delta: Sequence[int]) -> None:
         self.tokens.extend(int(t) for t in delta)
 
+    def warm(self) -> None:
+        """Feed everything but the last token now, so the first `draft` is only decode steps.
+
+        A remote proposer calls this at session open, while the verifier runs its own
+        prefill, instead of paying the prompt inside the first draft's deadline.
+        """
+        if len(self.tokens) > 1 and not self.cached:
+            self.backend.forward_last(self.cache, self.tokens[:-1])
+            self.cached = self.tokens[:-1]
+
     def _common_prefix(self) -> int:
         n = min(len(self.cached), len(self.tokens) - 1)
         a = np.asarray(self.cached[:n])

@@ -216,6 +216,7 @@ class ProposerRole:
         if int(prompt.min()) < 0 or int(prompt.max()) >= self.vocab_size > 0:
             raise BadRequestError("prompt token ids outside the vocabulary")
         draft = self.drafter.open(prompt.tolist(), params)
+        draft.warm()  # prefill now, in parallel with the verifier's own prefill
         self._sessions[msg.session] = _Session(
             sid=msg.session, owner=msg.sender, draft=draft, committed=len(prompt),
             lease_s=lease, expires=time.monotonic() + lease, want_probs=not params.greedy,
