@@ -38,6 +38,7 @@ class DraftSession(ABC):
 
     def warm(self) -> None:
         """Optional: do per-session set-up (e.g. prompt prefill) ahead of the first draft."""
+        return None
 
     def close(self) -> None:
         """Release per-session resources (caches); the session is unusable afterwards."""
