@@ -1,7 +1,8 @@
 """`specbus generate`: generate text with speculative decoding.
 
-`--local` runs verifier and drafter in this process. Cluster mode (borrowing drafters over the
-bus) arrives with the nodes feature; until then `--local` is required.
+`--local` runs verifier and drafter in this process. Without it, the command joins `--cluster`
+as an observer, finds a verifier through discovery, and streams the text it commits (drafts
+come from the cluster's proposers).
 """
 
 from __future__ import annotations
@@ -43,21 +44,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="wrap the prompt in the model's chat template (default: on)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    cluster = parser.add_argument_group("cluster mode (without --local)")
+    cluster.add_argument("--cluster", default="specbus", help="cluster name (default: specbus)")
+    cluster.add_argument("--interface", default="127.0.0.1",
+                         help="IPv4 address, interface name or 'all' (default: 127.0.0.1)")
+    cluster.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                         help="seed: a node's request endpoint (repeatable)")
+    cluster.add_argument("--no-mdns", action="store_true", help="seeds and gossip only")
+    cluster.add_argument("--wait", type=float, default=10.0,
+                         help="seconds to wait for a verifier to appear (default 10)")
+    cluster.add_argument("--no-speculate", action="store_true",
+                         help="ask the verifier to decode plainly (a baseline)")
+    cluster.add_argument("--proposer", action="append", default=None, dest="proposers",
+                         metavar="ID|NAME", help="use only these proposers (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.local:
-        print(
-            "specbus generate: cluster mode needs the nodes feature, which is not available yet; "
-            "use --local",
-            file=sys.stderr,
-        )
-        return 2
     try:
-        return _run_local(args)
+        return _run_local(args) if args.local else _run_cluster(args)
     except GenerationError as exc:
         print(f"specbus generate: {exc}", file=sys.stderr)
         return 2
+
+
+def _run_cluster(args: argparse.Namespace) -> int:
+    """Stream a generation from a verifier of the cluster; `--json` ends with its figures."""
+    from nodes.cluster_client import ClusterClient, ClusterError, GenerateRequest
+    from nodes.engine.errors import BadRequestError
+    from nodes.node import parse_peer
+
+    if not args.prompt.strip():
+        raise BadRequestError("empty prompt")
+    if args.max_tokens <= 0:
+        raise BadRequestError(f"max tokens must be a positive integer, got {args.max_tokens}")
+    try:
+        peers = tuple(parse_peer(p) for p in args.peer)
+    except ValueError as exc:
+        raise BadRequestError(str(exc)) from None
+    req = GenerateRequest(
+        prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+        chat=args.chat, speculate=not args.no_speculate, proposers=args.proposers,
+    )
+    show = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    try:
+        with ClusterClient(args.cluster, args.interface, peers, mdns=not args.no_mdns) as client:
+            result = client.generate(req, client.verifiers(args.wait), on_text=show)
+    except (ClusterError, ValueError) as exc:
+        print(f"specbus generate: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        print()
+    return 0
 
 
 def _run_local(args: argparse.Namespace) -> int:

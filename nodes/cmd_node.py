@@ -73,8 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default ngram), or a verifier's own fallback (default none)")
     parser.add_argument("--backend", default="", choices=("", "torch", "mlx"),
                         help="torch (default) or mlx")
-    parser.add_argument("--max-draft", type=int, default=8,
-                        help="longest draft block a verifier asks for (default 8)")
+    parser.add_argument("--max-draft", type=int, default=16,
+                        help="longest draft block a verifier asks for (default 16)")
     parser.add_argument("--session-lease", type=positive_float, default=30.0,
                         help="seconds a proposer keeps a verifier's idle draft session "
                              "(a verifier sets it on the sessions it opens; default 30)")

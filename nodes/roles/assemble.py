@@ -25,7 +25,7 @@ class RoleSpec:
     model: str | None = None  # None: the embedded default
     backend: str = "torch"
     drafter: str = "ngram"  # the proposer's drafter (or the verifier's local one)
-    max_draft: int = 8
+    max_draft: int = 16
     lease_s: float = 30.0  # draft-session lease a verifier asks proposers for
     reply_delay_s: float = 0.0  # proposer test/bench knob: added round-trip time
 
