@@ -98,3 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         return 130
+
+
+if __name__ == "__main__":  # `python -m nodes.cli COMMAND ...`, same as `specbus COMMAND ...`
+    sys.exit(main())
