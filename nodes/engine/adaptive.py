@@ -40,7 +40,13 @@ class DraftLengthController:
     _probe_interval: int = 8
 
     def __post_init__(self) -> None:
+        self.start_generation()
+
+    def start_generation(self) -> None:
+        """Forget acceptance (it belongs to the previous prompt); keep the learnt costs."""
         self._probe_interval = self.probe_every
+        self._plain_streak = 0
+        self._probing = False
         # the prior is decayed like any observation, so evidence soon outweighs it
         self._acc = self.prior_acceptance * self.prior_weight
         self._trials = self.prior_weight

@@ -119,8 +119,8 @@ class Engine:
     """Verifier backend + optional drafter. One generation at a time per engine instance.
 
     `fixed_k` disables adaptation (tests); otherwise the engine's `DraftLengthController` picks
-    each block's draft length, and what it learnt (costs, recent acceptance) carries over to the
-    next generation on this engine.
+    each block's draft length; the costs it learnt carry over to the next generation on this
+    engine, acceptance starts afresh with each prompt.
     """
 
     def __init__(
@@ -179,6 +179,8 @@ class Engine:
         if session is None and self.drafter is not None:
             session = self.drafter.open(prompt, sp)
         told = len(prompt)  # tokens the drafter knows about
+        if self.fixed_k is None:
+            self.controller.start_generation()
 
         try:
             t0 = time.perf_counter()

@@ -46,3 +46,13 @@ def test_expensive_drafter_is_turned_down():
         c.record_draft(4, 4 * 0.2)  # 200 ms per drafted token vs 58 ms verify
     ks = feed(c, lambda n: 0.058 + 0.0046 * (n - 1), lambda i: True, blocks=100)
     assert sum(1 for k in ks if k) < 20
+
+
+def test_new_generation_forgets_acceptance_keeps_costs():
+    c = DraftLengthController(max_k=16)
+    feed(c, lambda n: 0.05 + 0.002 * n, lambda i: False, blocks=50)
+    assert c.acceptance < 0.05
+    learnt = c.verify_cost(5)
+    c.start_generation()
+    assert c.acceptance == c.prior_acceptance
+    assert c.verify_cost(5) == learnt
