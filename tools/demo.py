@@ -64,8 +64,10 @@ def run(args: argparse.Namespace) -> int:
             except ClusterError as exc:
                 print(f"specbus demo: {exc}", file=sys.stderr)
                 return 1
+        snapshot = _monitor_snapshot(cluster.cluster)
     say("cluster stopped")
     print(render(rows))
+    print("\nmonitor snapshot (specbus monitor --once) taken before shutdown:\n" + snapshot)
     ok = all(r["identical"] for r in rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "identical": ok}, indent=2) + "\n")
@@ -129,6 +131,21 @@ def render(rows: list[dict]) -> str:
         lines.append(f"{name:18} {t['drafts']:>7} {t['drafted']:>8} {t['accepted']:>9} "
                      f"{acc:>7.2f} {t['timeouts']:>8} {statistics.median(t['rtt']):>7.2f}")
     return "\n".join(lines)
+
+
+def _monitor_snapshot(cluster: str, wait: float = 2.5) -> str:
+    """What `specbus monitor --once` shows of the running cluster."""
+    from tools.monitor import Attached
+    from tools.monitor_view import render_text
+
+    args = argparse.Namespace(cluster=cluster, interface="127.0.0.1", peer=[], no_mdns=False)
+    att = Attached(args).start()
+    try:
+        time.sleep(wait)
+        att.refresh()
+        return render_text(att.view)
+    finally:
+        att.stop()
 
 
 class _Say:
