@@ -27,6 +27,7 @@ class RoleSpec:
     drafter: str = "ngram"  # the proposer's drafter (or the verifier's local one)
     max_draft: int = 16
     lease_s: float = 30.0  # draft-session lease a verifier asks proposers for
+    max_wait_s: float = 0.5  # a verifier's longest wait for one draft reply
     reply_delay_s: float = 0.0  # proposer test/bench knob: added round-trip time
 
 
@@ -93,7 +94,10 @@ def assemble(spec: RoleSpec) -> Roles:
         local = drafter if "proposer" not in spec.roles else None
         engine = Engine(backend, local, max_draft=spec.max_draft)
         roles.card["tok_s"] = round(_measure_plain(engine), 2)
-        roles.verifier = VerifierRole(engine, lease_s=spec.lease_s)
+        from nodes.roles.remote_draft import DeadlinePolicy
+
+        policy = DeadlinePolicy(first_s=spec.max_wait_s, max_s=spec.max_wait_s)
+        roles.verifier = VerifierRole(engine, lease_s=spec.lease_s, policy=policy)
 
     if "proposer" in spec.roles:
         from nodes.roles.proposer import ProposerRole

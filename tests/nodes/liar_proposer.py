@@ -14,13 +14,13 @@ import threading
 import numpy as np
 
 from codec.messages import make
-from nodes.node import Node, NodeConfig
+from nodes.node import Node, NodeConfig, parse_peer
 
 
 def main() -> None:
     cluster, mode, seed = sys.argv[1], sys.argv[2], sys.argv[3]
     node = Node(NodeConfig(cluster=cluster, roles=("proposer",), name=f"liar-{mode}",
-                           peers=(seed,), mdns=False,
+                           peers=(parse_peer(seed),), mdns=False,
                            card_fields={"tokenizer": "any", "backend": "none"}))
 
     def lie(req):
