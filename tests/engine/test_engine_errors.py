@@ -93,7 +93,6 @@ def _cli(*args):
         (["--local", "--prompt", "hi", "--model", "no-such-model"], "no-such-model"),
         (["--local", "--prompt", "  "], "empty prompt"),
         (["--local", "--prompt", "hi", "--max-tokens", "0"], "max tokens"),
-        (["--prompt", "hi"], "--local"),
     ],
 )
 def test_cli_bad_input_one_line_exit_2(args, needle):
