@@ -89,7 +89,7 @@ def _run_cluster(args: argparse.Namespace) -> int:
     show = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     try:
         with ClusterClient(args.cluster, args.interface, peers, mdns=not args.no_mdns) as client:
-            result = client.generate(req, client.verifiers(args.wait), on_text=show)
+            result = client.generate(req, client.verifiers(args.wait)[0], on_text=show)
     except (ClusterError, ValueError) as exc:
         print(f"specbus generate: {exc}", file=sys.stderr)
         return 1
