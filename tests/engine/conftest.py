@@ -16,6 +16,21 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Engine tests run with one torch thread, restored afterwards.
+
+    With other suites running on the same 2 cores, 2-thread CPU forwards stall (measured 4x
+    slower); one thread keeps these tests' time predictable and costs little on tiny models.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_folder():
     """The exported embedded model (exported once into the user's specbus cache)."""
