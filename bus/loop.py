@@ -115,7 +115,8 @@ class IOLoop:
     def call_later(self, delay: float, fn: Callable[[], Any]) -> Timer:
         return self._schedule(Timer(time.monotonic() + delay, fn, None))
 
-    def call_every(self, interval: float, fn: Callable[[], Any], first: float | None = None) -> Timer:
+    def call_every(self, interval: float, fn: Callable[[], Any],
+                   first: float | None = None) -> Timer:
         when = time.monotonic() + (interval if first is None else first)
         return self._schedule(Timer(when, fn, interval))
 

@@ -97,9 +97,7 @@ class Call:
 
     def result(self, timeout: float | None = None) -> Message:
         """The final reply (earlier streamed replies are discarded)."""
-        last = None
-        for last in self.replies(timeout):
-            pass
+        *_, last = self.replies(timeout)
         return last
 
     def cancel(self) -> None:

@@ -121,7 +121,7 @@ def from_torch(tensor: Any) -> np.ndarray:
 
 
 def to_torch(array: np.ndarray) -> Any:
-    """A torch tensor sharing memory with `array` where torch allows it (bf16 bits reinterpreted)."""
+    """A torch tensor sharing memory with `array` where torch allows it (bf16 reinterpreted)."""
     import torch
 
     if isinstance(array, BFloat16Bits):

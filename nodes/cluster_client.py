@@ -102,8 +102,7 @@ class ClusterClient:
         target = verifier or self.verifiers()[0]
         call = self.node.client.request(target.card.endpoints["stream"], req.message())
         try:
-            for msg in call.replies(timeout=idle_timeout):
-                yield msg
+            yield from call.replies(timeout=idle_timeout)
         except BusError as exc:
             raise ClusterError(f"generation on {target.node_id} failed: {exc}") from exc
         finally:

@@ -20,53 +20,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tools.prompts import PROMPTS
+
 log = logging.getLogger(__name__)
-
-_CODE = """def load_users(path):
-    users = []
-    with open(path) as handle:
-        for line in handle:
-            name, email, age = line.strip().split(",")
-            users.append({"name": name, "email": email, "age": int(age)})
-    return users
-
-
-def adults(users):
-    return [user for user in users if user["age"] >= 18]
-"""
-
-_TEXT = (
-    "The Lighthouse Committee met on 4 March. Maria Okafor reported that the east lamp was "
-    "repaired for 1,240 euros. Tom Reyes said the stairs need new railings before the summer "
-    "season. The committee agreed to open the tower to visitors on weekends from 1 June, "
-    "with tickets at 3 euros for adults and free entry for children under twelve."
-)
 
 MLX_MAX_TOKENS = 48  # mlx[cpu] on Linux decodes at a few tok/s; keep its rows short
 
-PROMPTS: list[tuple[str, str]] = [
-    (
-        "input-grounded",
-        "Rename the variable `users` to `people` everywhere in this code and "
-        "return the full code:\n\n" + _CODE,
-    ),
-    (
-        "input-grounded",
-        "Add a docstring to each function in this code and return the full code:\n\n" + _CODE,
-    ),
-    (
-        "input-grounded",
-        "Copy the sentence about the stairs and the sentence about tickets "
-        "word for word from this text:\n\n" + _TEXT,
-    ),
-    (
-        "input-grounded",
-        "Extract every person mentioned in this text with what they said, "
-        "quoting the text:\n\n" + _TEXT,
-    ),
-    ("open-ended", "Write a short story about a robot who learns to paint."),
-    ("open-ended", "What are three tips for staying focused while studying?"),
-]
 
 
 @dataclass
@@ -78,7 +37,9 @@ class Run:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--local", action="store_true", help="everything in this process")
+    parser.add_argument("--local", action="store_true",
+                        help="everything in this process (default: a local cluster of node "
+                             "processes, over the bus vs in-process, plus a latency sweep)")
     parser.add_argument("--model", default=None, help="default: the embedded smollm2-135m")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
@@ -200,16 +161,13 @@ def _median(xs):
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.local:
-        print(
-            "specbus bench decode: only --local is available (cluster mode comes with the "
-            "nodes feature)",
-            file=sys.stderr,
-        )
-        return 2
     from nodes.engine.errors import GenerationError
 
     try:
+        if not args.local:
+            from tools.bench_decode_bus import run_bus
+
+            return run_bus(args, PROMPTS)
         return _run(args)
     except GenerationError as exc:
         print(f"specbus bench decode: {exc}", file=sys.stderr)

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nodes.cluster_client import ClusterClient, ClusterError, GenerateRequest
+    from nodes.cluster_client import ClusterClient, ClusterError
     from tools.local_cluster import ClusterStartError, LocalCluster
 
     if args.max_tokens <= 0:
@@ -38,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
     drafters = [d.strip() for d in args.proposers.split(",") if d.strip()]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specbus-demo-"))
     say = _Say()
-    with LocalCluster(log_dir=log_dir) as cluster:
+    # one torch thread per process: three model processes share this machine's cores, and
+    # oversubscribed torch threads stall each other (see docs/benchmarks.md)
+    with LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}) as cluster:
         try:
             say(f"starting cluster {cluster.cluster!r} on 127.0.0.1 (logs: {log_dir})")
             v = cluster.start_node("verifier", "--role", "verifier", "--drafter", "none")
@@ -82,7 +84,8 @@ def _run_prompts(client, max_tokens: int, say, names: dict[str, str]) -> list[di
 
     verifier = client.verifiers()[0]
     rows = []
-    for name, klass, prompt in PROMPTS:
+    for i, (klass, prompt) in enumerate(PROMPTS):
+        name = f"{klass.split('-')[0]}-{i + 1}"
         base = dict(prompt=prompt, max_tokens=max_tokens)
         plain = client.generate(GenerateRequest(**base, speculate=False), verifier)
         spec = client.generate(GenerateRequest(**base), verifier)

@@ -40,7 +40,8 @@ class DeadlinePolicy:
     factor: float = 2.0
     slack_s: float = 0.003
     max_failures: int = 3  # consecutive failures before a proposer is dropped for a generation
-    explore_every: int = 8  # blocks between tries of a proposer that does not look worth it
+    explore_every: int = 8  # at least this many plain steps between tries of a proposer...
+    explore_factor: float = 20.0  # ...and at least this many times what a try costs
     prior_step_s: float = 0.06  # plain verifier step before one is measured
     prior_slope: float = 0.08  # relative verify cost per extra fed token before measuring
 
@@ -60,6 +61,7 @@ class ProposerLink:
     timeouts: int = 0
     bad_replies: int = 0
     errors: int = 0
+    tokens_per_reply: float | None = None  # EMA of draft length per request (misses count 0)
     net_s: float | None = None  # EMA of round trip minus the proposer's own drafting time
     per_token_s: float = 0.0  # EMA of the proposer's drafting time per requested token
 
@@ -77,6 +79,11 @@ class ProposerLink:
         else:
             self.net_s += _EMA * (net - self.net_s)
             self.per_token_s += _EMA * (per_tok - self.per_token_s)
+
+    def count_reply(self, n: int) -> None:
+        """Track how many tokens a request yields (0 for empty replies and misses)."""
+        old = self.tokens_per_reply
+        self.tokens_per_reply = float(n) if old is None else old + _EMA * (n - old)
 
     @property
     def acceptance(self) -> float:
@@ -107,7 +114,7 @@ class _Peer:
     start: dict[str, int]  # the link's counters when this session began
     failures: int = 0
     dropped: bool = False
-    idle_blocks: int = 0  # blocks since it was last asked
+    asked_at: float = 0.0  # monotonic time it was last asked
 
 
 class RemoteDraftSession(DraftSession):
@@ -185,7 +192,6 @@ class RemoteDraftSession(DraftSession):
         deadlines: dict[int, float] = {}
         calls: dict[int, Call] = {}
         for p in ask:
-            p.idle_blocks = 0
             wait = p.link.deadline(k, self.policy)
             deadlines[id(p)] = t0 + wait
             delta = np.asarray(self.tokens[p.acked :], dtype=np.int32)
@@ -216,6 +222,7 @@ class RemoteDraftSession(DraftSession):
         for key, p in pending.items():
             calls[key].cancel()  # tell the proposer to skip it if it has not started
             if now >= deadlines[key]:
+                p.link.count_reply(0)
                 p.link.timeouts += 1
                 self.deadline_misses += 1
                 self._fail(p, "deadline")
@@ -228,21 +235,34 @@ class RemoteDraftSession(DraftSession):
         return ids, probs
 
     def _worth_asking(self, k: int) -> list[_Peer]:
-        """Proposers expected to beat plain decoding at k, plus one due for exploration."""
+        """Proposers expected to beat plain decoding at k, plus any due for exploration.
+
+        Exploration is budgeted in time, not blocks: a proposer that does not look worth it is
+        re-tried once the time since it was last asked is `explore_factor` times what asking
+        it costs, so probing a far-away proposer never costs more than a few percent.
+        """
         live = [p for p in self.peers if not p.dropped]
-        plain_rate = 1.0 / self.costs.cost(1)
+        step = self.costs.cost(1)
+        now = time.monotonic()
         out = []
         for p in live:
-            p.idle_blocks += 1
             link = p.link
-            if link.net_s is None or p.idle_blocks > self.policy.explore_every:
-                out.append(p)
+            if link.net_s is None:
+                out.append(p)  # never measured: ask once
                 continue
+            tokens = link.tokens_per_reply if link.tokens_per_reply is not None else k
+            n = min(k, max(0, round(tokens)))
             a = min(link.acceptance, 0.999)
-            tokens = (1 - a ** (k + 1)) / (1 - a)
-            cost = self.costs.cost(k + 1) + link.net_s + link.per_token_s * k
-            if tokens / cost > plain_rate:
+            accepted = sum(a ** i for i in range(1, n + 1))
+            cost = link.net_s + link.per_token_s * k + self.costs.cost(n + 1)
+            ask_cost = link.net_s + link.per_token_s * k
+            if (1 + accepted) / cost > 1.0 / step:
                 out.append(p)
+            elif now - p.asked_at >= max(self.policy.explore_factor * ask_cost,
+                                         self.policy.explore_every * step):
+                out.append(p)
+        for p in out:
+            p.asked_at = now
         return out
 
     def _worth_waiting(self, p: _Peer, k: int, best: float, t0: float) -> bool:
@@ -314,6 +334,7 @@ class RemoteDraftSession(DraftSession):
         p.failures = 0
         p.link.drafts += 1
         p.link.drafted += len(ids)
+        p.link.count_reply(len(ids))
         p.link.observe(rtt, float(msg.get("elapsed_s") or 0.0), k)
         return np.asarray(ids, dtype=np.int64), probs
 

@@ -119,7 +119,8 @@ class VerifierRole:
         )
         params.validate()
         if params.max_tokens > MAX_TOKENS_LIMIT:
-            raise GenerationError(f"max_tokens {params.max_tokens} over the limit {MAX_TOKENS_LIMIT}")
+            raise GenerationError(
+                f"max_tokens {params.max_tokens} over the limit {MAX_TOKENS_LIMIT}")
         if msg.tensors:
             prompt_ids = [int(t) for t in msg.tensors[0]]
         else:
@@ -211,7 +212,8 @@ class VerifierRole:
                 continue
             if card.tokenizer not in (fp, ANY_TOKENIZER):
                 continue
-            if card.vocab and card.tokenizer != ANY_TOKENIZER and card.vocab != self.engine.backend.vocab_size:
+            if (card.vocab and card.tokenizer != ANY_TOKENIZER
+                    and card.vocab != self.engine.backend.vocab_size):
                 continue
             link = self.links.get(card.node_id)
             endpoint = card.endpoints.get("stream", "")

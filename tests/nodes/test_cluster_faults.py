@@ -62,7 +62,7 @@ def timed_generation(client, proposers, during=None, at=1.0):
     arrivals, out = [], {}
 
     def run():
-        text, last = [], None
+        last = None
         for msg in client.stream(GenerateRequest(PROMPT, max_tokens=MAX, proposers=proposers)):
             arrivals.append(time.monotonic())
             last = msg
