@@ -115,6 +115,7 @@ class _Peer:
     failures: int = 0
     dropped: bool = False
     asked_at: float = 0.0  # monotonic time it was last asked
+    replied: bool = False  # a valid reply arrived in this session
 
 
 class RemoteDraftSession(DraftSession):
@@ -335,7 +336,11 @@ class RemoteDraftSession(DraftSession):
         p.link.drafts += 1
         p.link.drafted += len(ids)
         p.link.count_reply(len(ids))
-        p.link.observe(rtt, float(msg.get("elapsed_s") or 0.0), k)
+        if p.replied:
+            # not the first reply of a session: that one also waited for the session's
+            # warm-up (a model drafter's prefill) and says little about later round trips
+            p.link.observe(rtt, float(msg.get("elapsed_s") or 0.0), k)
+        p.replied = True
         return np.asarray(ids, dtype=np.int64), probs
 
     def _fail(self, p: _Peer, why: str) -> None:
