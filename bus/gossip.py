@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import zmq
 
-from bus.loop import IOLoop
+from bus.loop import IOLoop, frames_ready
 from bus.sockets import SocketFactory, bind
 from codec.errors import CodecError
 from codec.messages import DEFAULT_LIMITS, Limits, Message, decode, encode
@@ -97,11 +97,7 @@ class GossipChannel:
         self.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
 
     def _on_readable(self, sock: zmq.Socket) -> None:
-        for _ in range(256):  # bounded batch keeps timers and other sockets fair
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in frames_ready(sock):
             self.bytes_in += sum(len(f) for f in frames)
             try:
                 topic = bytes(frames[0].buffer).decode("utf-8")

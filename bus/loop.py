@@ -24,6 +24,16 @@ import zmq
 log = logging.getLogger(__name__)
 
 ReadHandler = Callable[[zmq.Socket], None]
+BATCH = 256  # messages read per wake-up: keeps timers and other sockets fair
+
+
+def frames_ready(sock: zmq.Socket, limit: int = BATCH):
+    """Yield the multipart messages waiting on `sock` (zero-copy frames), at most `limit`."""
+    for _ in range(limit):
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
 
 
 class Timer:

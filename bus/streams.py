@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from bus.loop import IOLoop, Timer
+from bus.loop import IOLoop, Timer, frames_ready
 from bus.sockets import SocketFactory, bind
 from codec.errors import CodecError
 from codec.messages import DEFAULT_LIMITS, Limits, Message, decode, decode_header, encode, make
@@ -202,11 +202,7 @@ class StreamClient:
             self._finish(call, PeerUnavailable(f"{endpoint} was forgotten"))
 
     def _on_readable(self, sock: zmq.Socket) -> None:
-        for _ in range(256):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in frames_ready(sock):
             try:
                 msg = decode(frames, self.limits)
             except CodecError as exc:
@@ -317,11 +313,7 @@ class StreamServer:
             log.debug("reply to %r dropped: %s", peer, exc)
 
     def _on_readable(self, sock: zmq.Socket) -> None:
-        for _ in range(256):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in frames_ready(sock):
             self._on_frames(frames)
 
     def _on_frames(self, frames: list) -> None:
