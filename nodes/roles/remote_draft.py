@@ -41,7 +41,7 @@ class DeadlinePolicy:
     slack_s: float = 0.003
     max_failures: int = 3  # consecutive failures before a proposer is dropped for a generation
     explore_every: int = 8  # at least this many plain steps between tries of a proposer...
-    explore_factor: float = 20.0  # ...and at least this many times what a try costs
+    explore_factor: float = 50.0  # ...and at least this many times what a try costs (<= 2 %)
     prior_step_s: float = 0.06  # plain verifier step before one is measured
     prior_slope: float = 0.08  # relative verify cost per extra fed token before measuring
 
@@ -142,7 +142,10 @@ class RemoteDraftSession(DraftSession):
         self.policy = policy or DeadlinePolicy()
         self.is_alive = is_alive
         self.tokens = [int(t) for t in prompt_ids]
-        self.peers = [_Peer(link, len(self.tokens), link.counters()) for link in links]
+        now = time.monotonic()
+        # a known proposer is not re-probed at once: exploration runs on its time budget
+        self.peers = [_Peer(link, len(self.tokens), link.counters(), asked_at=now)
+                      for link in links]
         self._last: tuple[_Peer, np.ndarray] | None = None
         self._mark: tuple[int, float] | None = None  # (tokens fed next, when) for costs
         self.costs = _VerifyCosts(self.policy)
