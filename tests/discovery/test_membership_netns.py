@@ -7,8 +7,6 @@ Nothing here touches a real interface: every address lives inside namespaces we 
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import subprocess
 import time
@@ -17,6 +15,7 @@ import uuid
 import pytest
 
 from tools.bench_membership import NodeProcess, all_see_each_other, event_time, wait_all
+from tools.netns import Lan, NetnsUnavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
@@ -31,42 +30,19 @@ def _ip(*args: str, ns: str | None = None) -> None:
 @pytest.fixture
 def lan():
     """Namespaces `specbus-t-<rand>-{br,1..3}`: a bridge and three hosts 10.77.0.{1..3}."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2 `ip` is not installed")
-    tag = f"specbus-t-{uuid.uuid4().hex[:6]}"
-    br = f"{tag}-br"
-    hosts = [f"{tag}-{i}" for i in range(1, HOSTS + 1)]
-    created: list[str] = []
     try:
-        for ns in (br, *hosts):
-            _ip("netns", "add", ns)
-            created.append(ns)
-            _ip("link", "set", "lo", "up", ns=ns)
-        _ip("link", "add", "br0", "type", "bridge", ns=br)
-        _ip("link", "set", "br0", "up", ns=br)
-        for i, ns in enumerate(hosts, 1):
-            # both ends are created inside our namespaces: nothing appears in the root one
-            _ip("link", "add", f"h{i}", "type", "veth", "peer", "name", "eth0", "netns", ns,
-                ns=br)
-            _ip("link", "set", f"h{i}", "master", "br0", "up", ns=br)
-            _ip("addr", "add", f"10.77.0.{i}/24", "dev", "eth0", ns=ns)
-            _ip("link", "set", "eth0", "up", ns=ns)
-    except subprocess.CalledProcessError as exc:
-        for ns in created:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-        pytest.skip(f"cannot build namespaces here: {exc.stderr.strip()}")
+        net = Lan(hosts=HOSTS, prefix="specbus-t")
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
     procs: list[NodeProcess] = []
     try:
-        yield {"bridge": br, "hosts": hosts, "procs": procs}
+        yield {"bridge": net.bridge, "hosts": net.hosts, "procs": procs}
     finally:
         for p in procs:
             if p.proc.poll() is None:
                 p.proc.kill()
             p.proc.wait(10)
-        for ns in created:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+        net.close()
 
 
 def test_multicast_discovery_partition_and_rejoin(lan):
