@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch (default) or mlx")
     parser.add_argument("--max-draft", type=int, default=16,
                         help="longest draft block a verifier asks for (default 16)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads for this node's models (default: torch's choice; "
+                             "use 1 when several model nodes share a machine's cores)")
     parser.add_argument("--max-draft-wait", type=positive_float, default=0.5,
                         help="longest a verifier waits for one draft reply, and its first "
                              "wait before anything is measured (default 0.5 s)")
@@ -237,7 +240,7 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
     spec = RoleSpec(roles=config.roles, model=args.model or None,
                     backend=args.backend or "torch", drafter=args.drafter or default,
                     max_draft=args.max_draft, lease_s=args.session_lease,
-                    max_wait_s=args.max_draft_wait,
+                    max_wait_s=args.max_draft_wait, threads=args.threads,
                     reply_delay_s=_env_seconds(ADDED_RTT_ENV, 1000.0))
     roles = assemble(spec)
     config.card_fields = {**config.card_fields, **roles.card}

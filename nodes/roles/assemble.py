@@ -28,6 +28,7 @@ class RoleSpec:
     max_draft: int = 16
     lease_s: float = 30.0  # draft-session lease a verifier asks proposers for
     max_wait_s: float = 0.5  # a verifier's longest wait for one draft reply
+    threads: int = 0  # torch intra-op threads (0: torch's default)
     reply_delay_s: float = 0.0  # proposer test/bench knob: added round-trip time
 
 
@@ -70,6 +71,12 @@ class Roles:
 def assemble(spec: RoleSpec) -> Roles:
     """Load models and build the roles named in `spec` (slow: seconds to a minute)."""
     roles = Roles()
+    if spec.threads < 0:
+        raise BadRequestError(f"--threads must be >= 0, got {spec.threads}")
+    if spec.threads and spec.backend == "torch":
+        import torch
+
+        torch.set_num_threads(spec.threads)
     needs_model = "verifier" in spec.roles or spec.drafter == "int8"
     backend = None
     if needs_model:
