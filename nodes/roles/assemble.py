@@ -73,7 +73,9 @@ def assemble(spec: RoleSpec) -> Roles:
     roles = Roles()
     if spec.threads < 0:
         raise BadRequestError(f"--threads must be >= 0, got {spec.threads}")
-    if spec.threads and spec.backend == "torch":
+    loads_torch = spec.backend == "torch" and (
+        "verifier" in spec.roles or spec.drafter == "int8" or spec.drafter.startswith("model:"))
+    if spec.threads and loads_torch:
         import torch
 
         torch.set_num_threads(spec.threads)
