@@ -27,6 +27,7 @@ from nodes.engine.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 _EMA = 0.3
+_DECAY = 0.8  # per verified draft block
 EMPTY = np.zeros(0, dtype=np.int32)
 
 
@@ -62,6 +63,8 @@ class ProposerLink:
     bad_replies: int = 0
     errors: int = 0
     tokens_per_reply: float | None = None  # EMA of draft length per request (misses count 0)
+    recent_accepted: float = 0.0  # decayed counts behind `acceptance`: recent blocks weigh
+    recent_verified: float = 0.0  # most, so a drafter good on one text is not trusted forever
     net_s: float | None = None  # EMA of round trip minus the proposer's own drafting time
     per_token_s: float = 0.0  # EMA of the proposer's drafting time per requested token
 
@@ -85,10 +88,16 @@ class ProposerLink:
         old = self.tokens_per_reply
         self.tokens_per_reply = float(n) if old is None else old + _EMA * (n - old)
 
+    def count_verified(self, accepted: int, verified: int) -> None:
+        self.accepted += accepted
+        self.verified += verified
+        self.recent_accepted = _DECAY * self.recent_accepted + accepted
+        self.recent_verified = _DECAY * self.recent_verified + verified
+
     @property
     def acceptance(self) -> float:
-        """Per-token acceptance with a weak prior, so new proposers get tried."""
-        return (self.accepted + 1.0) / (self.verified + 2.0)
+        """Recent per-token acceptance with a weak prior, so new proposers get tried."""
+        return (self.recent_accepted + 1.0) / (self.recent_verified + 2.0)
 
     COUNTERS = ("drafts", "drafted", "chosen", "accepted", "verified", "timeouts",
                 "bad_replies", "errors")
@@ -172,8 +181,7 @@ class RemoteDraftSession(DraftSession):
             n = 0
             while n < len(ids) and n < len(delta) and ids[n] == delta[n]:
                 n += 1
-            peer.link.accepted += n
-            peer.link.verified += min(len(ids), n + 1)
+            peer.link.count_verified(n, min(len(ids), n + 1))
             self._last = None
         self.tokens.extend(delta)
 
