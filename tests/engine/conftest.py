@@ -164,3 +164,21 @@ class _ScriptedSession:
 @pytest.fixture(scope="session")
 def scripted():
     return ScriptedDrafter
+
+
+def hf_greedy(backend, prompt_ids, max_new, eos_id):
+    """The reference: Hugging Face `generate(do_sample=False)` on a torch backend's model."""
+    import torch
+
+    out = backend.model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        top_k=None,
+        top_p=None,
+        temperature=None,
+    )
+    return out[0, len(prompt_ids) :].tolist()

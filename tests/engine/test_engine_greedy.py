@@ -3,27 +3,14 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.core import Stats
+from tests.engine.conftest import hf_greedy
 
 N = 24
 
 
-def hf_greedy(backend, prompt_ids, max_new, eos_id):
-    out = backend.model.generate(
-        torch.tensor([prompt_ids]),
-        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=max_new,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-        top_k=None,
-        top_p=None,
-        temperature=None,
-    )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import pytest
 
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.core import Stats
+from tests.engine.conftest import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -33,21 +34,7 @@ def smol_prompt(smol_torch):
 
 @pytest.fixture(scope="module")
 def hf_reference(smol_torch, smol_prompt):
-    import torch
-
-    eos = smol_torch.tokenizer.hf.eos_token_id
-    out = smol_torch.model.generate(
-        torch.tensor([smol_prompt]),
-        attention_mask=torch.ones(1, len(smol_prompt), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=N,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        top_k=None,
-        top_p=None,
-        temperature=None,
-    )
-    return out[0, len(smol_prompt) :].tolist()
+    return hf_greedy(smol_torch, smol_prompt, N, eos_id=smol_torch.tokenizer.hf.eos_token_id)
 
 
 @pytest.mark.parametrize("drafter_name", ["ngram", "int8"])
