@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 
+from nodes.cluster_args import add_cluster_arguments
 from nodes.engine.errors import GenerationError
 
 log = logging.getLogger(__name__)
@@ -44,13 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="wrap the prompt in the model's chat template (default: on)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    cluster = parser.add_argument_group("cluster mode (without --local)")
-    cluster.add_argument("--cluster", default="specbus", help="cluster name (default: specbus)")
-    cluster.add_argument("--interface", default="127.0.0.1",
-                         help="IPv4 address, interface name or 'all' (default: 127.0.0.1)")
-    cluster.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
-                         help="seed: a node's request endpoint (repeatable)")
-    cluster.add_argument("--no-mdns", action="store_true", help="seeds and gossip only")
+    cluster = add_cluster_arguments(parser, "cluster mode (without --local)")
     cluster.add_argument("--wait", type=float, default=10.0,
                          help="seconds to wait for a verifier to appear (default 10)")
     cluster.add_argument("--no-speculate", action="store_true",

@@ -19,21 +19,13 @@ from pathlib import Path
 
 import zmq
 
-from discovery.interfaces import DEFAULT_INTERFACE
 from discovery.table import Event, Timeouts
+from nodes.cluster_args import add_cluster_arguments, cpu_list, peer_arg, positive_float
 from nodes.logs import set_node_id
-from nodes.node import ROLES, Node, NodeConfig, parse_peer
+from nodes.node import ROLES, Node, NodeConfig
 from nodes.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
-
-# Test-only: seconds the main thread spins in pure Python after joining (proves heartbeats
-# come from the I/O thread). Never set it in production.
-BUSY_ENV = "SPECBUS_TEST_BUSY_S"
-# Test/benchmark-only: a proposer holds each draft reply this many milliseconds, emulating a
-# slower network (this VM's kernel has no netem). Never set it in production.
-ADDED_RTT_ENV = "SPECBUS_TEST_ADDED_RTT_MS"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
@@ -43,26 +35,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "generation requests, borrowing drafts from the cluster's proposers; a proposer serves "
         "draft sessions with its --drafter."
     )
-    parser.epilog = (
-        f"Test-only: {BUSY_ENV}=SECONDS makes the main thread spin in pure Python for that "
-        "long after joining (proves heartbeats come from the I/O thread); "
-        f"{ADDED_RTT_ENV}=MS makes a proposer hold each draft reply that long (emulates a "
-        "slower network for the latency sweep). Never set them in production."
-    )
     parser.add_argument("--role", required=True, type=parse_roles,
                         metavar="verifier|proposer|verifier,proposer|observer",
                         help="what this node does (observer: listens, never offered work)")
-    parser.add_argument("--cluster", default="specbus", help="cluster name (default: specbus)")
-    parser.add_argument("--interface", default=DEFAULT_INTERFACE,
-                        help="IPv4 address, interface name, or 'all' for mDNS on every "
-                             "interface (default: 127.0.0.1, this machine only)")
-    parser.add_argument("--peer", action="append", default=[], type=peer_arg,
-                        metavar="HOST:PORT",
-                        help="seed: another node's request endpoint (repeatable); works "
-                             "where multicast does not")
+    add_cluster_arguments(parser)
     parser.add_argument("--port", type=int, default=0,
                         help="fixed request port (gossip uses port + 1), handy as a --peer "
                              "seed for others (default: ephemeral ports)")
+    parser.add_argument("--advertise", default=None, type=peer_arg, metavar="HOST:PORT",
+                        help="request endpoint other nodes are told to use when it differs "
+                             "from the bound one (NAT, containers, a proxy in between)")
+    parser.add_argument("--cpus", default=None, type=cpu_list, metavar="LIST",
+                        help="pin this node's process to these CPU cores (e.g. 0 or 1,2 or "
+                             "0-3); torch threads default to their count")
     parser.add_argument("--name", default=None,
                         help="display name; a named node keeps its id across restarts")
     parser.add_argument("--model", default="",
@@ -84,8 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-lease", type=positive_float, default=30.0,
                         help="seconds a proposer keeps a verifier's idle draft session "
                              "(a verifier sets it on the sessions it opens; default 30)")
-    parser.add_argument("--no-mdns", action="store_true",
-                        help="do not use mDNS (seeds and gossip only)")
     parser.add_argument("--state-dir", type=Path, default=None,
                         help="where node ids and incarnation counters live "
                              "(default: $SPECBUS_STATE_DIR or ~/.cache/specbus)")
@@ -112,23 +95,6 @@ def parse_roles(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(roles))
 
 
-def peer_arg(text: str) -> str:
-    try:
-        return parse_peer(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
-    return v
-
-
 def config_from_args(args: argparse.Namespace) -> NodeConfig:
     observer = args.role == ("observer",)
     try:
@@ -139,9 +105,23 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
     return NodeConfig(
         cluster=args.cluster, roles=() if observer else args.role, observer=observer,
         interface=args.interface, peers=tuple(args.peer), port=args.port, name=args.name,
+        advertise=args.advertise or "",
         backend=args.backend, model=args.model, drafter=args.drafter, mdns=not args.no_mdns,
         state_dir=args.state_dir, timeouts=timeouts,
     )
+
+
+def pin_cpus(args: argparse.Namespace) -> None:
+    """`--cpus`: pin the whole process (every thread it starts later too) to those cores."""
+    if args.cpus is None:
+        return
+    try:
+        os.sched_setaffinity(0, args.cpus)
+    except (OSError, AttributeError) as exc:
+        raise ValueError(f"--cpus {sorted(args.cpus)}: cannot pin this process: {exc}") from None
+    if not args.threads:
+        args.threads = len(args.cpus)
+    log.info("pinned to CPUs %s, %d torch threads", sorted(args.cpus), args.threads)
 
 
 def event_json(ev: Event) -> dict:
@@ -168,6 +148,7 @@ class _Printer:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        pin_cpus(args)
         config = config_from_args(args)
         roles = _assemble_roles(args, config)
         node = Node(config)
@@ -183,11 +164,6 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    try:
-        busy = float(os.environ.get(BUSY_ENV, "0") or 0)
-    except ValueError:
-        print(f"specbus node: {BUSY_ENV} must be a number of seconds", file=sys.stderr)
-        return 2
     printer = _Printer() if args.print_events else None
     try:
         node.start(on_event=(lambda ev: printer(event_json(ev))) if printer else None)
@@ -208,8 +184,6 @@ def run(args: argparse.Namespace) -> int:
     telemetry = Telemetry(node, providers=[roles.telemetry] if roles else [])
     telemetry.start()
     try:
-        if busy > 0:
-            _spin(busy, stop)
         while not stop.wait(0.2):
             pass
     finally:
@@ -240,31 +214,9 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
     spec = RoleSpec(roles=config.roles, model=args.model or None,
                     backend=args.backend or "torch", drafter=args.drafter or default,
                     max_draft=args.max_draft, lease_s=args.session_lease,
-                    max_wait_s=args.max_draft_wait, threads=args.threads,
-                    reply_delay_s=_env_seconds(ADDED_RTT_ENV, 1000.0))
+                    max_wait_s=args.max_draft_wait, threads=args.threads)
     roles = assemble(spec)
     config.card_fields = {**config.card_fields, **roles.card}
     if "proposer" in config.roles:
         config.drafter = spec.drafter
     return roles
-
-
-def _env_seconds(name: str, per_second: float) -> float:
-    text = os.environ.get(name, "") or "0"
-    try:
-        value = float(text) / per_second
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {text!r}")
-    return value
-
-
-def _spin(seconds: float, stop: threading.Event) -> None:
-    """Hold the main thread in pure-Python work (test knob, see BUSY_ENV)."""
-    end = time.monotonic() + seconds
-    x = 0
-    while time.monotonic() < end and not stop.is_set():
-        for i in range(10_000):
-            x += i * i
-    log.info("busy spin finished (%d)", x & 0xFF)

@@ -43,6 +43,7 @@ class NodeConfig:
     interface: str = DEFAULT_INTERFACE
     peers: tuple[str, ...] = ()  # seeds: stream endpoints (tcp://HOST:PORT)
     port: int = 0  # request (ROUTER) port, gossip PUB on port + 1; 0: ephemeral ports
+    advertise: str = ""  # request endpoint others are told to use (NAT, proxy); "" = bound one
     name: str | None = None
     backend: str = ""
     model: str = ""
@@ -64,7 +65,7 @@ def parse_peer(text: str) -> str:
     ep = text if text.startswith("tcp://") else f"tcp://{text}"
     host, sep, port = ep[len("tcp://"):].rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--peer must be HOST:PORT (a node's request endpoint), got {text!r}")
+        raise ValueError(f"expected HOST:PORT (a node's request endpoint), got {text!r}")
     return ep
 
 
@@ -81,6 +82,8 @@ class Node:
         if not (config.port == 0 or 0 < config.port < 65535):
             raise ValueError(f"--port must be 1..65534 (the gossip port is port + 1), "
                              f"got {config.port}")
+        if config.advertise:
+            config.advertise = parse_peer(config.advertise)
         bad = [k for k in config.card_fields if k not in CARD_SETTABLE]
         if bad:
             raise ValueError(f"card fields {bad} cannot be set (settable: {CARD_SETTABLE})")
@@ -150,7 +153,8 @@ class Node:
         card = Card(
             node_id=self.node_id, cluster=cfg.cluster, incarnation=self.identity.incarnation,
             version=1, roles=tuple(cfg.roles), name=cfg.name or "",
-            endpoints={"gossip": self.gossip.endpoint, "stream": self.server.endpoint},
+            endpoints={"gossip": self.gossip.endpoint,
+                       "stream": cfg.advertise or self.server.endpoint},
             observer=cfg.observer, extras=extras, **fields,
         )
         return Card.from_map(card.to_map())  # same checks as a card from the wire

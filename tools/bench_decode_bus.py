@@ -1,44 +1,75 @@
 """`specbus bench decode` (without `--local`): decoding over the bus vs in-process, one run.
 
-A local cluster of real processes: a verifier with an in-process `ngram` drafter, a verifier
-with an in-process `int8` drafter, an `ngram` proposer, an `int8` proposer, and `ngram`
-proposers whose replies are held back by 1, 5, 20 and 50 ms (a latency sweep: this VM's kernel
-has no netem, so the delay is added by the proposer, see `SPECBUS_TEST_ADDED_RTT_MS`). Every
-configuration runs on the same prompts through the same verifier processes, interleaved prompt
-by prompt; speedups are over that verifier's own plain decoding of the same prompt.
+A local cluster of real processes, this 2-core box played as two machines: verifiers pinned
+to core 0 with one torch thread, proposers pinned to core 1. A verifier with an in-process
+`ngram` drafter, a verifier with an in-process `int8` drafter, an `ngram` proposer, an `int8`
+proposer, and `ngram` proposers reached only through a userspace delay proxy adding 5, 20 and
+50 ms of round trip (this kernel has no netem: see `tools/delay_proxy.py`; each such proposer
+advertises the proxy's address with `--advertise`). Every configuration runs on the same prompts
+through the same verifier processes, interleaved prompt by prompt; speedups are over that
+verifier's own plain decoding of the same prompt on its core.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-DELAYS_MS = (0, 1, 5, 20, 50)
+DELAYS_MS = (0, 5, 20, 50)
+VERIFIER_CORE = ("--cpus", "0", "--threads", "1")
+PROPOSER_CORE = ("--cpus", "1")
+
+
+def free_port_pair() -> int:
+    """A port P with P + 1 free too (a node's request port and its gossip port)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65534:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no free port pair on 127.0.0.1")
 
 
 def run_bus(args, prompts: list[tuple[str, str]]) -> int:
     from nodes.cluster_client import ClusterClient, GenerateRequest
+    from tools.delay_proxy import Delay, DelayProxy
     from tools.local_cluster import LocalCluster
 
     n = 48 if args.quick else args.max_tokens
     if args.quick:
         prompts = [prompts[0], prompts[2], prompts[-2]]
     log_dir = Path(tempfile.mkdtemp(prefix="specbus-bench-decode-"))
-    threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads > 0 else {}
-    with LocalCluster(log_dir=log_dir, mdns=False, env=threads) as c:
-        print(f"starting cluster (logs: {log_dir})", file=sys.stderr)
-        c.start_node("v-ngram", "--role", "verifier", "--drafter", "ngram")
-        c.start_node("v-int8", "--role", "verifier", "--drafter", "int8", seed=True)
-        pn = c.start_node("p-ngram", "--role", "proposer", "--drafter", "ngram", seed=True)
-        pi = c.start_node("p-int8", "--role", "proposer", "--drafter", "int8", seed=True)
-        delayed = {}
+    with contextlib.ExitStack() as stack:
+        c = stack.enter_context(LocalCluster(log_dir=log_dir, mdns=False))
+        print(f"starting cluster (logs: {log_dir}); verifiers on core 0 (1 torch thread), "
+              "proposers on core 1", file=sys.stderr)
+        c.start_node("v-ngram", "--role", "verifier", "--drafter", "ngram", *VERIFIER_CORE)
+        c.start_node("v-int8", "--role", "verifier", "--drafter", "int8", *VERIFIER_CORE,
+                     seed=True)
+        pn = c.start_node("p-ngram", "--role", "proposer", "--drafter", "ngram",
+                          *PROPOSER_CORE, seed=True)
+        pi = c.start_node("p-int8", "--role", "proposer", "--drafter", "int8", *PROPOSER_CORE,
+                          seed=True)
+        delayed = {0: pn}
         for d in DELAYS_MS[1:]:
-            delayed[d] = c.start_node(f"p-ngram-{d}ms", "--role", "proposer", seed=True,
-                                      env={"SPECBUS_TEST_ADDED_RTT_MS": str(d)})
-        delayed[0] = pn
+            port = free_port_pair()
+            proxy = stack.enter_context(DelayProxy(("127.0.0.1", port), Delay(d / 2000.0)))
+            delayed[d] = c.start_node(f"p-ngram-{d}ms", "--role", "proposer", *PROPOSER_CORE,
+                                      "--port", str(port), "--advertise", proxy.address,
+                                      seed=True)
         with ClusterClient(c.cluster, peers=tuple(x.stream for x in c.nodes), mdns=False) as cc:
             cc.wait_for(lambda ms: len([m for m in ms if m.card.is_worker]) >= len(c.nodes), 30)
             by_name = {m.card.name: m for m in cc.verifiers()}

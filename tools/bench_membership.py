@@ -4,151 +4,20 @@ node processes on loopback.
 Each node runs `python -m nodes --print-events`, which prints one JSON line per membership
 event stamped with `time.monotonic()`. CLOCK_MONOTONIC is system-wide on Linux, so times
 from different processes on this machine compare directly with the benchmark's own clock.
-`NodeProcess` is also what the multi-process tests use.
+Nodes are started with the project's one launcher, `tools.local_cluster.NodeProcess`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
 
-NODE_START_TIMEOUT_S = 20.0
-
-
-class NodeProcess:
-    """A `specbus node` subprocess whose stdout events are collected on a thread."""
-
-    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None,
-                 prefix: Sequence[str] = ()) -> None:
-        cmd = [*prefix, sys.executable, "-m", "nodes", *args, "--print-events"]
-        full_env = {**os.environ, **(env or {})}
-        self.spawned_at = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=full_env)
-        self.events: list[dict] = []
-        self.stderr: list[str] = []
-        self._cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            with self._cond:
-                self.events.append(ev)
-                self._cond.notify_all()
-        with self._cond:
-            self.events.append({"event": "eof", "t": time.monotonic()})
-            self._cond.notify_all()
-
-    def _drain_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr.append(line.rstrip())
-            del self.stderr[:-200]
-
-    # -- waiting ------------------------------------------------------------------------
-    def wait_event(self, pred: Callable[[dict], bool], timeout: float) -> dict | None:
-        """The first event (past or future) matching `pred`, or None after `timeout`."""
-        end = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for ev in self.events:
-                    if pred(ev):
-                        return ev
-                left = end - time.monotonic()
-                if left <= 0 or (self.events and self.events[-1]["event"] == "eof"):
-                    return None
-                self._cond.wait(left)
-
-    def wait_ready(self, timeout: float = NODE_START_TIMEOUT_S) -> dict:
-        ev = self.wait_event(lambda e: e["event"] == "ready", timeout)
-        if ev is None:
-            raise RuntimeError("node did not start:\n" + "\n".join(self.stderr[-20:]))
-        return ev
-
-    @property
-    def ready(self) -> dict:
-        return self.wait_ready()
-
-    @property
-    def node_id(self) -> str:
-        return self.ready["node_id"]
-
-    @property
-    def stream(self) -> str:
-        return self.ready["endpoints"]["stream"]
-
-    def view(self) -> dict[str, str]:
-        """node id -> latest state, from this node's events."""
-        out: dict[str, str] = {}
-        with self._cond:
-            for ev in self.events:
-                if ev["event"] in ("join", "update", "suspect", "alive", "dead", "leave"):
-                    out[ev["node_id"]] = ev["state"]
-        return out
-
-    def events_about(self, node_id: str, kind: str | None = None) -> list[dict]:
-        with self._cond:
-            return [e for e in self.events if e.get("node_id") == node_id
-                    and e["event"] != "ready" and (kind is None or e["event"] == kind)]
-
-    # -- lifecycle ----------------------------------------------------------------------
-    def signal(self, sig: int) -> float:
-        t = time.monotonic()
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return t
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL if it does not exit in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def wait_all(pred: Callable[[], bool], timeout: float, step: float = 0.02) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
-
-
-def all_see_each_other(nodes: Sequence[NodeProcess]) -> bool:
-    ids = {n.node_id for n in nodes}
-    return all({k for k, s in n.view().items() if s == "alive"} >= ids - {n.node_id}
-               for n in nodes)
-
-
-def event_time(nodes: Sequence[NodeProcess], node_id: str, kind: str, after: float,
-               timeout: float) -> float | None:
-    """Latest time at which every node in `nodes` reported `kind` for `node_id` after `after`."""
-    worst = after
-    for n in nodes:
-        ev = n.wait_event(lambda e: e.get("node_id") == node_id and e["event"] == kind
-                          and e["t"] >= after, max(0.0, after + timeout - time.monotonic()))
-        if ev is None:
-            return None
-        worst = max(worst, ev["t"])
-    return worst - after
-
+from tools.local_cluster import NodeProcess, all_see_each_other, event_time, wait_all
 
 # -- the benchmark ------------------------------------------------------------------------
 
@@ -158,9 +27,9 @@ class Bench:
         self.cluster = f"bench-{uuid.uuid4().hex[:8]}"
         self.procs: list[NodeProcess] = []
 
-    def spawn(self, *extra: str, env: dict[str, str] | None = None) -> NodeProcess:
+    def spawn(self, *extra: str, module: str = "nodes") -> NodeProcess:
         p = NodeProcess(["--role", "proposer", "--drafter", "ngram", "--cluster", self.cluster,
-                         *extra], env=env)
+                         *extra], module=module)
         self.procs.append(p)
         return p
 
@@ -236,9 +105,9 @@ class Bench:
                 "suspects": suspects}
 
     def busy(self, n_busy: int, n_idle: int, seconds: float) -> int:
-        env = {"SPECBUS_TEST_BUSY_S": str(seconds)}
         idle = [self.spawn() for _ in range(n_idle)]
-        busy = [self.spawn(env=env) for _ in range(n_busy)]
+        busy = [self.spawn("--busy-s", str(seconds), module="tools.busy_node")
+                for _ in range(n_busy)]
         allp = idle + busy
         if not wait_all(lambda: all_see_each_other(allp), 15):
             raise RuntimeError("busy cluster did not converge")

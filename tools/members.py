@@ -12,23 +12,17 @@ import logging
 import sys
 import time
 
-from discovery.interfaces import DEFAULT_INTERFACE
 from discovery.table import Member
-from nodes.cmd_node import peer_arg, positive_float
+from nodes.cluster_args import add_cluster_arguments, positive_float
 from nodes.logs import set_node_id
 from nodes.node import Node, NodeConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cluster", default="specbus", help="cluster name (default: specbus)")
-    parser.add_argument("--interface", default=DEFAULT_INTERFACE,
-                        help="IPv4 address, interface name or 'all' (default: 127.0.0.1)")
-    parser.add_argument("--peer", action="append", default=[], type=peer_arg,
-                        metavar="HOST:PORT", help="seed: a node's request endpoint (repeatable)")
+    add_cluster_arguments(parser)
     parser.add_argument("--wait", type=positive_float, default=1.5,
                         help="seconds to listen before printing (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead")
-    parser.add_argument("--no-mdns", action="store_true", help="seeds and gossip only")
 
 
 def member_json(m: Member) -> dict:

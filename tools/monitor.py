@@ -15,17 +15,12 @@ import sys
 import threading
 import time
 
-from discovery.interfaces import DEFAULT_INTERFACE
+from nodes.cluster_args import add_cluster_arguments
 from tools.monitor_view import ClusterView, render_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cluster", default="specbus", help="cluster name (default: specbus)")
-    parser.add_argument("--interface", default=DEFAULT_INTERFACE,
-                        help="IPv4 address, interface name or 'all' (default: 127.0.0.1)")
-    parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
-                        help="seed: a node's request endpoint (repeatable)")
-    parser.add_argument("--no-mdns", action="store_true", help="seeds and gossip only")
+    add_cluster_arguments(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per line per event instead of the UI")
     parser.add_argument("--once", action="store_true",

@@ -122,7 +122,8 @@ def test_forged_snapshot_request_cannot_introduce_someone_else(make_node, seed_o
 def test_bad_cli_input_is_a_clear_error():
     import argparse
 
-    from nodes.cmd_node import parse_roles, peer_arg
+    from nodes.cluster_args import peer_arg
+    from nodes.cmd_node import parse_roles
 
     assert parse_roles("verifier,proposer") == ("verifier", "proposer")
     assert parse_roles("observer") == ("observer",)

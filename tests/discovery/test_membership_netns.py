@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from tools.bench_membership import NodeProcess, all_see_each_other, event_time, wait_all
+from tools.local_cluster import NodeProcess, all_see_each_other, event_time, wait_all
 from tools.netns import Lan, NetnsUnavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]

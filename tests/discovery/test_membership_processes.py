@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from tools.bench_membership import NodeProcess, all_see_each_other, event_time, wait_all
+from tools.local_cluster import NodeProcess, all_see_each_other, event_time, wait_all
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +28,9 @@ def cluster():
     procs: list[NodeProcess] = []
     name = f"t-{uuid.uuid4().hex[:8]}"
 
-    def spawn(*extra: str, cluster: str = name, env=None, role: str = "proposer") -> NodeProcess:
-        p = NodeProcess(["--role", role, "--cluster", cluster, *extra], env=env)
+    def spawn(*extra: str, cluster: str = name, role: str = "proposer",
+              module: str = "nodes") -> NodeProcess:
+        p = NodeProcess(["--role", role, "--cluster", cluster, *extra], module=module)
         procs.append(p)
         return p
 
@@ -61,7 +62,7 @@ def test_mdns_join_kill_and_leave(cluster):
 def test_cpu_bound_main_thread_is_never_suspected(cluster):
     busy_s = 4.0
     idle = [cluster() for _ in range(2)]
-    busy = cluster(env={"SPECBUS_TEST_BUSY_S": str(busy_s)})
+    busy = cluster("--busy-s", str(busy_s), module="tools.busy_node")
     nodes = [*idle, busy]
     assert wait_all(lambda: all_see_each_other(nodes), 15), [n.view() for n in nodes]
     time.sleep(busy_s + 0.5)
