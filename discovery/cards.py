@@ -8,10 +8,25 @@ part in ordering, so skewed clocks between machines cannot make an old card win.
 
 from __future__ import annotations
 
+import math
 import re
 import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+import msgpack
+
+from discovery.limits import (
+    MAX_COUNTER,
+    MAX_ENDPOINTS,
+    MAX_EXTRAS_BYTES,
+    MAX_FREE_MEM,
+    MAX_PORT,
+    MAX_RATE,
+    MAX_VOCAB,
+    is_counter,
+    parse_decimal,
+)
 
 CLUSTER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -22,6 +37,14 @@ MAX_TEXT = 200
 
 class CardError(ValueError):
     """A card (from the wire or from the command line) is not acceptable."""
+
+    hostile = False  # True: numbers no honest node sends (counted apart from malformed input)
+
+
+class OutOfRange(CardError):
+    """A card number (incarnation, version, sizes) outside what an honest node publishes."""
+
+    hostile = True
 
 
 def check_cluster(name: str) -> str:
@@ -103,16 +126,20 @@ class Card:
         check_cluster(fields.get("cluster"))
         inc, ver = fields.get("incarnation"), fields.get("version")
         for label, v in (("incarnation", inc), ("version", ver)):
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**62:
-                raise CardError(f"card {label} must be a non-negative integer, got {v!r}")
+            if not is_counter(v):
+                raise OutOfRange(f"card {label} must be an integer in [0, {MAX_COUNTER}], "
+                                f"got {v!r}"[:200])
         roles = fields.get("roles")
         if not isinstance(roles, list) or len(roles) > MAX_ROLES or not all(
             isinstance(r, str) and 0 < len(r) <= 32 for r in roles
         ):
             raise CardError(f"card roles must be a short list of role names, got {roles!r}")
         endpoints = fields.get("endpoints")
-        if not isinstance(endpoints, dict):
-            raise CardError("card endpoints must be a map")
+        if not isinstance(endpoints, dict) or len(endpoints) > MAX_ENDPOINTS:
+            raise CardError(f"card endpoints must be a map of at most {MAX_ENDPOINTS} entries")
+        if not all(isinstance(k, str) and len(k) <= 32 and isinstance(v, str) and len(v) <= 100
+                   for k, v in endpoints.items()):
+            raise CardError("card endpoints must map short names to short strings")
         for k in ("gossip", "stream"):
             if not check_endpoint(endpoints.get(k)):
                 raise CardError(f"card endpoint {k!r} must be tcp://HOST:PORT, got "
@@ -130,10 +157,10 @@ class Card:
                 raise CardError(f"card field {name!r} must be {kind.__name__}, got {v!r}"[:200])
             if kind is str and len(v) > MAX_TEXT:
                 raise CardError(f"card field {name!r} is longer than {MAX_TEXT} characters")
+            _check_range(name, v)
             kw[name] = v
         return cls(node_id=node_id, cluster=fields["cluster"], incarnation=inc, version=ver,
-                   roles=tuple(roles), endpoints={k: str(v) for k, v in endpoints.items()},
-                   **kw)
+                   roles=tuple(roles), endpoints=dict(endpoints), **kw)
 
     @classmethod
     def from_map(cls, data: Any) -> Card:
@@ -143,9 +170,31 @@ class Card:
         return cls.from_fields(data.get("node_id"), data)
 
 
+_NUMBER_RANGES: dict[str, tuple[float, float]] = {
+    "vocab": (0, MAX_VOCAB), "free_mem": (0, MAX_FREE_MEM), "tok_s": (0.0, MAX_RATE),
+    "load": (0.0, MAX_RATE),
+}
+
+
+def _check_range(name: str, v: Any) -> None:
+    """Numbers within what a real node reports; extras small enough to gossip every 5 s."""
+    if name in _NUMBER_RANGES:
+        lo, hi = _NUMBER_RANGES[name]
+        if not (math.isfinite(v) and lo <= v <= hi):
+            raise OutOfRange(f"card field {name!r} must be in [{lo}, {hi}], got {v!r}"[:200])
+    elif name == "extras":
+        try:
+            size = len(msgpack.packb(v))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise CardError(f"card extras cannot be encoded: {exc}"[:200]) from None
+        if size > MAX_EXTRAS_BYTES:
+            raise OutOfRange(f"card extras take {size} bytes, at most {MAX_EXTRAS_BYTES}")
+
+
 def check_endpoint(ep: Any) -> bool:
     """True for `tcp://HOST:PORT` with a numeric port (what our sockets bind and advertise)."""
     if not isinstance(ep, str) or not ep.startswith("tcp://") or len(ep) > 100:
         return False
     host, _, port = ep[len("tcp://"):].rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+    number = parse_decimal(port, MAX_PORT)
+    return bool(host) and number is not None and number > 0

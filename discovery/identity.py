@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 from discovery.cards import check_cluster, check_node_id, new_node_id
+from discovery.limits import MAX_COUNTER, parse_decimal
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,10 @@ def default_state_dir() -> Path:
         return Path(env)
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "specbus"
+
+
+class IncarnationExhausted(ValueError):
+    """No incarnation is left above the one asked for (only a hostile claim gets here)."""
 
 
 class Identity:
@@ -49,11 +54,20 @@ class Identity:
         return self._counter is not None
 
     def bump(self, at_least: int = 0) -> int:
-        """Move to a new incarnation, larger than the current one and than `at_least`."""
-        self.incarnation = max(self.incarnation, at_least) + 1
+        """Move to a new incarnation, larger than the current one and than `at_least`.
+
+        Raises IncarnationExhausted (and changes nothing, on disk or here) if that would pass
+        MAX_COUNTER: the persisted value must stay one that a card can carry.
+        """
+        new = max(self.incarnation, at_least) + 1
+        if new > MAX_COUNTER:
+            raise IncarnationExhausted(
+                f"incarnation {new} would pass the ceiling {MAX_COUNTER}; staying at "
+                f"{self.incarnation}")
         if self._counter is not None:
-            _write_counter(self._counter, self.incarnation)
-        return self.incarnation
+            _write_counter(self._counter, new)
+        self.incarnation = new
+        return new
 
     def release(self) -> None:
         if self._lock_fd is not None:
@@ -119,14 +133,27 @@ def _lock_and_increment(root: Path, node_id: str) -> Identity | None:
 
 
 def _read_counter(path: Path) -> int:
+    """The last incarnation used, or 0 (a fresh start) if the file is absent or unusable.
+
+    A corrupt or out-of-range value (never written by an honest run: see `Identity.bump`) is
+    a warning, not a failed start: the node comes back at incarnation 1 and, as after a lost
+    file, outgrows its past when a peer shows it its old card (docs/discovery.md).
+    """
     try:
-        text = path.read_text().strip()
+        with open(path, "rb") as f:
+            text = f.read(64).decode("ascii", errors="replace").strip()
     except FileNotFoundError:
         return 0
-    if not text.isdigit():
-        log.warning("incarnation file %s is corrupt (%r); starting over above 0", path, text[:20])
+    except OSError as exc:
+        log.warning("cannot read incarnation file %s (%s); starting a fresh incarnation",
+                    path, exc)
         return 0
-    return int(text)
+    value = parse_decimal(text, MAX_COUNTER - 1)  # - 1: this start adds one
+    if value is None:
+        log.warning("incarnation file %s is corrupt or out of range (%r, expected an integer "
+                    "in [0, %d]); starting a fresh incarnation", path, text[:24], MAX_COUNTER - 1)
+        return 0
+    return value
 
 
 def _write_counter(path: Path, value: int) -> None:

@@ -36,6 +36,7 @@ from zeroconf import (
 from codec.schema import PROTOCOL_VERSION
 from discovery.cards import Card, CardError, check_cluster, check_endpoint, check_node_id
 from discovery.interfaces import NetChoice
+from discovery.limits import MAX_PROTO, parse_decimal
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +80,14 @@ def parse_properties(props: dict) -> PeerAd:
     cluster, node_id = text("cluster"), text("node")
     check_cluster(cluster)
     check_node_id(node_id)
-    proto = text("proto")
-    if not proto.isdigit():
-        raise CardError(f"mDNS TXT proto must be an integer, got {proto!r}")
+    proto = parse_decimal(text("proto"), MAX_PROTO)
+    if proto is None:
+        raise CardError(f"mDNS TXT proto must be an integer in [0, {MAX_PROTO}], got "
+                        f"{text('proto')!r}"[:200])
     gossip, stream = text("gossip"), text("stream")
     if not (check_endpoint(gossip) and check_endpoint(stream)):
-        raise CardError(f"mDNS TXT endpoints are malformed: {gossip!r} {stream!r}")
-    return PeerAd(node_id, cluster, int(proto), gossip, stream)
+        raise CardError(f"mDNS TXT endpoints are malformed: {gossip!r} {stream!r}"[:200])
+    return PeerAd(node_id, cluster, proto, gossip, stream)
 
 
 class Mdns:
@@ -99,6 +101,7 @@ class Mdns:
         self._info: ServiceInfo | None = None
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specbus-mdns")
         self._closed = False
+        self._count_lock = threading.Lock()  # resolver pool threads count concurrently
         self.seen = 0
         self.malformed = 0
         self.self_seen = threading.Event()
@@ -175,10 +178,12 @@ class Mdns:
         try:
             ad = parse_properties(info.properties or {})
         except CardError as exc:
-            self.malformed += 1
+            with self._count_lock:
+                self.malformed += 1
             log.debug("ignoring mDNS service %s: %s", name, exc)
             return
-        self.seen += 1
+        with self._count_lock:
+            self.seen += 1
         self._on_peer(ad)
 
     def close(self) -> None:

@@ -19,6 +19,14 @@ How a node joins (details in docs/discovery.md):
   longer than `suspect_after` / `dead_after` makes a member suspect / dead. Heartbeats list
   the ids their sender suspects; a node that finds itself there bumps its incarnation and
   re-announces (refutation).
+
+Every number from outside is bounded before use (`discovery.limits`, `discovery.wire`):
+messages with absurd counters or sizes are dropped and counted as `hostile`, ill-shaped ones
+as `dropped`; nothing from the wire can raise out of a handler. A refutation only follows a
+claim within `MAX_JUMP` of our incarnation, at most once per heartbeat interval, and never
+past `MAX_COUNTER`, so no forged message can push the persisted incarnation out of range.
+
+Counters belong to the I/O thread (`discovery.counters`); `counters` hands out copies.
 """
 
 from __future__ import annotations
@@ -36,10 +44,13 @@ from bus.streams import BusError, Call, Request, StreamClient
 from codec.messages import Message, make
 from codec.schema import PROTOCOL_VERSION
 from discovery.cards import Card, CardError, check_endpoint
+from discovery.counters import Counters
 from discovery.events import EventBus, Subscriber
-from discovery.identity import Identity
+from discovery.identity import Identity, IncarnationExhausted
+from discovery.limits import MAX_COUNTER, MAX_MEMBERS, is_plausible_step
 from discovery.mdns import PeerAd
 from discovery.table import Event, Member, MemberTable, State, Timeouts
+from discovery.wire import Heartbeat, Leave, parse_heartbeat, parse_leave
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +60,8 @@ SEED_RETRY_S = 1.0
 DISCOVERED_RETRY_FOR_S = 30.0  # keep retrying an mDNS-found endpoint until it answers
 CARD_REPUBLISH_S = 5.0  # anti-entropy for peers that missed a card update
 SYNC_MIN_INTERVAL_S = 1.0  # digest mismatch: at most one snapshot request per peer per second
+COUNTERS = ("dropped", "hostile", "foreign", "refutations", "snapshots_served",
+            "snapshots_received", "introductions")
 UPDATABLE = ("backend", "model", "tokenizer", "vocab", "tok_s", "load", "free_mem", "extras")
 
 
@@ -83,18 +96,27 @@ class Membership:
         self._introduced: dict[str, int] = {}  # node id -> incarnation we exchanged cards with
         self._gossip_eps: dict[str, str] = {}  # node id -> PUB endpoint we subscribe to
         self._last_refute = -1e9
+        self._deferred_claim: int | None = None  # a claim to refute once the rate limit allows
         self._last_sync: dict[str, float] = {}  # node id -> when we last asked it to sync
         # discovered stream endpoint -> (retry until, its PUB endpoint or None)
         self._pending: dict[str, tuple[float, str | None]] = {}
         self._left = False
         self._refused: set[str] = set()  # endpoints that answered our introduction with an error
-        self.counters = {"dropped": 0, "foreign": 0, "refutations": 0, "snapshots_served": 0,
-                         "snapshots_received": 0, "introductions": 0}
+        self._counters = Counters(COUNTERS, is_owner=loop.in_loop)  # written on the I/O thread
 
     # -- thread-safe API ----------------------------------------------------------------
     @property
     def node_id(self) -> str:
         return self._card.node_id
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """A copy of the counters, with the table's `stale` and `hostile` added in."""
+        out = self._counters.snapshot()
+        with self._lock:
+            out["stale"] = self._table.stale
+            out["hostile"] += self._table.hostile
+        return out
 
     @property
     def card(self) -> Card:
@@ -142,13 +164,8 @@ class Membership:
         self.loop.call_soon(lambda: self._discovered(stream, gossip))
 
     def on_mdns_peer(self, ad: PeerAd) -> None:
-        """mDNS callback (zeroconf thread): only peers of our cluster and protocol count."""
-        if ad.cluster != self._card.cluster or ad.proto != PROTOCOL_VERSION:
-            self.counters["foreign"] += 1
-            return
-        if ad.node_id == self._card.node_id:
-            return
-        self.discovered(ad.stream, ad.gossip)
+        """mDNS callback (zeroconf's thread): hand the ad to the I/O thread, which owns state."""
+        self.loop.call_soon(lambda: self._on_mdns_peer(ad))
 
     def start(self) -> None:
         self.gossip.subscribe(self.topic)
@@ -166,6 +183,14 @@ class Membership:
         return _copy(Member(self._card, State.ALIVE, now, self._started_at, is_self=True))
 
     # -- loop thread: lifecycle ---------------------------------------------------------
+    def _on_mdns_peer(self, ad: PeerAd) -> None:
+        """Only peers of our cluster and protocol count."""
+        if ad.cluster != self._card.cluster or ad.proto != PROTOCOL_VERSION:
+            self._counters.inc("foreign")
+            return
+        if ad.node_id != self._card.node_id:
+            self._discovered(ad.stream, ad.gossip)
+
     def _start(self) -> None:
         t = self.timeouts
         self._publish_card()
@@ -208,10 +233,9 @@ class Membership:
                      + [self.node_id])
         return len(ids), zlib.crc32(",".join(ids).encode())
 
-    def _check_digest(self, sender: str, peers: object, now: float) -> None:
+    def _check_digest(self, sender: str, peers: tuple[int, int] | None, now: float) -> None:
         """Ask `sender` for a snapshot if it seems to know members we do not."""
-        if not (isinstance(peers, list) and len(peers) == 2
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in peers)):
+        if peers is None:
             return
         count, crc = self._digest()
         if peers[0] < count or (peers[0] == count and peers[1] == crc):
@@ -228,16 +252,40 @@ class Membership:
         self._heartbeat()
 
     def _refute(self, at_least: int) -> None:
-        """Someone thinks we are suspect (or knows a later incarnation of us): outgrow it."""
+        """Someone thinks we are suspect (or knows a later incarnation of us): outgrow it.
+
+        Bumps to max(own, at_least) + 1, at most once per heartbeat interval (one bump is
+        enough; more only burn incarnations), and only for a claim a node of ours could have
+        made: within MAX_JUMP of our incarnation (a restart with a lost counter file is one
+        step per earlier start) and below MAX_COUNTER. Anything else is hostile: dropped.
+        """
+        own = self._card.incarnation
+        if not is_plausible_step(own, at_least) or max(own, at_least) >= MAX_COUNTER:
+            self._counters.inc("hostile")
+            log.debug("ignoring an implausible claim of our incarnation: %d (ours %d)",
+                      at_least, own)
+            return
         now = time.monotonic()
-        if at_least < self._card.incarnation and now - self._last_refute < \
-                self.timeouts.suspect_after:
+        wait = self._last_refute + self.timeouts.heartbeat - now
+        if wait > 0:  # too soon: one deferred refutation covers every claim until then
+            if self._deferred_claim is None:
+                self.loop.call_later(wait, self._deferred_refute)
+            self._deferred_claim = max(self._deferred_claim or 0, at_least)
+            return
+        try:
+            new = self.identity.bump(at_least)
+        except (IncarnationExhausted, OSError) as exc:
+            log.warning("cannot refute: %s", exc)
             return
         self._last_refute = now
-        new = self.identity.bump(at_least)
-        self.counters["refutations"] += 1
-        log.info("refuting suspicion: incarnation %d -> %d", self._card.incarnation, new)
+        self._counters.inc("refutations")
+        log.info("refuting: incarnation %d -> %d", own, new)
         self._set_card(replace(self._card, incarnation=new, version=self._card.version + 1))
+
+    def _deferred_refute(self) -> None:
+        claim, self._deferred_claim = self._deferred_claim, None
+        if claim is not None and claim >= self._card.incarnation and not self._left:
+            self._refute(claim)  # not outgrown meanwhile
 
     # -- loop thread: inputs ------------------------------------------------------------
     def handle_gossip(self, topic: str, msg: Message) -> bool:
@@ -245,38 +293,50 @@ class Membership:
         if msg.type not in MEMBERSHIP_TYPES:
             return False
         if topic != self.topic or msg.get("cluster") != self._card.cluster:
-            self.counters["foreign"] += 1
+            self._counters.inc("foreign")
             return True
-        now = time.monotonic()
-        sender = msg.sender
-        if msg.type == "card":
-            try:
-                card = Card.from_fields(sender, msg.fields)
-            except CardError as exc:
-                self.counters["dropped"] += 1
-                log.debug("dropped card from %r: %s", sender, exc)
-                return True
-            self._on_card(card, now, direct=True)
-        elif msg.type == "heartbeat":
-            if sender == self.node_id:
-                self._on_self_report(msg["incarnation"])
-                return True
-            with self._lock:
-                events, need_card = self._table.on_heartbeat(
-                    sender, msg["incarnation"], msg["version"], now)
-            self._after(events)
-            if need_card:
-                self._ask_card(sender)
+        try:
+            if msg.type == "card":
+                self._on_card(Card.from_fields(msg.sender, msg.fields), time.monotonic(),
+                              direct=True)
+            elif msg.type == "heartbeat":
+                self._on_heartbeat(parse_heartbeat(msg))
             else:
-                self._check_digest(sender, msg.get("peers"), now)
-            suspects = msg.get("suspects") or []
-            if self.node_id in suspects:
-                self._refute(self._card.incarnation)
-        else:  # leave
-            with self._lock:
-                events = self._table.on_leave(sender, msg["incarnation"], now)
-            self._after(events)
+                self._on_leave(parse_leave(msg))
+        except CardError as exc:
+            self._drop(f"{msg.type} from {msg.sender!r}", exc)
         return True
+
+    def _drop(self, what: str, exc: CardError) -> None:
+        """Count a message we refuse: `hostile` for absurd numbers, else `dropped`."""
+        self._counters.inc("hostile" if exc.hostile else "dropped")
+        log.debug("dropped %s: %s", what, exc)
+
+    def _on_heartbeat(self, hb: Heartbeat) -> None:
+        now = time.monotonic()
+        if hb.sender == self.node_id:
+            self._on_self_report(hb.incarnation, hb.version)
+            return
+        with self._lock:
+            events, need_card = self._table.on_heartbeat(hb.sender, hb.incarnation, hb.version,
+                                                         now)
+        self._after(events)
+        if need_card:
+            self._ask_card(hb.sender)
+        else:
+            self._check_digest(hb.sender, hb.peers, now)
+        if self.node_id in hb.suspects:
+            self._refute(self._card.incarnation)
+
+    def _on_leave(self, leave: Leave) -> None:
+        if leave.sender == self.node_id:
+            # someone announces our leave: outgrow that incarnation so peers take us back
+            if leave.incarnation >= self._card.incarnation:
+                self._refute(leave.incarnation)
+            return
+        with self._lock:
+            events = self._table.on_leave(leave.sender, leave.incarnation, time.monotonic())
+        self._after(events)
 
     def handle_request(self, req: Request) -> bool:
         """StreamServer handler for `snapshot_req`; False if the type is not ours."""
@@ -294,14 +354,26 @@ class Membership:
                 if card.node_id != msg.sender:
                     raise CardError("a node may only introduce its own card")
             except CardError as exc:
-                self.counters["dropped"] += 1
+                self._drop(f"introduction from {msg.sender!r}", exc)
                 req.fail("bad_card", str(exc)[:300])
                 return True
             self._introduced[card.node_id] = card.incarnation  # it knows us: no need to reply
             self._on_card(card, time.monotonic(), direct=True)
-        self.counters["snapshots_served"] += 1
-        req.reply(make("snapshot", cards=self._snapshot_maps()))
+        self._counters.inc("snapshots_served")
+        maps = self._snapshot_maps()
+        if peer_card is not None:
+            maps += self._past_of(card)
+        req.reply(make("snapshot", cards=maps))
         return True
+
+    def _past_of(self, card: Card) -> list[dict]:
+        """The card we hold for an introducer that came back below it (a restart whose counter
+        file was lost or corrupt), whatever its state: the introducer outgrows it at once
+        instead of being ignored as stale until we forget it."""
+        held = self._table.get(card.node_id)
+        if held is None or held.incarnation <= card.incarnation or held.state is State.ALIVE:
+            return []  # alive cards are in the snapshot already
+        return [{**held.card.to_map(), "state": held.state.value}]
 
     def _snapshot_maps(self) -> list[dict]:
         out = [{**self._card.to_map(), "state": State.ALIVE.value}]
@@ -310,10 +382,13 @@ class Membership:
                 out.append({**m.card.to_map(), "state": m.state.value})
         return out
 
-    def _on_self_report(self, incarnation: int) -> None:
-        """A message claiming to be us: another process or an old run. Stay ahead of it."""
-        if incarnation > self._card.incarnation:
+    def _on_self_report(self, incarnation: int, version: int) -> None:
+        """A heartbeat claiming to be us: another process or an old run. Stay ahead of it."""
+        own = self._card
+        if incarnation > own.incarnation:
             self._refute(incarnation)
+        elif incarnation == own.incarnation and not is_plausible_step(own.version, version):
+            self._counters.inc("hostile")
 
     def _on_card(self, card: Card, now: float, direct: bool) -> None:
         if card.node_id == self.node_id:
@@ -403,7 +478,7 @@ class Membership:
         if self._left or stream in self._inflight or stream == self._card.endpoints["stream"]:
             return
         self._inflight.add(stream)
-        self.counters["introductions"] += 1
+        self._counters.inc("introductions")
         req = make("snapshot_req", cluster=self._card.cluster, card=self._card.to_map())
         self.client.request(stream, req, timeout=SNAPSHOT_TIMEOUT_S,
                             on_reply=lambda call, reply: self._on_snapshot(call, reply))
@@ -427,17 +502,26 @@ class Membership:
                     reply.get("code"), reply.get("message"))
             return
         if reply.type != "snapshot":
-            self.counters["dropped"] += 1
+            self._counters.inc("dropped")
             return
-        self.counters["snapshots_received"] += 1
+        self._counters.inc("snapshots_received")
         now = time.monotonic()
         entries = reply["cards"]
-        for entry in entries[:10_000]:
+        if len(entries) > MAX_MEMBERS + 1:  # + 1: the sender's own card
+            self._counters.inc("hostile")
+            log.debug("snapshot from %s lists %d cards; reading the first %d", call.endpoint,
+                      len(entries), MAX_MEMBERS + 1)
+        for entry in entries[:MAX_MEMBERS + 1]:
             try:
                 card = Card.from_map(entry)
             except CardError as exc:
-                self.counters["dropped"] += 1
-                log.debug("bad snapshot entry from %s: %s", call.endpoint, exc)
+                self._drop(f"snapshot entry from {call.endpoint}", exc)
+                continue
+            if card.node_id == self.node_id:  # our past, whatever its state: outgrow it
+                before = self._card.incarnation
+                self._on_card(card, now, direct=False)
+                if self._card.incarnation != before:
+                    self._introduce(call.endpoint)  # it ignored our stale card: show the new one
                 continue
             if entry.get("state") not in (State.ALIVE.value, State.SUSPECT.value):
                 continue

@@ -11,7 +11,10 @@ the rules can be tested without processes. States and transitions:
     dead/left for forget_after --> removed (no event)
 
 Anything older than what we know (lower incarnation, or same incarnation and not a newer
-version) is stale and changes nothing. Only messages heard directly from the owner count as
+version) is stale and changes nothing (counted in `stale`). Anything implausibly far ahead
+of what we know (an incarnation, or a version within the same incarnation, more than
+`MAX_JUMP` above ours) is hostile and changes nothing either (counted in `hostile`): a live
+node only ever moves one step at a time. Only messages heard directly from the owner count as
 signs of life; cards learned second-hand (snapshots) may add or update a member but never
 revive a dead one.
 """
@@ -22,6 +25,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from discovery.cards import Card
+from discovery.limits import is_plausible_step
 
 
 class State(enum.StrEnum):
@@ -107,6 +111,7 @@ class MemberTable:
         self.timeouts = timeouts or Timeouts()
         self._entries: dict[str, _Entry] = {}
         self.stale = 0  # stale or foreign messages ignored
+        self.hostile = 0  # messages claiming an implausible jump, ignored
 
     # -- queries ------------------------------------------------------------------------
     def get(self, node_id: str) -> Member | None:
@@ -132,6 +137,8 @@ class MemberTable:
         if e is None:
             self._entries[card.node_id] = _Entry(card, State.ALIVE, now, now, card.incarnation)
             return [self._event("join", card.node_id, now)]
+        if not self._plausible(e, card.incarnation, card.version):
+            return []
         newer = card.key > e.card.key
         if e.state is State.LEFT:
             if card.incarnation <= e.card.incarnation:
@@ -170,6 +177,8 @@ class MemberTable:
         if incarnation < e.card.incarnation:
             self.stale += 1
             return [], False
+        if not self._plausible(e, incarnation, version):
+            return [], False
         need_card = (incarnation, version) > e.card.key
         if e.state is State.LEFT:
             return [], incarnation > e.card.incarnation
@@ -183,6 +192,8 @@ class MemberTable:
         e = self._entries.get(node_id)
         if e is None or e.state is State.LEFT or incarnation < e.card.incarnation:
             self.stale += 1
+            return []
+        if not self._plausible(e, incarnation, None):
             return []
         self._set(e, State.LEFT, now)
         return [self._event("leave", node_id, now)]
@@ -207,6 +218,16 @@ class MemberTable:
         self._entries.pop(node_id, None)
 
     # -- helpers ------------------------------------------------------------------------
+    def _plausible(self, e: _Entry, incarnation: int, version: int | None) -> bool:
+        """Within reach of the card we hold (a restart or refutation is one step)."""
+        known = e.card
+        ok = is_plausible_step(known.incarnation, incarnation) and (
+            version is None or incarnation != known.incarnation
+            or is_plausible_step(known.version, version))
+        if not ok:
+            self.hostile += 1
+        return ok
+
     def _heard(self, e: _Entry, incarnation: int, now: float) -> list[Event]:
         e.last_heard = now
         e.heard_inc = max(e.heard_inc, incarnation)
