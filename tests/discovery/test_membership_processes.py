@@ -18,8 +18,9 @@ from tools.local_cluster import NodeProcess, all_see_each_other, event_time, wai
 
 pytestmark = pytest.mark.slow
 
-DEAD_BOUND_S = 2.0
-LEAVE_BOUND_S = 0.3
+# How long a test waits for an event. A verdict never depends on timing: these are generous
+# waits for "it happens", not targets (`specbus bench membership` measures the times).
+EVENTUALLY_S = 20.0
 SPECBUS = "import sys; from nodes.cli import main; sys.exit(main())"
 
 
@@ -44,16 +45,16 @@ def cluster():
 
 def test_mdns_join_kill_and_leave(cluster):
     nodes = [cluster("--drafter", "ngram") for _ in range(4)]
-    assert wait_all(lambda: all_see_each_other(nodes), 15), [n.view() for n in nodes]
+    assert wait_all(lambda: all_see_each_other(nodes), EVENTUALLY_S), [n.view() for n in nodes]
     victim, leaver, *rest = nodes
 
     t_kill = victim.signal(signal.SIGKILL)
-    dt = event_time([leaver, *rest], victim.node_id, "dead", t_kill, 6)
-    assert dt is not None and dt <= DEAD_BOUND_S, dt
+    dt = event_time([leaver, *rest], victim.node_id, "dead", t_kill, EVENTUALLY_S)
+    assert dt is not None, "a SIGKILLed node was never declared dead"
 
     t_term = leaver.signal(signal.SIGTERM)
-    dt = event_time(rest, leaver.node_id, "leave", t_term, 3)
-    assert dt is not None and dt <= LEAVE_BOUND_S, dt
+    dt = event_time(rest, leaver.node_id, "leave", t_term, EVENTUALLY_S)
+    assert dt is not None, "a SIGTERMed node's leave was never seen"
     assert leaver.proc.wait(5) == 0
     # a graceful leave is never a suspicion first
     assert all(not n.events_about(leaver.node_id, "suspect") for n in rest)
@@ -64,7 +65,7 @@ def test_cpu_bound_main_thread_is_never_suspected(cluster):
     idle = [cluster() for _ in range(2)]
     busy = cluster("--busy-s", str(busy_s), module="tools.busy_node")
     nodes = [*idle, busy]
-    assert wait_all(lambda: all_see_each_other(nodes), 15), [n.view() for n in nodes]
+    assert wait_all(lambda: all_see_each_other(nodes), EVENTUALLY_S), [n.view() for n in nodes]
     time.sleep(busy_s + 0.5)
     for n in idle:
         assert n.events_about(busy.node_id, "suspect") == []
@@ -73,14 +74,15 @@ def test_cpu_bound_main_thread_is_never_suspected(cluster):
     assert [e for e in busy.events if e["event"] in ("suspect", "dead")] == []
     busy.signal(signal.SIGINT)  # SIGINT leaves gracefully too
     assert busy.proc.wait(5) == 0
-    assert all(n.wait_event(lambda e: e["event"] == "leave" and e["node_id"] == busy.node_id, 2)
+    assert all(n.wait_event(lambda e: e["event"] == "leave" and e["node_id"] == busy.node_id,
+                               EVENTUALLY_S)
                for n in idle)
 
 
 def test_other_cluster_is_never_listed(cluster):
     mine = [cluster() for _ in range(2)]
     other = cluster(cluster=f"{cluster.name}-other")
-    assert wait_all(lambda: all_see_each_other(mine), 15), [n.view() for n in mine]
+    assert wait_all(lambda: all_see_each_other(mine), EVENTUALLY_S), [n.view() for n in mine]
     other.wait_ready()
     time.sleep(1.5)  # mDNS had every chance to show it
     for n in mine:
@@ -101,15 +103,16 @@ def test_other_cluster_is_never_listed(cluster):
 def test_restart_rejoins_with_higher_incarnation(cluster, tmp_path):
     a = cluster()
     first = cluster("--name", "phoenix", "--state-dir", str(tmp_path))
-    assert wait_all(lambda: all_see_each_other([a, first]), 15), [a.view(), first.view()]
+    assert wait_all(lambda: all_see_each_other([a, first]), EVENTUALLY_S), [a.view(), first.view()]
     inc = first.ready["incarnation"]
     first.proc.kill()  # crash, no leave
     first.proc.wait(5)
-    assert a.wait_event(lambda e: e["event"] == "dead" and e["node_id"] == first.node_id, 5)
+    assert a.wait_event(lambda e: e["event"] == "dead" and e["node_id"] == first.node_id,
+                        EVENTUALLY_S)
     again = cluster("--name", "phoenix", "--state-dir", str(tmp_path))
     assert again.node_id == first.node_id and again.ready["incarnation"] == inc + 1
     ev = a.wait_event(lambda e: e["event"] == "join" and e["node_id"] == again.node_id
-                      and e["incarnation"] == inc + 1, 5)
+                      and e["incarnation"] == inc + 1, EVENTUALLY_S)
     assert ev is not None and a.view()[again.node_id] == "alive"
 
 
@@ -117,7 +120,8 @@ def test_seeds_work_without_mdns(cluster):
     a = cluster("--no-mdns")
     b = cluster("--no-mdns", "--peer", a.stream.removeprefix("tcp://"))
     c = cluster("--no-mdns", "--peer", b.stream)
-    assert wait_all(lambda: all_see_each_other([a, b, c]), 10), [n.view() for n in (a, b, c)]
+    assert wait_all(lambda: all_see_each_other([a, b, c]), EVENTUALLY_S), [
+        n.view() for n in (a, b, c)]
 
 
 def test_node_cli_rejects_bad_flags():
