@@ -14,7 +14,8 @@ FAST = Timeouts(heartbeat=0.05, suspect_after=0.5, dead_after=1.0, forget_after=
                 check_every=0.02)
 
 
-def _wait_until(pred: Callable[[], bool], timeout: float = 5.0, step: float = 0.02) -> bool:
+def _wait_until(pred: Callable[[], bool], timeout: float = 20.0, step: float = 0.02) -> bool:
+    """Poll until `pred` holds: a generous wait for "it happens", never a speed verdict."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if pred():
