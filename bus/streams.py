@@ -136,7 +136,10 @@ class StreamClient:
             msg.sender = self.sender
         frames = encode(msg, self.limits)
         call = Call(self, endpoint, rid, on_reply)
-        self.loop.call_soon(lambda: self._start(call, frames, timeout))
+        if self.loop.in_loop():  # already the socket's owner: send now, no hand-off
+            self._start(call, frames, timeout)
+        else:
+            self.loop.call_soon(lambda: self._start(call, frames, timeout))
         return call
 
     def cancel(self, call: Call) -> None:
