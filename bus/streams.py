@@ -70,10 +70,12 @@ class Call:
         self.done = False  # set on the I/O thread once the final reply or failure is in
 
     def _deliver(self, item: Message | BusError) -> None:
+        """Hand a reply over (I/O thread): to the callback now, or to the waiting thread's
+        queue just before the loop sleeps, so the woken thread finds the GIL free."""
         if self._on_reply is not None:
             self._on_reply(self, item)
         else:
-            self._queue.put(item)
+            self.client.loop.call_before_poll(self._queue.put, item)
 
     def next(self, timeout: float | None = None) -> Message:
         """The next reply; raises BusError (RemoteError for an `error` reply)."""
@@ -233,9 +235,18 @@ class Request:
         self.peer = peer
         self.message = message
         self.rid = message.rid
-        self.cancelled = threading.Event()
+        self._cancelled: threading.Event | None = None  # made on first use: most never are
         self.finished = False
         self._cancel_callbacks: list[Callable[[], None]] = []
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """Set when the client cancels (or the server forgets the peer); thread-safe."""
+        if self._cancelled is None:
+            with self.server.cancel_lock:
+                if self._cancelled is None:
+                    self._cancelled = threading.Event()
+        return self._cancelled
 
     def reply(self, msg: Message, more: bool = False) -> None:
         """Send a reply; `more=True` means further replies follow."""
@@ -284,6 +295,7 @@ class StreamServer:
         self.sender = sender
         self.limits = limits
         self._inflight: dict[tuple[bytes, int], Request] = {}
+        self.cancel_lock = threading.Lock()  # guards lazy creation of Request.cancelled
         self.received = 0
         self.dropped = 0
         self.handler_errors = 0

@@ -133,9 +133,17 @@ def _buffer(frame: Any) -> memoryview:
 
 def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
     """Unpack and check the envelope of a header frame (not the type's fields)."""
-    buf = _buffer(frame)
-    if buf.nbytes > limits.max_header_bytes:
-        raise Oversize(f"header is {buf.nbytes} bytes, limit {limits.max_header_bytes}")
+    kind = type(frame)
+    if hasattr(kind, "bytes") and hasattr(kind, "buffer"):
+        # a zmq.Frame: a header is small (capped here), and copying it to bytes is cheaper
+        # than the buffer protocol round trip; the size is checked before copying
+        if len(frame) > limits.max_header_bytes:
+            raise Oversize(f"header is {len(frame)} bytes, limit {limits.max_header_bytes}")
+        buf = frame.bytes
+    else:
+        buf = _buffer(frame)
+        if buf.nbytes > limits.max_header_bytes:
+            raise Oversize(f"header is {buf.nbytes} bytes, limit {limits.max_header_bytes}")
     try:
         header = msgpack.unpackb(buf, raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
