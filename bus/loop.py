@@ -29,20 +29,52 @@ ReadHandler = Callable[[zmq.Socket], None]
 BATCH = 256  # messages read per wake-up: keeps timers and other sockets fair
 
 
+# plain ints: pyzmq's flag enums cost ~1 us per `|` or `&`, several times per message
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD  # libzmq copies below this anyway: skip the Frame object
+
+
+def send_frames(sock: zmq.Socket, frames: list) -> None:
+    """Send a multipart message without blocking (raises zmq.Again when the queue is full).
+
+    Large buffers go zero-copy; small ones are copied, which pyzmq would do anyway below
+    `zmq.COPY_THRESHOLD`, minus the cost of building a `zmq.Frame` around each. The caller
+    must not mutate a zero-copy buffer until libzmq is done with it.
+    """
+    last = len(frames) - 1
+    send = sock.send
+    for i, frame in enumerate(frames):
+        flags = _NOBLOCK if i == last else _NOBLOCK | _SNDMORE
+        size = frame.nbytes if hasattr(frame, "nbytes") else len(frame)
+        send(frame, flags, copy=size < _COPY_THRESHOLD)
+
+
+def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
+    """Receive one multipart message without blocking, as zero-copy `zmq.Frame`s."""
+    recv = sock.recv
+    frame = recv(_NOBLOCK, copy=False)
+    parts = [frame]
+    while frame.more:
+        frame = recv(_NOBLOCK, copy=False)
+        parts.append(frame)
+    return parts
+
+
 def frames_ready(sock: zmq.Socket, limit: int = BATCH):
     """Yield the multipart messages waiting on `sock` (zero-copy frames), at most `limit`.
 
     Asks ZMQ_EVENTS before each further read instead of reading until `zmq.Again`: raising
     and catching that exception costs ~10 us, more than the rest of a small message's path.
     """
-    events = zmq.EVENTS
-    pollin = zmq.POLLIN
     for i in range(limit):
         # the poller said readable, so the first read needs no check
-        if i and not sock.getsockopt(events) & pollin:
+        if i and not sock.getsockopt(_EVENTS) & _POLLIN:
             return
         try:
-            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            yield recv_frames(sock)
         except zmq.Again:  # a handler before us drained it, or a spurious wake: rare
             return
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from bus.loop import IOLoop, Timer, frames_ready
+from bus.loop import IOLoop, Timer, frames_ready, send_frames
 from bus.sockets import SocketFactory, bind
 from codec.errors import CodecError
 from codec.messages import DEFAULT_LIMITS, Limits, Message, decode, decode_header, encode, make
@@ -163,7 +163,7 @@ class StreamClient:
 
     def _start(self, call: Call, frames: list, timeout: float | None) -> None:
         try:
-            self._dealer(call.endpoint).send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            send_frames(self._dealer(call.endpoint), frames)
         except zmq.Again:
             self._finish(call, PeerUnavailable(f"{call.endpoint} is not reachable now"))
             return
@@ -323,7 +323,7 @@ class StreamServer:
         if finished is not None:
             self._inflight.pop((peer, finished.rid), None)
         try:
-            self._router.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
+            send_frames(self._router, [peer, *frames])
         except zmq.ZMQError as exc:
             log.debug("reply to %r dropped: %s", peer, exc)
 

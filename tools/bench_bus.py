@@ -116,37 +116,51 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
 
 def _timed(fn, count: int) -> dict[str, float]:
     """p50/p99 of `fn()` over `count` calls after a warm-up."""
-    for _ in range(WARMUP):
-        fn()
-    samples = []
+    return _interleaved({"x": fn}, count, rounds=1)["x"]
+
+
+def _interleaved(fns: dict, count: int, rounds: int = 10) -> dict[str, dict[str, float]]:
+    """p50/p99 of each `fn()`, measured in alternating slices so that load changes during the
+    run (other processes on a shared machine) hit every path alike and ratios stay honest."""
+    for fn in fns.values():
+        for _ in range(WARMUP):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     clock = time.perf_counter
-    for _ in range(count):
-        t0 = clock()
-        fn()
-        samples.append(clock() - t0)
-    return _percentiles(samples)
+    per_round = max(1, count // rounds)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            out = samples[name]
+            for _ in range(per_round):
+                t0 = clock()
+                fn()
+                out.append(clock() - t0)
+    return {name: _percentiles(xs) for name, xs in samples.items()}
 
 
-def _rtt_bus(client, endpoint: str, count: int) -> dict[str, float]:
+def _bus_rtt(client, endpoint: str):
     from codec.messages import make
 
-    return _timed(lambda: client.request(endpoint, make("ping"), timeout=5).result(), count)
+    return lambda: client.request(endpoint, make("ping"), timeout=5).result()
 
 
-def _rtt_raw(endpoint: str, frames: list, count: int) -> dict[str, float]:
-    """Bare DEALER round trip: send `frames`, wait for the echo; no specbus code involved."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    try:
-        def once():
-            sock.send_multipart(frames, copy=False)
-            sock.recv_multipart(copy=False)
-        return _timed(once, count)
-    finally:
-        sock.close(linger=0)
-        ctx.term()
+class _RawDealer:
+    """A bare pyzmq DEALER (own context): send `frames`, wait for the echo; no specbus code."""
+
+    def __init__(self, endpoint: str, frames: list) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.frames = frames
+
+    def __call__(self) -> None:
+        self.sock.send_multipart(self.frames, copy=False)
+        self.sock.recv_multipart(copy=False)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
 
 
 def _stages(loop, count: int, raw_bus_server: dict, bus_raw_server: dict,
@@ -232,20 +246,28 @@ def measure(rtt_count: int = 3000, seconds: float = 1.5) -> dict:
         ping = encode(make("ping", sender="bench", rid=1))  # same bytes the bus sends
         loop = IOLoop(name="bench-client-io").start()
         client = StreamClient(loop, SocketFactory(), sender="bench")
+        dealers = [_RawDealer(ep, ping) for ep in (raw_tcp, raw_ipc, tcp)]
+        try:
+            # tcp: the floor, the full path, and each side of the bus against a bare peer
+            on_tcp = _interleaved({
+                "raw": dealers[0], "bus": _bus_rtt(client, tcp),
+                "raw_to_bus_server": dealers[2],
+                "bus_client_to_raw": _bus_rtt(client, raw_tcp),  # the echo returns our ping
+            }, rtt_count)
+            on_ipc = _interleaved({"raw": dealers[1], "bus": _bus_rtt(client, ipc)}, rtt_count)
+        finally:
+            for d in dealers:
+                d.close()
         result: dict = {
-            "raw_floor_us": {"tcp": _rtt_raw(raw_tcp, ping, rtt_count),
-                             "ipc": _rtt_raw(raw_ipc, ping, rtt_count)},
-            "bus_us": {"tcp": _rtt_bus(client, tcp, rtt_count),
-                       "ipc": _rtt_bus(client, ipc, rtt_count)},
+            "raw_floor_us": {"tcp": on_tcp["raw"], "ipc": on_ipc["raw"]},
+            "bus_us": {"tcp": on_tcp["bus"], "ipc": on_ipc["bus"]},
         }
-        raw_bus_server = _rtt_raw(tcp, ping, rtt_count)
-        bus_raw_server = _rtt_bus(client, raw_tcp, rtt_count)  # the echo returns our ping
         result["ratio_bus_over_raw_p50"] = {
             t: round(result["bus_us"][t]["p50"] / result["raw_floor_us"][t]["p50"], 2)
             for t in ("tcp", "ipc")
         }
-        result["stages_us"] = _stages(loop, rtt_count, raw_bus_server, bus_raw_server,
-                                      result["raw_floor_us"]["tcp"])
+        result["stages_us"] = _stages(loop, rtt_count, on_tcp["raw_to_bus_server"],
+                                      on_tcp["bus_client_to_raw"], on_tcp["raw"])
         result["throughput_gbps"] = {
             "tcp": {k: _throughput(client, tcp, n, seconds) for k, n in SIZES.items()},
             "ipc": {k: _throughput(client, ipc, n, seconds) for k, n in SIZES.items()},
