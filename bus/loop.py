@@ -109,7 +109,6 @@ class IOLoop:
         os.set_blocking(self._wake_w, False)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._closers: list[Callable[[], None]] = []
-        self._before_poll: list[tuple[Callable[[Any], Any], Any]] = []
         self._stopping = False
         self._closed = False
         self._wake_lock = threading.Lock()
@@ -138,7 +137,7 @@ class IOLoop:
         return self._thread.is_alive() and not self._stopping
 
     def in_loop(self) -> bool:
-        return threading.current_thread() is self._thread
+        return threading.get_ident() == self._thread.ident
 
     # -- scheduling (thread-safe) ---------------------------------------------------------
     def call_soon(self, fn: Callable[[], Any]) -> None:
@@ -187,15 +186,6 @@ class IOLoop:
             )
         return timer
 
-    def call_before_poll(self, fn: Callable[[Any], Any], arg: Any) -> None:
-        """Run `fn(arg)` as the loop's last step before it sleeps in poll; loop thread only.
-
-        For waking another thread (a queue put): the woken thread needs the GIL, and right
-        before poll the loop is about to release it, so the waker is not made to wait for the
-        rest of the loop iteration (one GIL hand-off instead of two).
-        """
-        self._before_poll.append((fn, arg))
-
     # -- sockets (loop thread only) ----------------------------------------------------------
     def add_reader(self, sock: zmq.Socket, handler: ReadHandler) -> None:
         """Call `handler(sock)` when `sock` is readable; the loop owns and will close it."""
@@ -221,8 +211,6 @@ class IOLoop:
                 if self._stopping:
                     break
                 timeout = self._next_timeout_ms()
-                if self._before_poll:
-                    self._flush_before_poll()
                 for sock, _ in self._poller.poll(timeout):
                     if sock == self._wake_r:
                         self._drain_wake()
@@ -240,11 +228,6 @@ class IOLoop:
         except Exception:  # noqa: BLE001 - one bad handler must not kill the I/O thread
             self.errors += 1
             log.exception("I/O loop handler %r failed", fn)
-
-    def _flush_before_poll(self) -> None:
-        pending, self._before_poll = self._before_poll, []
-        for fn, arg in pending:
-            self._guard(fn, arg)
 
     def _run_calls(self) -> None:
         for _ in range(len(self._calls)):
@@ -281,10 +264,8 @@ class IOLoop:
                 pass
 
     def _shutdown(self) -> None:
-        self._flush_before_poll()
         for fn in self._closers:
             self._guard(fn)
-        self._flush_before_poll()
         for sock in list(self._readers):
             self.remove_reader(sock, close=True)
         with self._wake_lock:

@@ -70,12 +70,10 @@ class Call:
         self.done = False  # set on the I/O thread once the final reply or failure is in
 
     def _deliver(self, item: Message | BusError) -> None:
-        """Hand a reply over (I/O thread): to the callback now, or to the waiting thread's
-        queue just before the loop sleeps, so the woken thread finds the GIL free."""
         if self._on_reply is not None:
             self._on_reply(self, item)
         else:
-            self.client.loop.call_before_poll(self._queue.put, item)
+            self._queue.put(item)
 
     def next(self, timeout: float | None = None) -> Message:
         """The next reply; raises BusError (RemoteError for an `error` reply)."""
