@@ -87,8 +87,8 @@ def encode(msg: Message, limits: Limits = DEFAULT_LIMITS,
     """Validate and encode a message to frames: `[header bytes, array, array, ...]`.
 
     Tensors of at most `inline_max_bytes` are copied into the header (no frame); larger arrays
-    are returned as-is (C-contiguous, little-endian) for `send_multipart(copy=False)`; the
-    caller must not mutate them until the send completes.
+    are returned as-is (C-contiguous, little-endian) for a zero-copy send; the caller must not
+    mutate them until the send completes.
     """
     schema = SCHEMAS.get(msg.type)
     if schema is None:
@@ -108,7 +108,8 @@ def encode(msg: Message, limits: Limits = DEFAULT_LIMITS,
         specs.append(spec)
     if len(specs) > limits.max_tensors:
         raise FrameCount(f"{len(specs)} tensors, limit {limits.max_tensors}")
-    schema.check_tensors(specs)
+    if specs or schema.min_tensors:
+        schema.check_tensors(specs)
     header = {
         "v": PROTOCOL_VERSION, "t": msg.type, "from": msg.sender, "seq": msg.seq,
         "sid": msg.session, "rid": msg.rid, "more": msg.more, "tensors": specs, **msg.fields,
@@ -118,6 +119,9 @@ def encode(msg: Message, limits: Limits = DEFAULT_LIMITS,
     except (TypeError, ValueError, OverflowError) as exc:
         raise BadField(f"header cannot be packed: {exc}") from exc
     if len(packed) > limits.max_header_bytes:
+        if inline_max_bytes > 0 and len(arrays) < len(specs):
+            # the inline tensors tipped a big header over the cap: send them as frames
+            return encode(msg, limits, inline_max_bytes=0)
         raise Oversize(f"header is {len(packed)} bytes, limit {limits.max_header_bytes}")
     return [packed, *arrays]
 

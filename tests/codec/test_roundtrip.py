@@ -175,3 +175,13 @@ def test_torch_and_mlx_conversions_roundtrip_bfloat16():
     arr = to_mlx(wire)
     assert arr.dtype == mx.bfloat16
     assert np.array_equal(from_mlx(arr).view(np.uint16), np.asarray(wire))
+
+
+def test_inline_tensors_fall_back_to_frames_when_the_header_would_overflow():
+    """A header near the cap still encodes: its small tensors then go as frames."""
+    limits = m.Limits(max_header_bytes=2000)
+    note = "x" * 1500
+    small = np.arange(100, dtype=np.int32)  # 400 bytes: inline by default
+    frames = m.encode(m.make("blob", note=note, tensors=[small]), limits)
+    assert len(frames) == 2
+    assert m.decode(frames, limits).tensors[0].tolist() == small.tolist()
