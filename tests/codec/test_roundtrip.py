@@ -180,7 +180,7 @@ def test_torch_and_mlx_conversions_roundtrip_bfloat16():
 def test_inline_tensors_fall_back_to_frames_when_the_header_would_overflow():
     """A header near the cap still encodes: its small tensors then go as frames."""
     limits = m.Limits(max_header_bytes=2000)
-    note = "x" * 1500
+    note = "x" * 1700  # fits alone, not with 400 inline bytes
     small = np.arange(100, dtype=np.int32)  # 400 bytes: inline by default
     frames = m.encode(m.make("blob", note=note, tensors=[small]), limits)
     assert len(frames) == 2
