@@ -191,8 +191,7 @@ class StreamClient:
         sock = self._dealers.get(call.endpoint)
         if sock is not None:
             try:
-                sock.send_multipart(encode(make("cancel", sender=self.sender, rid=call.rid)),
-                                    flags=zmq.NOBLOCK)
+                send_frames(sock, encode(make("cancel", sender=self.sender, rid=call.rid)))
             except zmq.ZMQError:
                 pass  # the server will time the request out on its own
         self._finish(call, RequestCancelled(f"request {call.rid} cancelled"))
