@@ -93,8 +93,9 @@ def _serve_bus(endpoints: list[str], conn) -> None:
                 key = str(t.nbytes)
                 zero_copy[key] = zero_copy.get(key, True) and _frame_backed(t)
             req.reply(make("done", finish_reason="ok"))
-        elif req.message.type == "snapshot_req":  # report and quit
-            req.reply(make("done", finish_reason="ok", stats={"zero_copy": zero_copy}))
+        elif req.message.type == "snapshot_req":  # report: zero-copy verdicts, CPU used
+            req.reply(make("done", finish_reason="ok",
+                           stats={"zero_copy": zero_copy, "cpu_s": time.process_time()}))
         else:
             req.fail("unsupported", req.message.type)
 
@@ -219,6 +220,30 @@ def _stages(loop, count: int, on_tcp: dict) -> dict[str, float]:
     }
 
 
+def _cpu_per_rtt(client, endpoint: str, raw, count: int) -> dict[str, float]:
+    """CPU time (all threads, user + system) per round trip, in this process and in the bus
+    server's: unlike wall-clock latency, barely moved by other processes on the machine."""
+    from codec.messages import make
+
+    def server_cpu() -> float:
+        reply = client.request(endpoint, make("snapshot_req", cluster="bench"), timeout=10)
+        return reply.result()["stats"]["cpu_s"]
+
+    bus = _bus_rtt(client, endpoint)
+    c0, s0 = time.process_time(), server_cpu()
+    for _ in range(count):
+        bus()
+    c1, s1 = time.process_time(), server_cpu()
+    for _ in range(count):
+        raw()
+    c2 = time.process_time()
+    return {
+        "bus_client_cpu_us": round((c1 - c0) / count * 1e6, 1),
+        "bus_server_cpu_us": round((s1 - s0) / count * 1e6, 1),
+        "raw_client_cpu_us": round((c2 - c1) / count * 1e6, 1),
+    }
+
+
 def _throughput(client, endpoint: str, nbytes: int, seconds: float) -> float:
     """GB/s of tensor payload, pipelined with a window of requests in flight."""
     from codec.messages import make
@@ -288,6 +313,7 @@ def measure(rtt_count: int = 3000, seconds: float = 1.5) -> dict:
                 "bus_client_in_loop_to_raw": _bus_rtt_in_loop(client, raw_tcp),
             }, rtt_count)
             on_ipc = _interleaved({"raw": dealers[1], "bus": _bus_rtt(client, ipc)}, rtt_count)
+            cpu = _cpu_per_rtt(client, tcp, dealers[0], rtt_count)
         finally:
             for d in dealers:
                 d.close()
@@ -300,6 +326,7 @@ def measure(rtt_count: int = 3000, seconds: float = 1.5) -> dict:
             for t in ("tcp", "ipc")
         }
         result["stages_us"] = _stages(loop, rtt_count, on_tcp)
+        result["cpu_per_rtt_us"] = cpu
         result["throughput_gbps"] = {
             "tcp": {k: _throughput(client, tcp, n, seconds) for k, n in SIZES.items()},
             "ipc": {k: _throughput(client, ipc, n, seconds) for k, n in SIZES.items()},
@@ -338,6 +365,9 @@ def render(result: dict) -> str:
     lines.append(f"zero-copy receive: {result['zero_copy']} ({zc})")
     lines.append("per-stage breakdown (p50, us; tcp):")
     for k, v in result["stages_us"].items():
+        lines.append(f"  {k:38} {v:>10}")
+    lines.append("CPU per round trip (us, all threads of the process; tcp):")
+    for k, v in result["cpu_per_rtt_us"].items():
         lines.append(f"  {k:38} {v:>10}")
     return "\n".join(lines)
 
