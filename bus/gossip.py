@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import zmq
 
-from bus.loop import IOLoop, frames_ready
+from bus.loop import IOLoop, frames_ready, send_frames
 from bus.sockets import SocketFactory, bind
 from codec.errors import CodecError
 from codec.messages import DEFAULT_LIMITS, Limits, Message, decode, encode
@@ -90,7 +90,7 @@ class GossipChannel:
 
     def _send(self, frames: list) -> None:
         try:
-            self._pub.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            send_frames(self._pub, frames)
         except zmq.Again:
             return  # PUB drops at the high-water mark anyway
         self.published += 1

@@ -2,8 +2,10 @@
 
 Compute threads never touch a socket. They hand work to the loop with `call_soon` (a deque plus
 a self-pipe wake-up, both safe from any thread) and get results back through queues or
-callbacks. Because heartbeats and replies are sent from this thread, a long model forward in
-the main thread never delays them (the forward releases the GIL in torch/mlx kernels).
+callbacks. The pipe is written only when the loop may be asleep (one byte per sleep, not per
+call), and code already on the loop thread sends directly, without a hand-off. Because
+heartbeats and replies are sent from this thread, a long model forward in the main thread never
+delays them (the forward releases the GIL in torch/mlx kernels).
 """
 
 from __future__ import annotations
@@ -27,12 +29,53 @@ ReadHandler = Callable[[zmq.Socket], None]
 BATCH = 256  # messages read per wake-up: keeps timers and other sockets fair
 
 
+# plain ints: pyzmq's flag enums cost ~1 us per `|` or `&`, several times per message
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD  # libzmq copies below this anyway: skip the Frame object
+
+
+def send_frames(sock: zmq.Socket, frames: list) -> None:
+    """Send a multipart message without blocking (raises zmq.Again when the queue is full).
+
+    Large buffers go zero-copy; small ones are copied, which pyzmq would do anyway below
+    `zmq.COPY_THRESHOLD`, minus the cost of building a `zmq.Frame` around each. The caller
+    must not mutate a zero-copy buffer until libzmq is done with it.
+    """
+    last = len(frames) - 1
+    send = sock.send
+    for i, frame in enumerate(frames):
+        flags = _NOBLOCK if i == last else _NOBLOCK | _SNDMORE
+        size = frame.nbytes if hasattr(frame, "nbytes") else len(frame)
+        send(frame, flags, copy=size < _COPY_THRESHOLD)
+
+
+def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
+    """Receive one multipart message without blocking, as zero-copy `zmq.Frame`s."""
+    recv = sock.recv
+    frame = recv(_NOBLOCK, copy=False)
+    parts = [frame]
+    while frame.more:
+        frame = recv(_NOBLOCK, copy=False)
+        parts.append(frame)
+    return parts
+
+
 def frames_ready(sock: zmq.Socket, limit: int = BATCH):
-    """Yield the multipart messages waiting on `sock` (zero-copy frames), at most `limit`."""
-    for _ in range(limit):
+    """Yield the multipart messages waiting on `sock` (zero-copy frames), at most `limit`.
+
+    Asks ZMQ_EVENTS before each further read instead of reading until `zmq.Again`: raising
+    and catching that exception costs ~10 us, more than the rest of a small message's path.
+    """
+    for i in range(limit):
+        # the poller said readable, so the first read needs no check
+        if i and not sock.getsockopt(_EVENTS) & _POLLIN:
+            return
         try:
-            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+            yield recv_frames(sock)
+        except zmq.Again:  # a handler before us drained it, or a spurious wake: rare
             return
 
 
@@ -69,6 +112,7 @@ class IOLoop:
         self._stopping = False
         self._closed = False
         self._wake_lock = threading.Lock()
+        self._wake_pending = False  # a byte is in the pipe (or the loop is awake to run calls)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.errors = 0  # handler exceptions caught (logged, loop kept running)
 
@@ -93,7 +137,7 @@ class IOLoop:
         return self._thread.is_alive() and not self._stopping
 
     def in_loop(self) -> bool:
-        return threading.current_thread() is self._thread
+        return threading.get_ident() == self._thread.ident
 
     # -- scheduling (thread-safe) ---------------------------------------------------------
     def call_soon(self, fn: Callable[[], Any]) -> None:
@@ -102,6 +146,9 @@ class IOLoop:
             if self._closed:
                 return  # loop finished: nothing left to run it
             self._calls.append(fn)
+            if self._wake_pending:
+                return  # the loop has not drained the last byte yet: it will see this call
+            self._wake_pending = True
             try:
                 os.write(self._wake_w, b"\0")
             except BlockingIOError:
@@ -207,11 +254,14 @@ class IOLoop:
                 heapq.heappush(self._timers, (timer.when, next(self._timer_seq), timer))
 
     def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
+        # Clear the flag before the calls run (the loop runs calls after every poll), so a
+        # call queued from now on writes a fresh byte.
+        with self._wake_lock:
+            self._wake_pending = False
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
                 pass
-        except BlockingIOError:
-            pass
 
     def _shutdown(self) -> None:
         for fn in self._closers:

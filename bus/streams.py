@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from bus.loop import IOLoop, Timer, frames_ready
+from bus.loop import IOLoop, Timer, frames_ready, send_frames
 from bus.sockets import SocketFactory, bind
 from codec.errors import CodecError
 from codec.messages import DEFAULT_LIMITS, Limits, Message, decode, decode_header, encode, make
@@ -136,7 +136,10 @@ class StreamClient:
             msg.sender = self.sender
         frames = encode(msg, self.limits)
         call = Call(self, endpoint, rid, on_reply)
-        self.loop.call_soon(lambda: self._start(call, frames, timeout))
+        if self.loop.in_loop():  # already the socket's owner: send now, no hand-off
+            self._start(call, frames, timeout)
+        else:
+            self.loop.call_soon(lambda: self._start(call, frames, timeout))
         return call
 
     def cancel(self, call: Call) -> None:
@@ -158,7 +161,7 @@ class StreamClient:
 
     def _start(self, call: Call, frames: list, timeout: float | None) -> None:
         try:
-            self._dealer(call.endpoint).send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            send_frames(self._dealer(call.endpoint), frames)
         except zmq.Again:
             self._finish(call, PeerUnavailable(f"{call.endpoint} is not reachable now"))
             return
@@ -188,8 +191,7 @@ class StreamClient:
         sock = self._dealers.get(call.endpoint)
         if sock is not None:
             try:
-                sock.send_multipart(encode(make("cancel", sender=self.sender, rid=call.rid)),
-                                    flags=zmq.NOBLOCK)
+                send_frames(sock, encode(make("cancel", sender=self.sender, rid=call.rid)))
             except zmq.ZMQError:
                 pass  # the server will time the request out on its own
         self._finish(call, RequestCancelled(f"request {call.rid} cancelled"))
@@ -230,9 +232,18 @@ class Request:
         self.peer = peer
         self.message = message
         self.rid = message.rid
-        self.cancelled = threading.Event()
+        self._cancelled: threading.Event | None = None  # made on first use: most never are
         self.finished = False
         self._cancel_callbacks: list[Callable[[], None]] = []
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """Set when the client cancels (or the server forgets the peer); thread-safe."""
+        if self._cancelled is None:
+            with self.server.cancel_lock:
+                if self._cancelled is None:
+                    self._cancelled = threading.Event()
+        return self._cancelled
 
     def reply(self, msg: Message, more: bool = False) -> None:
         """Send a reply; `more=True` means further replies follow."""
@@ -281,6 +292,7 @@ class StreamServer:
         self.sender = sender
         self.limits = limits
         self._inflight: dict[tuple[bytes, int], Request] = {}
+        self.cancel_lock = threading.Lock()  # guards lazy creation of Request.cancelled
         self.received = 0
         self.dropped = 0
         self.handler_errors = 0
@@ -308,7 +320,7 @@ class StreamServer:
         if finished is not None:
             self._inflight.pop((peer, finished.rid), None)
         try:
-            self._router.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
+            send_frames(self._router, [peer, *frames])
         except zmq.ZMQError as exc:
             log.debug("reply to %r dropped: %s", peer, exc)
 

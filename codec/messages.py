@@ -10,7 +10,9 @@ header is a msgpack map with the common keys below plus the type's own fields, f
     sid      session id (str, "" when none)
     rid      request id for request streams (int, 0 when none)
     more     True when more replies to the same request follow
-    tensors  list of {dtype, shape}, one per tensor frame that follows
+    tensors  list of {dtype, shape} or {dtype, shape, data}, one per tensor, in order: an
+             entry with `data` (msgpack bin, the raw bytes) is inline; every other entry is
+             the next tensor frame
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ from codec.errors import (
     UnknownType,
 )
 from codec.schema import PROTOCOL_VERSION, SCHEMAS
-from codec.tensors import check_spec, prepare, view_frame
+from codec.tensors import INLINE_MAX_BYTES, check_spec, inline_data, prepare, view_checked
 
-COMMON_KEYS = ("v", "t", "from", "seq", "sid", "rid", "more", "tensors")
+COMMON_KEYS = frozenset(("v", "t", "from", "seq", "sid", "rid", "more", "tensors"))
+# envelope key -> (exact type msgpack yields, default); exact types also keep bools out of ints
+_ENVELOPE = (("from", str, ""), ("sid", str, ""), ("seq", int, 0), ("rid", int, 0),
+             ("more", bool, False), ("tensors", list, None))
+_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -76,28 +82,34 @@ def make(type_: str, *, tensors: Sequence[np.ndarray] = (), sender: str = "", se
     return Message(type_, dict(fields), list(tensors), sender, seq, session, rid, more)
 
 
-def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> list[Any]:
+def encode(msg: Message, limits: Limits = DEFAULT_LIMITS,
+           inline_max_bytes: int = INLINE_MAX_BYTES) -> list[Any]:
     """Validate and encode a message to frames: `[header bytes, array, array, ...]`.
 
-    Arrays are returned as-is (C-contiguous, little-endian) for `send_multipart(copy=False)`;
-    the caller must not mutate them until the send completes.
+    Tensors of at most `inline_max_bytes` are copied into the header (no frame); larger arrays
+    are returned as-is (C-contiguous, little-endian) for a zero-copy send; the caller must not
+    mutate them until the send completes.
     """
     schema = SCHEMAS.get(msg.type)
     if schema is None:
         raise UnknownType(f"unknown message type {msg.type!r}")
-    clash = [k for k in msg.fields if k in COMMON_KEYS]
-    if clash:
+    if not COMMON_KEYS.isdisjoint(msg.fields):
+        clash = sorted(k for k in msg.fields if k in COMMON_KEYS)
         raise BadField(f"fields {clash} collide with header keys")
     schema.check_fields(msg.fields)
     arrays, specs = [], []
     for t in msg.tensors:
         arr, spec = prepare(t)
         check_spec(spec, limits.max_tensor_bytes)
-        arrays.append(arr)
+        if arr.nbytes <= inline_max_bytes:
+            spec["data"] = arr.tobytes()
+        else:
+            arrays.append(arr)
         specs.append(spec)
     if len(specs) > limits.max_tensors:
         raise FrameCount(f"{len(specs)} tensors, limit {limits.max_tensors}")
-    schema.check_tensors(specs)
+    if specs or schema.min_tensors:
+        schema.check_tensors(specs)
     header = {
         "v": PROTOCOL_VERSION, "t": msg.type, "from": msg.sender, "seq": msg.seq,
         "sid": msg.session, "rid": msg.rid, "more": msg.more, "tensors": specs, **msg.fields,
@@ -107,6 +119,9 @@ def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> list[Any]:
     except (TypeError, ValueError, OverflowError) as exc:
         raise BadField(f"header cannot be packed: {exc}") from exc
     if len(packed) > limits.max_header_bytes:
+        if inline_max_bytes > 0 and len(arrays) < len(specs):
+            # the inline tensors tipped a big header over the cap: send them as frames
+            return encode(msg, limits, inline_max_bytes=0)
         raise Oversize(f"header is {len(packed)} bytes, limit {limits.max_header_bytes}")
     return [packed, *arrays]
 
@@ -122,9 +137,17 @@ def _buffer(frame: Any) -> memoryview:
 
 def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
     """Unpack and check the envelope of a header frame (not the type's fields)."""
-    buf = _buffer(frame)
-    if buf.nbytes > limits.max_header_bytes:
-        raise Oversize(f"header is {buf.nbytes} bytes, limit {limits.max_header_bytes}")
+    kind = type(frame)
+    if hasattr(kind, "bytes") and hasattr(kind, "buffer"):
+        # a zmq.Frame: a header is small (capped here), and copying it to bytes is cheaper
+        # than the buffer protocol round trip; the size is checked before copying
+        if len(frame) > limits.max_header_bytes:
+            raise Oversize(f"header is {len(frame)} bytes, limit {limits.max_header_bytes}")
+        buf = frame.bytes
+    else:
+        buf = _buffer(frame)
+        if buf.nbytes > limits.max_header_bytes:
+            raise Oversize(f"header is {buf.nbytes} bytes, limit {limits.max_header_bytes}")
     try:
         header = msgpack.unpackb(buf, raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
@@ -133,15 +156,17 @@ def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]
         raise BadHeader(f"header must be a map, got {type(header).__name__}")
     if "v" not in header:
         raise BadVersion("header has no protocol version")
-    if header["v"] != PROTOCOL_VERSION or isinstance(header["v"], bool):
-        raise BadVersion(f"protocol version {header['v']!r}, this node speaks {PROTOCOL_VERSION}")
+    v = header["v"]
+    if type(v) is not int or v != PROTOCOL_VERSION:
+        raise BadVersion(f"protocol version {v!r}, this node speaks {PROTOCOL_VERSION}")
     t = header.get("t")
-    if not isinstance(t, str) or t not in SCHEMAS:
+    if type(t) is not str or t not in SCHEMAS:
         raise UnknownType(f"unknown message type {t!r}")
-    for key, kind, default in (("from", str, ""), ("sid", str, ""), ("seq", int, 0),
-                               ("rid", int, 0), ("more", bool, False), ("tensors", list, [])):
-        val = header.setdefault(key, default)
-        if not isinstance(val, kind) or (kind is int and isinstance(val, bool)):
+    for key, kind, default in _ENVELOPE:
+        val = header.get(key, _MISSING)
+        if val is _MISSING:
+            header[key] = [] if default is None else default
+        elif type(val) is not kind:
             raise BadField(f"header {key!r} must be {kind.__name__}, got {type(val).__name__}")
     if len(header["tensors"]) > limits.max_tensors:
         raise FrameCount(f"{len(header['tensors'])} tensors, limit {limits.max_tensors}")
@@ -167,21 +192,33 @@ def _decode(frames: Sequence[Any], limits: Limits) -> Message:
         raise FrameCount("empty message")
     header = decode_header(frames[0], limits)
     specs = header["tensors"]
-    if len(frames) - 1 != len(specs):
-        raise FrameCount(f"header lists {len(specs)} tensors, {len(frames) - 1} frames follow")
     schema = SCHEMAS[header["t"]]
+    checked = []
     total = 0
+    n_frames = 0
     for spec in specs:
-        total += check_spec(spec, limits.max_tensor_bytes)[2]
+        verdict = check_spec(spec, limits.max_tensor_bytes)  # a map with dtype and shape
+        checked.append(verdict)
+        total += verdict[2]
+        if "data" not in spec:
+            n_frames += 1
+    if len(frames) - 1 != n_frames:
+        raise FrameCount(
+            f"header lists {n_frames} tensor frames, {len(frames) - 1} frames follow")
     if total > limits.max_message_bytes:
         raise Oversize(f"message is {total} bytes, limit {limits.max_message_bytes}")
-    schema.check_tensors(specs)
+    if specs or schema.min_tensors:
+        schema.check_tensors(specs)
     fields = {k: v for k, v in header.items() if k not in COMMON_KEYS}
     schema.check_fields(fields)
-    tensors = [
-        view_frame(_buffer(f), spec, limits.max_tensor_bytes)
-        for f, spec in zip(frames[1:], specs, strict=True)
-    ]
+    tensors = []
+    next_frame = 1
+    for spec, verdict in zip(specs, checked, strict=True):
+        data = inline_data(spec)
+        if data is None:
+            data = _buffer(frames[next_frame])
+            next_frame += 1
+        tensors.append(view_checked(data, spec, verdict))
     return Message(
         type=header["t"], fields=fields, tensors=tensors, sender=header["from"],
         seq=header["seq"], session=header["sid"], rid=header["rid"], more=header["more"],

@@ -2,9 +2,12 @@
 
 A tensor frame is a raw little-endian C-contiguous buffer; its dtype and shape travel in the
 header. Received frames are wrapped with `numpy.frombuffer` over the frame's own buffer, so
-decoding never copies. numpy has no bfloat16: such tensors travel and arrive as their uint16
-bit patterns, marked by the `BFloat16Bits` ndarray subclass; `to_torch`/`to_mlx` reinterpret
-the bits. torch and mlx are imported only when those conversions are called.
+decoding never copies. Small tensors (at most `INLINE_MAX_BYTES`) travel inline instead: the
+same raw bytes as a msgpack `bin` under the spec's `data` key, which saves a frame (a frame
+costs more than copying a few hundred bytes; pyzmq copies frames under 64 KiB anyway). numpy has
+no bfloat16: such tensors travel and arrive as their uint16 bit patterns, marked by the
+`BFloat16Bits` ndarray subclass; `to_torch`/`to_mlx` reinterpret the bits. torch and mlx are
+imported only when those conversions are called.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ WIRE_DTYPES: dict[str, np.dtype] = {
 }
 
 MAX_DIMS = 8
+INLINE_MAX_BYTES = 1024  # tensors up to this size go inside the header (sender's choice)
 
 
 class BFloat16Bits(np.ndarray):
@@ -95,14 +99,35 @@ def check_spec(spec: Any, max_bytes: int) -> tuple[np.dtype, tuple[int, ...], in
 
 def view_frame(buffer: Any, spec: Any, max_bytes: int) -> np.ndarray:
     """Wrap a received frame buffer as an array without copying, after validating it."""
-    dtype, shape, nbytes = check_spec(spec, max_bytes)
+    return view_checked(buffer, spec, check_spec(spec, max_bytes))
+
+
+def view_checked(buffer: Any, spec: dict,
+                 checked: tuple[np.dtype, tuple[int, ...], int]) -> np.ndarray:
+    """Wrap `buffer` (a frame, or an inline spec's bytes) given `check_spec`'s verdict on spec.
+
+    The byte count must equal shape x itemsize exactly, inline or not; the array is read-only
+    when the buffer is (received frames and msgpack bytes both are).
+    """
+    dtype, shape, nbytes = checked
     mv = memoryview(buffer)
     if mv.nbytes != nbytes:
-        raise ByteCount(f"frame has {mv.nbytes} bytes, header says {shape} x {dtype.itemsize}")
+        where = "inline data" if "data" in spec else "frame"
+        raise ByteCount(f"{where} has {mv.nbytes} bytes, header says {shape} x {dtype.itemsize}")
     arr = np.frombuffer(mv, dtype=dtype).reshape(shape)
     if spec["dtype"] == "bfloat16":
         arr = arr.view(BFloat16Bits)
     return arr
+
+
+def inline_data(spec: dict) -> bytes | None:
+    """The inline bytes of a header spec, None for a frame tensor; BadShape if not bytes."""
+    if "data" not in spec:
+        return None
+    data = spec["data"]
+    if type(data) is not bytes:
+        raise BadShape(f"inline tensor data must be bin, got {type(data).__name__}")
+    return data
 
 
 # -- framework conversions (lazy imports) -------------------------------------------------
@@ -124,12 +149,14 @@ def to_torch(array: np.ndarray) -> Any:
     """A torch tensor sharing memory with `array` where torch allows it (bf16 reinterpreted)."""
     import torch
 
-    if isinstance(array, BFloat16Bits):
-        return torch.from_numpy(np.asarray(array).view(np.int16)).view(torch.bfloat16)
+    bf16 = isinstance(array, BFloat16Bits)
+    array = np.asarray(array)
     if not array.flags.writeable:
-        # torch warns on read-only buffers; received frames are read-only, so copy explicitly
+        # torch warns on read-only buffers; received frames (and inline tensors) are read-only
         array = array.copy()
-    return torch.from_numpy(np.asarray(array))
+    if bf16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def from_mlx(array: Any) -> np.ndarray:

@@ -1,14 +1,17 @@
 """`specbus bench bus`: latency, throughput and zero-copy between two processes on loopback.
 
-The server runs in a separate process with the real bus (IOLoop + StreamServer). The client
-measures, in one run:
-  * round-trip time of a small request through the full bus path (caller thread -> I/O thread
-    -> socket -> server I/O thread -> back), and, as the floor it is compared against, a raw
-    pyzmq DEALER owned by the caller talking to the same server;
+One run measures, all against the same idle-or-loaded machine so the figures compare:
+  * the raw floor: a bare pyzmq DEALER in this process and a bare pyzmq ROUTER echo in a
+    separate process (no specbus code on either end), tcp and ipc;
+  * the full bus path: `StreamClient.request(...).result()` from the caller thread through
+    both I/O threads and a real `StreamServer` in another process, tcp and ipc, and its ratio
+    to the raw floor;
+  * a per-stage breakdown of where the bus spends its time: encode, decode + validate, the
+    caller <-> I/O thread hand-off, and the bus server's path (raw DEALER -> real server);
   * throughput of tensor frames of 4 KiB .. 16 MiB, pipelined (many requests in flight);
   * whether received tensors are views over the ZeroMQ frame (checked on the server by walking
     the array's base chain to the `zmq.Frame`, not assumed).
-Both tcp and ipc transports.
+Figures are medians / percentiles of this run only.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import queue
 import statistics
 import tempfile
 import time
@@ -25,6 +29,7 @@ import numpy as np
 import zmq
 
 SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
+WARMUP = 200
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +49,35 @@ def _frame_backed(arr: np.ndarray) -> bool:
     return isinstance(base, memoryview) and isinstance(base.obj, zmq.Frame)
 
 
-def _serve(endpoints: list[str], conn) -> None:
-    """Server process: real bus, pong for ping, ack + zero-copy check for blobs."""
+def _serve_raw(endpoints: list[str], conn) -> None:
+    """Raw floor server process: bare pyzmq ROUTER echo, no specbus code at all."""
+    ctx = zmq.Context()
+    socks = []
+    poller = zmq.Poller()
+    for ep in endpoints:
+        s = ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(ep)
+        poller.register(s, zmq.POLLIN)
+        socks.append(s)
+    poller.register(conn.fileno(), zmq.POLLIN)
+    conn.send([s.getsockopt_string(zmq.LAST_ENDPOINT) for s in socks])
+    try:
+        while True:
+            ready = dict(poller.poll())
+            if conn.fileno() in ready:
+                return
+            for s in socks:
+                if s in ready:
+                    s.send_multipart(s.recv_multipart(copy=False), copy=False)
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+
+
+def _serve_bus(endpoints: list[str], conn) -> None:
+    """Bus server process: real IOLoop + StreamServer, pong for ping, ack + zero-copy check."""
     from bus.loop import IOLoop
     from bus.sockets import SocketFactory
     from bus.streams import StreamServer, serve_ping
@@ -61,8 +93,9 @@ def _serve(endpoints: list[str], conn) -> None:
                 key = str(t.nbytes)
                 zero_copy[key] = zero_copy.get(key, True) and _frame_backed(t)
             req.reply(make("done", finish_reason="ok"))
-        elif req.message.type == "snapshot_req":  # report and quit
-            req.reply(make("done", finish_reason="ok", stats={"zero_copy": zero_copy}))
+        elif req.message.type == "snapshot_req":  # report: zero-copy verdicts, CPU used
+            req.reply(make("done", finish_reason="ok",
+                           stats={"zero_copy": zero_copy, "cpu_s": time.process_time()}))
         else:
             req.fail("unsupported", req.message.type)
 
@@ -82,35 +115,133 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
     }
 
 
-def _rtt_bus(client, endpoint: str, count: int) -> dict[str, float]:
+def _timed(fn, count: int) -> dict[str, float]:
+    """p50/p99 of `fn()` over `count` calls after a warm-up."""
+    return _interleaved({"x": fn}, count, rounds=1)["x"]
+
+
+def _interleaved(fns: dict, count: int, rounds: int = 10) -> dict[str, dict[str, float]]:
+    """p50/p99 of each `fn()`, measured in alternating slices so that load changes during the
+    run (other processes on a shared machine) hit every path alike and ratios stay honest."""
+    for fn in fns.values():
+        for _ in range(WARMUP):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    clock = time.perf_counter
+    per_round = max(1, count // rounds)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            out = samples[name]
+            for _ in range(per_round):
+                t0 = clock()
+                inner = fn()  # a path that times itself returns its own duration
+                out.append(inner if type(inner) is float else clock() - t0)
+    return {name: _percentiles(xs) for name, xs in samples.items()}
+
+
+def _bus_rtt(client, endpoint: str):
     from codec.messages import make
 
-    for _ in range(200):  # warm up connection and caches
-        client.request(endpoint, make("ping"), timeout=5).result()
-    samples = []
-    for _ in range(count):
-        t0 = time.perf_counter()
-        client.request(endpoint, make("ping"), timeout=5).result()
-        samples.append(time.perf_counter() - t0)
-    return _percentiles(samples)
+    return lambda: client.request(endpoint, make("ping"), timeout=5).result()
 
 
-def _rtt_raw(factory, endpoint: str, count: int) -> dict[str, float]:
+def _bus_rtt_in_loop(client, endpoint: str):
+    """A round trip issued and completed on the I/O thread (request from a loop callback,
+    reply to an `on_reply` callback): the bus client's own cost without any thread hand-off.
+    Timed on the loop thread; the caller only waits for the figure."""
+    import queue as queue_mod
+
+    from codec.messages import make
+
+    box: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+    clock = time.perf_counter
+
+    def start() -> None:
+        t0 = clock()
+        client.request(endpoint, make("ping"), timeout=5,
+                       on_reply=lambda call, item: box.put(clock() - t0))
+
+    def once() -> float:
+        client.loop.call_soon(start)
+        return box.get(timeout=5)
+
+    return once
+
+
+class _RawDealer:
+    """A bare pyzmq DEALER (own context): send `frames`, wait for the echo; no specbus code."""
+
+    def __init__(self, endpoint: str, frames: list) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.frames = frames
+
+    def __call__(self) -> None:
+        self.sock.send_multipart(self.frames, copy=False)
+        self.sock.recv_multipart(copy=False)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def _stages(loop, count: int, on_tcp: dict) -> dict[str, float]:
+    """Where the time of one request/reply goes (p50, microseconds; tcp).
+
+    The codec stages and the thread hand-off are timed on their own; the rest are differences
+    between paths measured interleaved in the same run (each side of the bus against a bare
+    pyzmq peer), so they add up to the full path only roughly.
+    """
     from codec.messages import decode, encode, make
 
-    sock = factory.dealer()
-    sock.connect(endpoint)
-    try:
-        samples = []
-        for i in range(count + 200):
-            t0 = time.perf_counter()
-            sock.send_multipart(encode(make("ping", rid=i + 1)), copy=False)
-            decode(sock.recv_multipart(copy=False))
-            if i >= 200:
-                samples.append(time.perf_counter() - t0)
-        return _percentiles(samples)
-    finally:
-        sock.close(linger=0)
+    pong_frames = [zmq.Frame(bytes(f)) for f in encode(make("pong", sender="srv", rid=1))]
+    box: queue.SimpleQueue = queue.SimpleQueue()
+    raw = on_tcp["raw"]["p50"]
+    caller = on_tcp["bus_client_to_raw"]["p50"]
+    in_loop = on_tcp["bus_client_in_loop_to_raw"]["p50"]
+    return {
+        # each message is encoded once (sender) and decoded + validated once (receiver)
+        "encode_us": _timed(lambda: encode(make("ping", sender="bench", rid=1)), count)["p50"],
+        "decode_validate_us": _timed(lambda: decode(pong_frames), count)["p50"],
+        # caller thread -> I/O thread -> caller thread alone (call_soon, a queue back)
+        "handoff_roundtrip_us": _timed(
+            lambda: (loop.call_soon(lambda: box.put(None)), box.get()), count)["p50"],
+        # bare DEALER <-> bare ROUTER echo, separate processes
+        "socket_roundtrip_us": raw,
+        # bus client on its own I/O thread vs the bare echo, minus the floor: the client's
+        # Python (encode, send, poll, recv, decode, bookkeeping) without hand-offs
+        "client_loop_us": round(in_loop - raw, 1),
+        # a caller thread instead of the loop thread: the hand-offs and GIL switches in situ
+        "client_handoff_us": round(caller - in_loop, 1),
+        # bare DEALER against the real bus server, minus the floor: the server's share
+        "server_us": round(on_tcp["raw_to_bus_server"]["p50"] - raw, 1),
+    }
+
+
+def _cpu_per_rtt(client, endpoint: str, raw, count: int) -> dict[str, float]:
+    """CPU time (all threads, user + system) per round trip, in this process and in the bus
+    server's: unlike wall-clock latency, barely moved by other processes on the machine."""
+    from codec.messages import make
+
+    def server_cpu() -> float:
+        reply = client.request(endpoint, make("snapshot_req", cluster="bench"), timeout=10)
+        return reply.result()["stats"]["cpu_s"]
+
+    bus = _bus_rtt(client, endpoint)
+    c0, s0 = time.process_time(), server_cpu()
+    for _ in range(count):
+        bus()
+    c1, s1 = time.process_time(), server_cpu()
+    for _ in range(count):
+        raw()
+    c2 = time.process_time()
+    return {
+        "bus_client_cpu_us": round((c1 - c0) / count * 1e6, 1),
+        "bus_server_cpu_us": round((s1 - s0) / count * 1e6, 1),
+        "raw_client_cpu_us": round((c2 - c1) / count * 1e6, 1),
+    }
 
 
 def _throughput(client, endpoint: str, nbytes: int, seconds: float) -> float:
@@ -134,59 +265,110 @@ def _throughput(client, endpoint: str, nbytes: int, seconds: float) -> float:
     return round(sent * nbytes / elapsed / 1e9, 3)
 
 
+def _start(target, endpoints: list[str], ctx):
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(endpoints, child))
+    proc.start()
+    return proc, parent, parent.recv()
+
+
+def _stop(proc, conn) -> None:
+    try:
+        conn.send("stop")
+    except (BrokenPipeError, OSError):
+        pass
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
 def measure(rtt_count: int = 3000, seconds: float = 1.5) -> dict:
     from bus.loop import IOLoop
     from bus.sockets import SocketFactory
     from bus.streams import StreamClient
-    from codec.messages import make
+    from codec.messages import encode, make
 
     tmp = tempfile.mkdtemp(prefix="specbus-bench-")
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(["tcp://127.0.0.1:0", f"ipc://{tmp}/bus.ipc"], child))
-    proc.start()
+    procs = []
+    loop = None
     try:
-        tcp, ipc = parent.recv()
+        raw = _start(_serve_raw, ["tcp://127.0.0.1:0", f"ipc://{tmp}/raw.ipc"], ctx)
+        procs.append(raw[:2])
+        bus = _start(_serve_bus, ["tcp://127.0.0.1:0", f"ipc://{tmp}/bus.ipc"], ctx)
+        procs.append(bus[:2])
+        raw_tcp, raw_ipc = raw[2]
+        tcp, ipc = bus[2]
+        ping = encode(make("ping", sender="bench", rid=1))  # same bytes the bus sends
         loop = IOLoop(name="bench-client-io").start()
-        factory = SocketFactory()
-        client = StreamClient(loop, factory, sender="bench")
-        result: dict = {"rtt_us": _rtt_bus(client, tcp, rtt_count)}
-        result["rtt_raw_pyzmq_us"] = _rtt_raw(factory, tcp, rtt_count)
-        result["rtt_ipc_us"] = _rtt_bus(client, ipc, rtt_count)
-        result["throughput_gbps"] = {k: _throughput(client, tcp, n, seconds)
-                                     for k, n in SIZES.items()}
-        result["throughput_ipc_gbps"] = {k: _throughput(client, ipc, n, seconds)
-                                         for k, n in SIZES.items()}
+        client = StreamClient(loop, SocketFactory(), sender="bench")
+        dealers = [_RawDealer(ep, ping) for ep in (raw_tcp, raw_ipc, tcp)]
+        try:
+            # tcp: the floor, the full path, and each side of the bus against a bare peer
+            on_tcp = _interleaved({
+                "raw": dealers[0], "bus": _bus_rtt(client, tcp),
+                "raw_to_bus_server": dealers[2],
+                "bus_client_to_raw": _bus_rtt(client, raw_tcp),  # the echo returns our ping
+                "bus_client_in_loop_to_raw": _bus_rtt_in_loop(client, raw_tcp),
+            }, rtt_count)
+            on_ipc = _interleaved({"raw": dealers[1], "bus": _bus_rtt(client, ipc)}, rtt_count)
+            cpu = _cpu_per_rtt(client, tcp, dealers[0], rtt_count)
+        finally:
+            for d in dealers:
+                d.close()
+        result: dict = {
+            "raw_floor_us": {"tcp": on_tcp["raw"], "ipc": on_ipc["raw"]},
+            "bus_us": {"tcp": on_tcp["bus"], "ipc": on_ipc["bus"]},
+        }
+        result["ratio_bus_over_raw_p50"] = {
+            t: round(result["bus_us"][t]["p50"] / result["raw_floor_us"][t]["p50"], 2)
+            for t in ("tcp", "ipc")
+        }
+        result["stages_us"] = _stages(loop, rtt_count, on_tcp)
+        result["cpu_per_rtt_us"] = cpu
+        result["throughput_gbps"] = {
+            "tcp": {k: _throughput(client, tcp, n, seconds) for k, n in SIZES.items()},
+            "ipc": {k: _throughput(client, ipc, n, seconds) for k, n in SIZES.items()},
+        }
         report = client.request(tcp, make("snapshot_req", cluster="bench"), timeout=10).result()
         by_size = report["stats"]["zero_copy"]
         result["zero_copy_by_size"] = {k: by_size.get(str(n)) for k, n in SIZES.items()}
         result["zero_copy"] = all(by_size.get(str(n)) for n in SIZES.values() if n >= 64 << 10)
-        loop.stop()
         return result
     finally:
-        parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        if loop is not None:
+            loop.stop()
+        for proc, conn in procs:
+            _stop(proc, conn)
         for p in Path(tmp).glob("*"):
             p.unlink()
         Path(tmp).rmdir()
 
 
 def render(result: dict) -> str:
+    raw, bus, ratio = result["raw_floor_us"], result["bus_us"], result["ratio_bus_over_raw_p50"]
     lines = [
-        "specbus bench bus (two processes, loopback)",
-        f"{'measure':34} {'tcp':>12} {'ipc':>12}",
-        f"{'RTT p50 bus (us)':34} {result['rtt_us']['p50']:>12} {result['rtt_ipc_us']['p50']:>12}",
-        f"{'RTT p99 bus (us)':34} {result['rtt_us']['p99']:>12} {result['rtt_ipc_us']['p99']:>12}",
-        f"{'RTT p50 raw pyzmq floor (us)':34} {result['rtt_raw_pyzmq_us']['p50']:>12} {'':>12}",
-        f"{'RTT p99 raw pyzmq floor (us)':34} {result['rtt_raw_pyzmq_us']['p99']:>12} {'':>12}",
+        "specbus bench bus (two processes per pair, loopback)",
+        f"{'measure':40} {'tcp':>10} {'ipc':>10}",
+    ]
+    for label, rows in (("raw floor, bare pyzmq", raw), ("full bus path", bus)):
+        for p in ("p50", "p99"):
+            lines.append(f"{f'RTT {p} {label} (us)':40} {rows['tcp'][p]:>10} {rows['ipc'][p]:>10}")
+    lines += [
+        f"{'ratio bus / raw (p50)':40} {ratio['tcp']:>10} {ratio['ipc']:>10}",
     ]
     for k in SIZES:
-        lines.append(f"{'throughput ' + k + ' (GB/s)':34} {result['throughput_gbps'][k]:>12} "
-                     f"{result['throughput_ipc_gbps'][k]:>12}")
+        tp = result["throughput_gbps"]
+        lines.append(f"{'throughput ' + k + ' (GB/s)':40} {tp['tcp'][k]:>10} {tp['ipc'][k]:>10}")
     zc = ", ".join(f"{k}={v}" for k, v in result["zero_copy_by_size"].items())
     lines.append(f"zero-copy receive: {result['zero_copy']} ({zc})")
+    lines.append("per-stage breakdown (p50, us; tcp):")
+    for k, v in result["stages_us"].items():
+        lines.append(f"  {k:38} {v:>10}")
+    lines.append("CPU per round trip (us, all threads of the process; tcp):")
+    for k, v in result["cpu_per_rtt_us"].items():
+        lines.append(f"  {k:38} {v:>10}")
     return "\n".join(lines)
 
 

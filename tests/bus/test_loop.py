@@ -1,6 +1,7 @@
 import threading
 import time
 
+import numpy as np
 import pytest
 import zmq
 
@@ -80,3 +81,35 @@ def test_factory_applies_options_to_every_socket(factory):
             assert s.getsockopt(zmq.TCP_KEEPALIVE) == 1
         finally:
             s.close()
+
+
+def test_many_calls_from_another_thread_all_run_in_order(loop):
+    """call_soon writes one wake byte per sleep, not per call: none may be lost."""
+    seen = []
+    for i in range(5000):
+        loop.call_soon(lambda i=i: seen.append(i))
+    assert loop.run_sync(lambda: len(seen)) == 5000
+    assert seen == list(range(5000))
+
+
+def test_frames_ready_reads_every_waiting_message_then_stops(factory):
+    from bus.loop import frames_ready, send_frames
+
+    a, b = factory.context.socket(zmq.PAIR), factory.context.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://frames-ready")
+        b.connect("inproc://frames-ready")
+        big = np.arange(20000, dtype=np.int64)  # over zmq.COPY_THRESHOLD: zero-copy send
+        for i in range(5):
+            send_frames(a, [b"h%d" % i, big])
+        deadline = time.monotonic() + 2
+        while not b.poll(10) and time.monotonic() < deadline:
+            pass
+        got = list(frames_ready(b, limit=3))
+        got += list(frames_ready(b))
+        assert [m[0].bytes for m in got] == [b"h%d" % i for i in range(5)]
+        assert all(np.array_equal(np.frombuffer(m[1].buffer, np.int64), big) for m in got)
+        assert list(frames_ready(b)) == []  # empty: returns, raises nothing
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)

@@ -195,3 +195,45 @@ def test_bad_requests_are_refused_in_the_callers_thread(client):
         client.request("tcp://127.0.0.1:1", make("nope"), timeout=1)
     assert "unknown_type" in str(info.value)
     assert zmq  # keep import for clarity of what transport is used
+
+
+def test_request_from_the_loop_thread_sends_directly_and_calls_back(server, client, loop):
+    """A loop callback is already the socket's owner: no call_soon, and the reply arrives
+    through on_reply on the same thread."""
+    got = []
+    done = threading.Event()
+    queued_before = []
+
+    def on_reply(call, item):
+        got.append((threading.current_thread().name, item.type, item.get("payload")))
+        done.set()
+
+    def start():
+        client.request(server.endpoint, make("ping", payload="in-loop"), timeout=2,
+                       on_reply=on_reply)
+        queued_before.append(len(loop._calls))  # nothing handed over: the send happened here
+
+    loop.call_soon(start)
+    assert done.wait(2)
+    assert got == [("test-io", "pong", "in-loop")]
+    assert queued_before == [0]
+    assert client.sent == 1
+
+
+def test_server_sees_cancel_through_lazily_made_event(loop, factory, client):
+    """Request.cancelled is made on first use; a cancel that comes first still sets it."""
+    seen = []
+
+    def slow(req):
+        seen.append(req)  # never answered: the client cancels
+
+    srv = StreamServer(loop, factory, slow)
+    call = client.request(srv.endpoint, make("ping"), timeout=5)
+    deadline = time.monotonic() + 2
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen and not seen[0].cancelled.is_set()
+    call.cancel()
+    assert seen[0].cancelled.wait(2)
+    with pytest.raises(RequestCancelled):
+        call.result(1)

@@ -55,6 +55,7 @@ header_dicts = st.fixed_dictionaries(
                 "dtype": st.sampled_from(["int32", "float32", "bfloat16", "complex", ""])
                 | msgpack_values,
                 "shape": st.lists(st.integers(-3, 2**40), max_size=10) | msgpack_values,
+                "data": st.binary(max_size=40) | msgpack_values,
             }), max_size=4) | msgpack_values,
         "committed": msgpack_values, "k": msgpack_values, "cluster": msgpack_values,
         "incarnation": msgpack_values, "code": msgpack_values, "message": msgpack_values,
@@ -69,9 +70,12 @@ def test_structured_headers_with_random_values(header, tail):
 
 
 def _valid_frames():
-    probs = np.full((2, 5), 0.2, dtype=np.float32)
-    return m.encode(m.make("draft_reply", committed=7, sender="n",
-                           tensors=[np.array([3, 4], dtype=np.int32), probs]))
+    """Tokens inline in the header, probabilities in a frame (over the inline threshold)."""
+    probs = np.full((2, 200), 0.2, dtype=np.float32)
+    frames = m.encode(m.make("draft_reply", committed=7, sender="n",
+                             tensors=[np.array([3, 4], dtype=np.int32), probs]))
+    assert len(frames) == 2
+    return frames
 
 
 @FUZZ
@@ -125,6 +129,40 @@ def test_specific_errors(header, tail, code):
     with pytest.raises(errors.CodecError) as info:
         m.decode([msgpack.packb(header), *tail])
     assert info.value.code == code
+
+
+@pytest.mark.parametrize(
+    "spec, tail, code",
+    [
+        ({"dtype": "int32", "shape": [2], "data": b"\0" * 7}, [], "byte_count"),
+        ({"dtype": "int32", "shape": [2], "data": b"\0" * 9}, [], "byte_count"),
+        ({"dtype": "int32", "shape": [2], "data": "text, not bin"}, [], "bad_shape"),
+        ({"dtype": "int32", "shape": [2], "data": None}, [], "bad_shape"),
+        ({"dtype": "complex64", "shape": [1], "data": b"\0" * 8}, [], "bad_dtype"),
+        ({"dtype": "int32", "shape": [2**40], "data": b""}, [], "oversize"),
+        ({"dtype": "int32", "shape": [-1], "data": b""}, [], "bad_shape"),
+        # an inline tensor takes no frame: a frame after it is one too many
+        ({"dtype": "int32", "shape": [1], "data": b"\0" * 4}, [b"\0" * 4], "frame_count"),
+    ],
+)
+def test_inline_tensors_are_validated_like_frames(spec, tail, code):
+    header = {"v": 1, "t": "session_extend", "committed": 1, "tensors": [spec]}
+    with pytest.raises(errors.CodecError) as info:
+        m.decode([msgpack.packb(header, use_bin_type=True), *tail])
+    assert info.value.code == code
+
+
+def test_inline_tensors_count_towards_the_limits():
+    spec = {"dtype": "uint8", "shape": [600], "data": b"\1" * 600}
+    header = msgpack.packb({"v": 1, "t": "blob", "tensors": [spec, spec]}, use_bin_type=True)
+    tight = m.Limits(max_tensor_bytes=500)
+    with pytest.raises(errors.Oversize):
+        m.decode([header], tight)
+    with pytest.raises(errors.Oversize):
+        m.decode([header], m.Limits(max_message_bytes=1000))
+    with pytest.raises(errors.Oversize):  # inline bytes are header bytes: the header cap binds
+        m.decode([header], m.Limits(max_header_bytes=1000))
+    assert m.decode([header]).tensors[1].tolist() == [1] * 600
 
 
 def test_not_msgpack_and_oversized_header():

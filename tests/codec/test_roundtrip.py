@@ -6,7 +6,14 @@ import zmq
 
 from codec import messages as m
 from codec.schema import SCHEMAS
-from codec.tensors import WIRE_DTYPES, BFloat16Bits, bfloat16_bits, prepare, view_frame
+from codec.tensors import (
+    INLINE_MAX_BYTES,
+    WIRE_DTYPES,
+    BFloat16Bits,
+    bfloat16_bits,
+    prepare,
+    view_frame,
+)
 
 SAMPLE_FIELDS = {
     "card": dict(cluster="c", incarnation=3, version=7, roles=["verifier"],
@@ -118,9 +125,34 @@ def test_received_tensor_is_a_view_over_the_zmq_frame():
     a.send_multipart(m.encode(m.make("draft_reply", committed=1,
                                      tensors=[TOKENS, probs[:3]])), copy=False)
     frames = b.recv_multipart(copy=False)
+    assert len(frames) == 2  # the 12-byte token tensor travelled inline, in the header
     out = m.decode(frames)
-    assert np.shares_memory(out.tensors[1], np.frombuffer(frames[2].buffer, dtype=np.uint8))
+    assert np.shares_memory(out.tensors[1], np.frombuffer(frames[1].buffer, dtype=np.uint8))
+    assert out.tensors[0].tolist() == TOKENS.tolist()
     a.close(), b.close(), ctx.term()
+
+
+@pytest.mark.parametrize("name", sorted(WIRE_DTYPES))
+def test_small_tensors_travel_inline_and_arrive_as_arrays(name):
+    """Under the threshold a tensor is header bytes, not a frame; it decodes to the same array."""
+    small = _sample(name, (2, 3))
+    big = np.zeros(INLINE_MAX_BYTES + 1, np.uint8)
+    frames = m.encode(m.make("blob", tensors=[small, big, small[:0]]))
+    assert len(frames) == 2 and frames[1] is not None  # header + the one big frame
+    out = m.decode(frames)
+    assert [t.shape for t in out.tensors] == [(2, 3), big.shape, (0, 3)]
+    assert isinstance(out.tensors[0], np.ndarray) and out.tensors[0].dtype == small.dtype
+    assert isinstance(out.tensors[0], BFloat16Bits) == (name == "bfloat16")
+    assert np.array_equal(out.tensors[0].view(np.uint8), np.asarray(small).view(np.uint8))
+    assert not out.tensors[0].flags.writeable  # same contract as frames: read-only views
+
+
+def test_inline_threshold_is_the_senders_choice():
+    t = np.arange(8, dtype=np.int64)
+    assert len(m.encode(m.make("session_extend", committed=1, tensors=[t]))) == 1
+    framed = m.encode(m.make("session_extend", committed=1, tensors=[t]), inline_max_bytes=0)
+    assert len(framed) == 2
+    assert m.decode(framed).tensors[0].tolist() == list(range(8))
 
 
 def test_unknown_fields_are_tolerated():
@@ -143,3 +175,13 @@ def test_torch_and_mlx_conversions_roundtrip_bfloat16():
     arr = to_mlx(wire)
     assert arr.dtype == mx.bfloat16
     assert np.array_equal(from_mlx(arr).view(np.uint16), np.asarray(wire))
+
+
+def test_inline_tensors_fall_back_to_frames_when_the_header_would_overflow():
+    """A header near the cap still encodes: its small tensors then go as frames."""
+    limits = m.Limits(max_header_bytes=2000)
+    note = "x" * 1700  # fits alone, not with 400 inline bytes
+    small = np.arange(100, dtype=np.int32)  # 400 bytes: inline by default
+    frames = m.encode(m.make("blob", note=note, tensors=[small]), limits)
+    assert len(frames) == 2
+    assert m.decode(frames, limits).tensors[0].tolist() == small.tolist()
