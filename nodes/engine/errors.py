@@ -9,6 +9,8 @@ code a node (its roles or its bus) puts in an `error` reply besides the codec's 
 
 from __future__ import annotations
 
+from codec.errors import ERROR_CODES
+
 
 class GenerationError(ValueError):
     """Base of every user-caused generation error; `str(err)` is one readable line."""
@@ -88,12 +90,6 @@ NODE_ERROR_CODES: dict[str, str] = {
 def error_code(exc: BaseException) -> str:
     """The wire code of an exception: its registered `code`, else `internal`."""
     code = getattr(exc, "code", None)
-    if isinstance(code, str) and (code in NODE_ERROR_CODES or _is_codec_code(code)):
+    if isinstance(code, str) and (code in NODE_ERROR_CODES or code in ERROR_CODES):
         return code
     return INTERNAL
-
-
-def _is_codec_code(code: str) -> bool:
-    from codec.errors import ERROR_CODES
-
-    return code in ERROR_CODES

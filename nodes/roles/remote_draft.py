@@ -52,6 +52,10 @@ class DeadlinePolicy:
     explore_factor: float = 50.0  # ...and at least this many times what a try costs (<= 2 %)
     prior_step_s: float = 0.06  # plain verifier step before one is measured
     prior_slope: float = 0.08  # relative verify cost per extra fed token before measuring
+    #: draft='force': how long to wait for each proposer (at least max_s); a proposer that
+    #: leaves the alive state meanwhile is given up at once (checked every liveness_poll_s)
+    forced_s: float = 30.0
+    liveness_poll_s: float = 0.05
 
 
 @dataclass
@@ -215,7 +219,8 @@ class RemoteDraftSession(DraftSession):
         deadlines: dict[int, float] = {}
         calls: dict[int, Call] = {}
         for p in ask:
-            wait = self.policy.max_s if self.forced else p.link.deadline(k, self.policy)
+            wait = (max(self.policy.forced_s, self.policy.max_s) if self.forced
+                    else p.link.deadline(k, self.policy))
             deadlines[id(p)] = t0 + wait
             delta = np.asarray(self.tokens[p.acked :], dtype=np.int32)
             req = DraftReq(self.sid, k, committed, delta, want_probs=not self.sampling.greedy,
@@ -232,9 +237,14 @@ class RemoteDraftSession(DraftSession):
             if not worth:
                 break
             remaining = max(deadlines[id(p)] for p in worth) - time.monotonic()
+            if self.forced:  # a long wait: notice a proposer dying meanwhile
+                remaining = min(remaining, self.policy.liveness_poll_s)
             try:
                 p, item, at = inbox.get(timeout=max(remaining, 0.0))
             except queue.Empty:
+                if self.forced and time.monotonic() < max(deadlines[id(p)] for p in worth):
+                    self._abandon_dead(pending, calls)
+                    continue
                 break
             if pending.pop(id(p), None) is None:
                 continue
@@ -256,6 +266,15 @@ class RemoteDraftSession(DraftSession):
         p.link.chosen += 1
         self._last = (p, ids)
         return ids, probs
+
+    def _abandon_dead(self, pending: dict[int, _Peer], calls: dict[int, Call]) -> None:
+        """Forced drafting: stop waiting for proposers that are no longer alive."""
+        for key, p in list(pending.items()):
+            if not self.is_alive(p.link.node_id):
+                del pending[key]
+                calls[key].cancel()
+                p.link.errors += 1
+                self._drop(p, "left the alive state while asked")
 
     def _worth_asking(self, k: int) -> list[_Peer]:
         """Proposers expected to beat plain decoding at k, plus any due for exploration.

@@ -5,6 +5,11 @@ engine block by block, streaming each committed block back as a `token_chunk` an
 `done` (text, token ids, figures, per-proposer stats). Drafts come from the cluster's compatible
 proposers (alive, same tokenizer fingerprint or tokenizer-agnostic) through
 `RemoteDraftSession`; with none, from the node's own drafter if it has one, else plain decoding.
+
+Each request is parsed into `codec.structs.GenerateReq` and checked against this node
+(`nodes/roles/requests.py`) on the I/O thread, so bad or over-long input is refused before it
+is queued. The proposer links belong to the compute thread; telemetry reads the immutable
+`proposer_snapshot` it publishes after each block and generation.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from codec.errors import CodecError
 from codec.structs import Done, GenerateReq, TokenChunk
 from nodes.drafters.base import DraftSession
 from nodes.engine.core import Engine, Stats
-from nodes.engine.errors import GenerationError, NoProposerError, error_code
+from nodes.engine.errors import BUSY, GenerationError, NoProposerError, error_code
 from nodes.roles import requests
 from nodes.roles.remote_draft import DeadlinePolicy, ProposerLink, RemoteDraftSession
 
@@ -97,7 +102,7 @@ class VerifierRole:
             self._queue.put_nowait((req, parsed))
         except queue.Full:
             self.stats.rejected_busy += 1
-            req.fail("busy", f"verifier queue is full ({self._queue.maxsize} waiting)")
+            req.fail(BUSY, f"verifier queue is full ({self._queue.maxsize} waiting)")
 
     # -- compute thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -162,7 +167,7 @@ class VerifierRole:
                     sent_text = text
                 req.reply(TokenChunk(index, np.asarray(block.token_ids, dtype=np.int32),
                                      piece).to_message(), more=True)
-                if session is not None:
+                if isinstance(session, RemoteDraftSession):
                     self._publish()
                 if block.finish_reason is not None:
                     finish, final_text = block.finish_reason, text

@@ -127,3 +127,17 @@ def test_forced_session_asks_every_block_even_a_hopeless_proposer(host, honest):
     assert forced.stats()["honest"]["drafts"] == 4
     assert forced.stats()["honest"]["timeouts"] == 0
     forced.close()
+
+
+def test_forced_wait_gives_up_on_a_proposer_that_dies_meanwhile(host, bus):
+    """Forced waits are long (30 s here); a proposer leaving the alive state ends them."""
+    silent = StreamServer(*bus, handler=lambda req: None)
+    asked = []
+    link = ProposerLink("dying", silent.endpoint)
+    s = RemoteDraftSession(host.client, [link], PROMPT, SamplingParams(), session_id="d1",
+                           vocab_size=100, fingerprint="fp", forced=True,
+                           policy=DeadlinePolicy(first_s=30.0, max_s=30.0, forced_s=30.0),
+                           is_alive=lambda nid: asked.append(nid) or len(asked) < 5)
+    assert s.draft(4)[0].size == 0
+    assert s.stats()["dying"]["dropped"] is True
+    assert (link.errors, link.timeouts) == (1, 0)  # abandoned, never waited out
