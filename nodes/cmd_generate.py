@@ -73,11 +73,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _request(args: argparse.Namespace):
     """The typed request (validated: a bad value raises BadRequest naming the field)."""
+    from codec.errors import BadRequest
     from nodes.cluster_client import GenerateRequest
 
+    if not args.prompt.strip():
+        raise BadRequest("prompt", "must not be empty")
+    prompt, messages = args.prompt, None
+    if args.system and args.chat:  # the verifier renders them with its chat template
+        prompt, messages = None, [{"role": "system", "content": args.system},
+                                  {"role": "user", "content": args.prompt}]
     req = GenerateRequest(
-        prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+        prompt=prompt, messages=messages, max_tokens=args.max_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        stop=tuple(args.stop),
         chat=args.chat, speculate=not getattr(args, "no_speculate", False),
         proposers=getattr(args, "proposers", None),
         force_draft=getattr(args, "force_draft", False),

@@ -3,6 +3,7 @@ checks (the same typed parse as the wire) and the verifier's answer through a re
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,10 +59,13 @@ def verifier_node(tmp_path, tiny_backend):  # noqa: F811 - fixture
 
 def test_the_verifiers_refusal_reaches_the_cli_and_the_next_request_is_served(verifier_node):
     seed = ["--cluster", "wire-cli", "--peer", verifier_node.server.endpoint, "--no-mdns",
-            "--wait", "30", "--no-chat"]
-    out = specbus("--prompt", "word " * 2000, "--max-tokens", "4", *seed)
+            "--wait", "30"]
+    out = specbus("--prompt", "word " * 2000, "--no-chat", "--max-tokens", "4", *seed)
     assert out.returncode == 2, out.stderr
     assert "too_long" in out.stderr and "prompt" in out.stderr
-    out = specbus("--prompt", "Hello there", "--max-tokens", "4", "--json", *seed)
+    # --system travels as chat messages, rendered by the verifier's chat template
+    out = specbus("--prompt", "Hello there", "--system", "Be brief.", "--max-tokens", "4",
+                  "--json", *seed)
     assert out.returncode == 0, out.stderr
-    assert '"finish_reason"' in out.stdout
+    result = json.loads(out.stdout)
+    assert len(result["token_ids"]) == 4 and result["prompt_tokens"] > 5
