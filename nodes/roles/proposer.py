@@ -25,8 +25,6 @@ import numpy as np
 from bus.streams import Request
 from codec.errors import CodecError
 from codec.structs import (
-    MAX_K,
-    MAX_LEASE_S,
     Done,
     DraftReply,
     DraftReq,
@@ -48,7 +46,6 @@ log = logging.getLogger(__name__)
 
 MAX_SESSIONS = 256
 _STRUCTS = {c.TYPE: c for c in (SessionOpen, SessionExtend, DraftReq, SessionClose)}
-__all__ = ["MAX_K", "MAX_LEASE_S", "MAX_SESSIONS", "ProposerRole"]
 
 
 @dataclass
