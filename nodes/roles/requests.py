@@ -16,7 +16,7 @@ from codec.errors import CodecError
 from codec.messages import Message
 from codec.structs import GenerateReq, Sampling
 from nodes.engine.core import GenerationParams
-from nodes.engine.errors import BadRequestError, TooLongError
+from nodes.engine.errors import BadRequestError, TooLongError, error_code
 from nodes.engine.sampling import SamplingParams
 
 #: generation length a verifier accepts whatever its context (bounds one request's work)
@@ -81,8 +81,6 @@ def check_prompt_ids(field: str, ids: Any, req: GenerateReq, vocab_size: int,
 
 def wire_error(exc: BaseException) -> tuple[str, str]:
     """(code, message) of an input error for an `error` reply."""
-    from nodes.engine.errors import error_code
-
     return error_code(exc), str(exc)[:300]
 
 
