@@ -71,7 +71,7 @@ def _str(name: str, v: Any, *, allow_empty: bool = True) -> str:
     if not isinstance(v, str):
         raise BadRequest(name, f"must be a string, got {type(v).__name__}")
     if not allow_empty and not v.strip():
-        raise BadRequest(name, "must not be empty")
+        raise BadRequest(name, f"empty {name}: must hold some text")
     return v
 
 
@@ -216,6 +216,9 @@ class GenerateReq:
         if self.tokens is not None:
             object.__setattr__(self, "tokens",
                                tokens_1d("tokens", self.tokens, allow_empty=False))
+        if _is_int(self.max_tokens) and self.max_tokens <= 0:
+            raise BadRequest("max_tokens", f"max tokens must be a positive integer, "
+                             f"got {self.max_tokens}")
         _int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
         if not isinstance(self.sampling, Sampling):
             raise BadRequest("sampling", "must be a Sampling")

@@ -77,7 +77,7 @@ def _request(args: argparse.Namespace):
     from nodes.cluster_client import GenerateRequest
 
     if not args.prompt.strip():
-        raise BadRequest("prompt", "must not be empty")
+        raise BadRequest("prompt", "empty prompt: must hold some text")
     prompt, messages = args.prompt, None
     if args.system and args.chat:  # the verifier renders them with its chat template
         prompt, messages = None, [{"role": "system", "content": args.system},
