@@ -58,10 +58,22 @@ class Oversize(CodecError):
     code = "oversize"
 
 
+class BadRequest(CodecError):
+    """A well-formed message whose field holds a value out of range or in conflict with another
+    field; `field` names it (e.g. `top_p`, `messages[2].role`)."""
+
+    code = "bad_request"
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field = field
+        self.reason = detail
+
+
 ERROR_CODES = tuple(
     cls.code
     for cls in (
         CodecError, BadHeader, BadVersion, UnknownType, MissingField, BadField,
-        FrameCount, ByteCount, BadShape, BadDtype, Oversize,
+        FrameCount, ByteCount, BadShape, BadDtype, Oversize, BadRequest,
     )
 )

@@ -177,7 +177,8 @@ SCHEMAS: dict[str, Schema] = {
             "generate_req",
             "Generate from a text prompt (or chat messages, or token ids).",
             optional={"prompt": _STR, "messages": _LIST, "max_tokens": _INT, "stop": _STRS,
-                      "chat": _BOOL, "speculate": _BOOL, "proposers": _STRS, **_SAMPLING},
+                      "chat": _BOOL, "speculate": _BOOL, "proposers": _STRS, "draft": _STR,
+                      **_SAMPLING},
             tensors=(_TOKENS,),
         ),
         Schema(

@@ -7,23 +7,39 @@ counts as a worker and is never offered work.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from bus.streams import BusError
-from codec.messages import Message, make
+from codec.messages import Message
+from codec.structs import FORCE, Done, GenerateReq, Sampling
 from discovery.interfaces import DEFAULT_INTERFACE
 from discovery.table import Member, State
 
 
 class ClusterError(RuntimeError):
-    """No verifier could be found or the generation failed on the cluster."""
+    """No verifier could be found or the generation failed on the cluster; `code` is the
+    verifier's error code when it answered one (e.g. `bad_request`, `too_long`)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
 class GenerateRequest:
-    prompt: str
+    """A generation to ask a verifier for: a text `prompt`, or chat `messages`, or `tokens`.
+
+    `force_draft` (with `proposers`) pins speculation: the verifier asks exactly those
+    proposers every block with its full deadline, whatever it thinks of their speed (tests).
+    `message()` validates through `codec.structs.GenerateReq` and raises its `BadRequest`
+    (a ValueError naming the field) before anything is sent.
+    """
+
+    prompt: str | None = None
     max_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -33,18 +49,23 @@ class GenerateRequest:
     chat: bool = True
     speculate: bool = True
     proposers: list[str] | None = None
+    force_draft: bool = False
+    messages: list[dict[str, str]] | None = None
+    tokens: Sequence[int] | None = None
+
+    def typed(self) -> GenerateReq:
+        return GenerateReq(
+            prompt=self.prompt, messages=self.messages,
+            tokens=None if self.tokens is None else np.asarray(self.tokens, dtype=np.int32),
+            max_tokens=self.max_tokens,
+            sampling=Sampling(self.temperature, self.top_p, self.top_k, self.seed),
+            stop=tuple(self.stop), chat=self.chat, speculate=self.speculate,
+            proposers=None if self.proposers is None else tuple(self.proposers),
+            draft=FORCE if self.force_draft else None,
+        )
 
     def message(self) -> Message:
-        fields: dict[str, Any] = dict(
-            prompt=self.prompt, max_tokens=self.max_tokens, temperature=self.temperature,
-            top_p=self.top_p, top_k=self.top_k, stop=list(self.stop), chat=self.chat,
-            speculate=self.speculate,
-        )
-        if self.seed is not None:
-            fields["seed"] = self.seed
-        if self.proposers is not None:
-            fields["proposers"] = list(self.proposers)
-        return make("generate_req", **fields)
+        return self.typed().to_message()
 
 
 @dataclass
@@ -104,7 +125,8 @@ class ClusterClient:
         try:
             yield from call.replies(timeout=idle_timeout)
         except BusError as exc:
-            raise ClusterError(f"generation on {target.node_id} failed: {exc}") from exc
+            raise ClusterError(f"generation on {target.node_id} failed: {exc}",
+                               getattr(exc, "code", None)) from exc
         finally:
             if not call.done:
                 call.cancel()
@@ -116,6 +138,7 @@ class ClusterClient:
             if msg.type == "token_chunk" and on_text is not None and msg.get("text"):
                 on_text(msg["text"])
             last = msg
-        if last is None or last.type != "done":
+        if last is None or last.type != Done.TYPE:
             raise ClusterError("the verifier ended the stream without a final result")
-        return Result(last.get("text", ""), last["finish_reason"], dict(last.get("stats") or {}))
+        done = Done.from_message(last)
+        return Result(done.text or "", done.finish_reason, dict(done.stats))

@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 
+from codec.errors import CodecError
 from nodes.cluster_args import add_cluster_arguments
 from nodes.engine.errors import GenerationError
 
@@ -52,40 +53,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="ask the verifier to decode plainly (a baseline)")
     cluster.add_argument("--proposer", action="append", default=None, dest="proposers",
                          metavar="ID|NAME", help="use only these proposers (repeatable)")
+    cluster.add_argument("--force-draft", action="store_true",
+                         help="ask exactly the --proposer nodes every block, never judging "
+                              "them slow (output is still verified: tests, demos)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         return _run_local(args) if args.local else _run_cluster(args)
-    except GenerationError as exc:
+    except (GenerationError, CodecError) as exc:
         print(f"specbus generate: {exc}", file=sys.stderr)
         return 2
 
 
+def _request(args: argparse.Namespace):
+    """The typed request (validated: a bad value raises BadRequest naming the field)."""
+    from codec.errors import BadRequest
+    from nodes.cluster_client import GenerateRequest
+
+    if not args.prompt.strip():
+        raise BadRequest("prompt", "empty prompt: must hold some text")
+    prompt, messages = args.prompt, None
+    if args.system and args.chat:  # the verifier renders them with its chat template
+        prompt, messages = None, [{"role": "system", "content": args.system},
+                                  {"role": "user", "content": args.prompt}]
+    req = GenerateRequest(
+        prompt=prompt, messages=messages, max_tokens=args.max_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        stop=tuple(args.stop),
+        chat=args.chat, speculate=not getattr(args, "no_speculate", False),
+        proposers=getattr(args, "proposers", None),
+        force_draft=getattr(args, "force_draft", False),
+    )
+    req.typed()
+    return req
+
+
 def _run_cluster(args: argparse.Namespace) -> int:
     """Stream a generation from a verifier of the cluster; `--json` ends with its figures."""
-    from nodes.cluster_client import ClusterClient, ClusterError, GenerateRequest
+    from nodes.cluster_client import ClusterClient, ClusterError
     from nodes.engine.errors import BadRequestError
     from nodes.node import parse_peer
 
-    if not args.prompt.strip():
-        raise BadRequestError("empty prompt")
-    if args.max_tokens <= 0:
-        raise BadRequestError(f"max tokens must be a positive integer, got {args.max_tokens}")
+    req = _request(args)
     try:
         peers = tuple(parse_peer(p) for p in args.peer)
     except ValueError as exc:
-        raise BadRequestError(str(exc)) from None
-    req = GenerateRequest(
-        prompt=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
-        chat=args.chat, speculate=not args.no_speculate, proposers=args.proposers,
-    )
+        raise BadRequestError(str(exc), "peer") from None
     show = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     try:
         with ClusterClient(args.cluster, args.interface, peers, mdns=not args.no_mdns) as client:
             result = client.generate(req, client.verifiers(args.wait)[0], on_text=show)
-    except (ClusterError, ValueError) as exc:
+    except ClusterError as exc:
+        print(f"specbus generate: {exc}", file=sys.stderr)
+        return 2 if exc.code in ("bad_request", "too_long") else 1
+    except ValueError as exc:
         print(f"specbus generate: {exc}", file=sys.stderr)
         return 1
     if args.json:
@@ -96,8 +118,6 @@ def _run_cluster(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from nodes.engine.core import GenerationParams
-    from nodes.engine.errors import BadRequestError
     from nodes.engine.local import (
         LocalConfig,
         encode_prompt,
@@ -105,17 +125,10 @@ def _run_local(args: argparse.Namespace) -> int:
         load_engine,
         result_dict,
     )
-    from nodes.engine.sampling import SamplingParams
+    from nodes.roles.requests import generation_params
 
-    # validate cheap things before loading a model
-    if not args.prompt.strip():
-        raise BadRequestError("empty prompt")
-    params = GenerationParams(
-        max_tokens=args.max_tokens,
-        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
-        stop=tuple(args.stop),
-    )
-    params.validate()
+    # validate cheap things before loading a model: the same typed path as the wire
+    params = generation_params(_request(args).typed())
     engine = load_engine(
         LocalConfig(
             args.model,

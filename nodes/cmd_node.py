@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-draft-wait", type=positive_float, default=0.5,
                         help="longest a verifier waits for one draft reply, and its first "
                              "wait before anything is measured (default 0.5 s)")
+    parser.add_argument("--max-context", type=int, default=0, metavar="N",
+                        help="longest context served: a verifier's prompt + max tokens, a "
+                             "proposer's draft session (default: the model's context; 8192 "
+                             "for ngram)")
     parser.add_argument("--session-lease", type=positive_float, default=30.0,
                         help="seconds a proposer keeps a verifier's idle draft session "
                              "(a verifier sets it on the sessions it opens; default 30)")
@@ -214,7 +218,8 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
     spec = RoleSpec(roles=config.roles, model=args.model or None,
                     backend=args.backend or "torch", drafter=args.drafter or default,
                     max_draft=args.max_draft, lease_s=args.session_lease,
-                    max_wait_s=args.max_draft_wait, threads=args.threads)
+                    max_wait_s=args.max_draft_wait, threads=args.threads,
+                    max_context=args.max_context)
     roles = assemble(spec)
     config.card_fields = {**config.card_fields, **roles.card}
     if "proposer" in config.roles:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 
@@ -55,6 +55,20 @@ class Tokenizer:
                 ids = ids["input_ids"]
             return [int(i) for i in ids]
         return [int(i) for i in self.hf.encode(text, add_special_tokens=True)]
+
+    def encode_messages(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of a chat (`[{role, content}, ...]`) rendered by the model's chat template,
+        ending with the assistant's turn opened (`add_generation_prompt`). Without a template
+        the contents are joined by blank lines, as a plain prompt."""
+        msgs = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+        if not self.has_chat_template:
+            return self.encode("\n\n".join(m["content"] for m in msgs), chat=False)
+        ids = self.hf.apply_chat_template(
+            msgs, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)

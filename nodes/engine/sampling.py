@@ -30,11 +30,14 @@ class SamplingParams:
 
     def validate(self) -> None:
         if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise BadRequestError(f"temperature must be >= 0, got {self.temperature}")
+            raise BadRequestError(f"temperature must be >= 0, got {self.temperature}",
+                                  "temperature")
         if not (0.0 < self.top_p <= 1.0):
-            raise BadRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise BadRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < 0:
-            raise BadRequestError(f"top_k must be >= 0, got {self.top_k}")
+            raise BadRequestError(f"top_k must be >= 0, got {self.top_k}", "top_k")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise BadRequestError(f"seed must be in 0..2^63-1, got {self.seed}", "seed")
 
 
 def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -29,7 +29,9 @@ class RoleSpec:
     lease_s: float = 30.0  # draft-session lease a verifier asks proposers for
     max_wait_s: float = 0.5  # a verifier's longest wait for one draft reply
     threads: int = 0  # torch intra-op threads (0: torch's default)
-    reply_delay_s: float = 0.0  # proposer test/bench knob: added round-trip time
+    #: longest context served: a verifier's prompt + max_tokens, a proposer's session
+    #: (0: the model's context; 8192 for a model-less ngram proposer)
+    max_context: int = 0
 
 
 @dataclass
@@ -51,6 +53,8 @@ class Roles:
                 role.close()
 
     def telemetry(self) -> dict[str, Any]:
+        """I/O thread: reads only counters and the verifier's published link snapshot (the
+        links themselves belong to its compute thread)."""
         out: dict[str, Any] = {}
         if self.verifier is not None:
             v = self.verifier
@@ -60,7 +64,7 @@ class Roles:
                 "acceptance": round(v.stats.last_acceptance, 4),
                 "deadline_misses": v.stats.deadline_misses,
                 "rejected_busy": v.stats.rejected_busy,
-                "proposers": {k: link.as_dict() for k, link in v.links.items()},
+                "proposers": dict(v.proposer_snapshot),
             }
         if self.proposer is not None:
             out["proposer"] = {"sessions_open": self.proposer.open_sessions,
@@ -73,6 +77,8 @@ def assemble(spec: RoleSpec) -> Roles:
     roles = Roles()
     if spec.threads < 0:
         raise BadRequestError(f"--threads must be >= 0, got {spec.threads}")
+    if spec.max_context < 0:
+        raise BadRequestError(f"--max-context must be >= 0, got {spec.max_context}")
     loads_torch = spec.backend == "torch" and (
         "verifier" in spec.roles or spec.drafter == "int8" or spec.drafter.startswith("model:"))
     if spec.threads and loads_torch:
@@ -106,7 +112,8 @@ def assemble(spec: RoleSpec) -> Roles:
         from nodes.roles.remote_draft import DeadlinePolicy
 
         policy = DeadlinePolicy(first_s=spec.max_wait_s, max_s=spec.max_wait_s)
-        roles.verifier = VerifierRole(engine, lease_s=spec.lease_s, policy=policy)
+        roles.verifier = VerifierRole(engine, lease_s=spec.lease_s, policy=policy,
+                                      max_context=spec.max_context)
 
     if "proposer" in spec.roles:
         from nodes.roles.proposer import ProposerRole
@@ -116,8 +123,11 @@ def assemble(spec: RoleSpec) -> Roles:
             raise BadRequestError("a proposer needs a drafter: ngram, int8 or model:<ref>")
         own = getattr(drafter, "backend", None) or backend  # a model drafter's own model
         vocab = own.vocab_size if own is not None else 0
+        from nodes.roles.requests import model_context
+
+        context = spec.max_context or (model_context(own) if own is not None else 0)
         roles.proposer = ProposerRole(drafter, vocab_size=vocab,
-                                      reply_delay_s=spec.reply_delay_s)
+                                      max_context=context)
         if drafter.fingerprint is None:
             roles.card.setdefault("tokenizer", ANY_TOKENIZER)
         else:

@@ -4,7 +4,9 @@ Protocol (docs/protocol.md, "Draft sessions"): `session_open` (prompt tokens, sa
 lease) -> `draft_req` (delta of committed tokens + k) -> `draft_reply` (0..k tokens, probs when
 sampling) ... -> `session_close` or lease expiry.
 
-The I/O thread only enqueues; one drafting worker thread owns every session (drafters and their
+The I/O thread parses each message into its typed struct and checks it against this node (token
+ids in the vocabulary, context within `max_context`), answering bad input at once; then it
+only enqueues. One drafting worker thread owns every session (drafters and their
 KV caches are not thread-safe) and answers with `Request.reply`. Deltas are idempotent: a
 `draft_req` says where its delta ends (`committed`), so a delta that arrives after its request
 timed out on the verifier, or twice, is applied exactly once.
@@ -21,16 +23,29 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bus.streams import Request
-from codec.messages import make
+from codec.errors import CodecError
+from codec.structs import (
+    Done,
+    DraftReply,
+    DraftReq,
+    SessionClose,
+    SessionExtend,
+    SessionOpen,
+)
 from nodes.drafters.base import Drafter, DraftSession
-from nodes.engine.errors import BadRequestError, GenerationError
-from nodes.engine.sampling import SamplingParams
+from nodes.engine.errors import (
+    BUSY,
+    GenerationError,
+    OutOfSyncError,
+    UnknownSessionError,
+    error_code,
+)
+from nodes.roles import requests
 
 log = logging.getLogger(__name__)
 
-MAX_LEASE_S = 300.0
-MAX_K = 64
 MAX_SESSIONS = 256
+_STRUCTS = {c.TYPE: c for c in (SessionOpen, SessionExtend, DraftReq, SessionClose)}
 
 
 @dataclass
@@ -73,9 +88,10 @@ class ProposerRole:
     TYPES = ("session_open", "session_extend", "draft_req", "session_close")
 
     def __init__(self, drafter: Drafter, vocab_size: int, sweep_every: float = 0.25,
-                 reply_delay_s: float = 0.0) -> None:
+                 max_context: int = 0) -> None:
         self.drafter = drafter
-        self.reply_delay_s = reply_delay_s  # test/bench knob: emulate a slower network
+        #: longest context one session may hold (prompt + committed deltas)
+        self.max_context = max_context or requests.DEFAULT_MAX_CONTEXT
         self.vocab_size = vocab_size
         self.stats = ProposerStats()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -102,8 +118,26 @@ class ProposerRole:
         return len(self._sessions)
 
     def enqueue(self, req: Request) -> None:
-        """I/O thread: stamp the arrival time and hand over; never blocks."""
-        self._queue.put((time.monotonic(), req))
+        """I/O thread: parse and check (cheap, O(1) in the token count but for one min/max),
+        answer bad input at once, else stamp the arrival time and hand over; never blocks."""
+        arrived = time.monotonic()
+        try:
+            parsed = self._admit(req)
+        except requests.INPUT_ERRORS as exc:
+            self.stats.errors += 1
+            req.fail(*requests.wire_error(exc))
+            return
+        self._queue.put((arrived, req, parsed))
+
+    def _admit(self, req: Request):
+        parsed = _STRUCTS[req.message.type].from_message(req.message)
+        if isinstance(parsed, SessionOpen):
+            requests.check_context("tokens", len(parsed.tokens), self.max_context)
+        elif isinstance(parsed, SessionExtend | DraftReq):
+            requests.check_context("committed", parsed.committed, self.max_context)
+        if isinstance(parsed, SessionOpen | SessionExtend | DraftReq):
+            requests.check_ids("tokens", parsed.tokens, self.vocab_size)
+        return parsed
 
     # -- worker thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -119,14 +153,13 @@ class ProposerRole:
                 next_sweep = now + self._sweep_every
             if not item:
                 continue
-            arrived, req = item
+            arrived, req, parsed = item
             try:
-                self._handle(arrived, req)
-            except (GenerationError, ValueError) as exc:
+                self._handle(arrived, req, parsed)
+            except (GenerationError, CodecError) as exc:
                 self.stats.errors += 1
-                code = getattr(exc, "code", None) or error_code(exc)
                 if not req.finished:
-                    req.fail(code, str(exc)[:300])
+                    req.fail(error_code(exc), str(exc)[:300])
             except Exception as exc:  # noqa: BLE001 - a drafter bug fails one request only
                 self.stats.errors += 1
                 log.exception("drafting failed")
@@ -135,34 +168,26 @@ class ProposerRole:
         for s in list(self._sessions.values()):
             self._close(s)
 
-    def _handle(self, arrived: float, req: Request) -> None:
-        msg = req.message
-        sid = msg.session
-        if not sid:
-            raise BadRequestError(f"{msg.type} needs a session id (header 'sid')")
-        if msg.type == "session_open":
-            self._open(req)
+    def _handle(self, arrived: float, req: Request, parsed) -> None:
+        if isinstance(parsed, SessionOpen):
+            self._open(req, parsed)
             return
-        session = self._sessions.get(sid)
+        session = self._sessions.get(parsed.session)
         if session is None:
-            req.fail("unknown_session", f"no open session {sid!r} (expired or never opened)")
-            return
+            raise UnknownSessionError(
+                f"no open session {parsed.session!r} (expired or never opened)")
         session.expires = time.monotonic() + session.lease_s
-        if msg.type == "session_close":
+        if isinstance(parsed, SessionClose):
             self._close(session)
-            req.reply(make("done", finish_reason="closed"))
+            req.reply(Done("closed").to_message())
             return
-        delta = msg.tensors[0] if msg.tensors else np.zeros(0, np.int32)
-        self._extend(session, delta, int(msg["committed"]))
-        if msg.type == "session_extend":
-            req.reply(make("done", finish_reason="extended"))
+        self._extend(session, parsed.tokens, parsed.committed)
+        if isinstance(parsed, SessionExtend):
+            req.reply(Done("extended").to_message())
             return
-        # draft_req
-        k = int(msg["k"])
-        if not 0 <= k <= MAX_K:
-            raise BadRequestError(f"k must be in 0..{MAX_K}, got {k}")
-        budget = msg.get("budget_s")
-        late = budget is not None and time.monotonic() - arrived > float(budget)
+        k = parsed.k
+        budget = parsed.budget_s
+        late = budget is not None and time.monotonic() - arrived > budget
         if late or req.cancelled.is_set():
             # the verifier has given up on this block already: don't waste a draft on it
             self.stats.stale_skipped += 1
@@ -176,66 +201,44 @@ class ProposerRole:
             self.stats.drafts_served += 1
             self.stats.draft_tokens += len(ids)
             self.stats.draft_s += elapsed
-        tensors = [ids]
+        send_probs = None
         if session.want_probs and probs is not None and len(ids):
-            tensors.append(np.ascontiguousarray(np.asarray(probs, dtype=np.float32)[: len(ids)]))
-        reply = make("draft_reply", committed=session.committed, elapsed_s=elapsed,
-                     tensors=tensors)
-        if self.reply_delay_s > 0 and self._loop is not None:
-            self._loop.call_later(self.reply_delay_s, lambda: req.reply(reply))
-        else:
-            req.reply(reply)
+            send_probs = np.asarray(probs, dtype=np.float32)[: len(ids)]
+        reply = DraftReply(session.sid, session.committed, ids, send_probs,
+                           elapsed).to_message()
+        req.reply(reply)
 
-    def _open(self, req: Request) -> None:
-        msg = req.message
-        if msg.session in self._sessions:
-            self._close(self._sessions[msg.session])
+    def _open(self, req: Request, parsed: SessionOpen) -> None:
+        sid = parsed.session
+        if sid in self._sessions:
+            self._close(self._sessions[sid])
         if len(self._sessions) >= MAX_SESSIONS:
-            req.fail("busy", f"proposer has {MAX_SESSIONS} open sessions")
+            req.fail(BUSY, f"proposer has {MAX_SESSIONS} open sessions")
             return
-        fp = msg.get("tokenizer")
-        if fp:
-            self.drafter.check_compatible(fp)
-        lease = float(msg["lease_s"])
-        if not 0 < lease <= MAX_LEASE_S:
-            raise BadRequestError(f"lease_s must be in (0, {MAX_LEASE_S}], got {lease}")
-        sp = msg.get("sampling") or {}
-        try:
-            params = SamplingParams(
-                temperature=float(sp.get("temperature", 0.0)),
-                top_p=float(sp.get("top_p", 1.0)),
-                top_k=int(sp.get("top_k", 0)),
-                seed=None if sp.get("seed") is None else int(sp["seed"]),
-            )
-        except (TypeError, ValueError) as exc:
-            raise BadRequestError(f"bad sampling parameters {sp!r}: {exc}") from exc
-        params.validate()
-        prompt = msg.tensors[0]
-        if len(prompt) == 0:
-            raise BadRequestError("session_open needs at least one prompt token")
-        if int(prompt.min()) < 0 or int(prompt.max()) >= self.vocab_size > 0:
-            raise BadRequestError("prompt token ids outside the vocabulary")
-        draft = self.drafter.open(prompt.tolist(), params)
+        if parsed.tokenizer:
+            self.drafter.check_compatible(parsed.tokenizer)
+        params = requests.sampling_params(parsed.sampling)
+        draft = self.drafter.open(parsed.tokens.tolist(), params)
         draft.warm()  # prefill now, in parallel with the verifier's own prefill
-        self._sessions[msg.session] = _Session(
-            sid=msg.session, owner=msg.sender, draft=draft, committed=len(prompt),
-            lease_s=lease, expires=time.monotonic() + lease, want_probs=not params.greedy,
+        self._sessions[sid] = _Session(
+            sid=sid, owner=req.message.sender, draft=draft, committed=len(parsed.tokens),
+            lease_s=parsed.lease_s, expires=time.monotonic() + parsed.lease_s,
+            want_probs=not params.greedy,
         )
         self.stats.sessions_opened += 1
-        self.stats.by_verifier[msg.sender] = self.stats.by_verifier.get(msg.sender, 0) + 1
-        req.reply(make("done", finish_reason="opened"))
+        owner = req.message.sender
+        self.stats.by_verifier[owner] = self.stats.by_verifier.get(owner, 0) + 1
+        req.reply(Done("opened").to_message())
 
     def _extend(self, session: _Session, delta: np.ndarray, committed: int) -> None:
         base = committed - len(delta)
         if base > session.committed or committed < session.committed:
-            raise _OutOfSync(
+            raise OutOfSyncError(
                 f"session {session.sid} has {session.committed} committed tokens; "
                 f"delta covers {base}..{committed}"
             )
         new = delta[session.committed - base :]
         if len(new):
-            if int(new.min()) < 0 or (self.vocab_size and int(new.max()) >= self.vocab_size):
-                raise BadRequestError("delta token ids outside the vocabulary")
             session.draft.extend(new.tolist())
             session.committed = committed
 
@@ -252,14 +255,3 @@ class ProposerRole:
         except Exception:  # noqa: BLE001 - closing must not take the worker down
             log.exception("closing session %s", session.sid)
 
-
-def error_code(exc: Exception) -> str:
-    """`TokenizerMismatchError` -> `tokenizer_mismatch`: a stable wire code from the type."""
-    name = type(exc).__name__.removesuffix("Error")
-    return "".join(("_" + c.lower()) if c.isupper() else c for c in name).lstrip("_")
-
-
-class _OutOfSync(BadRequestError):
-    """The verifier's delta does not continue what this session has (tokens were lost)."""
-
-    code = "out_of_sync"

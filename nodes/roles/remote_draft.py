@@ -20,15 +20,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from bus.streams import BusError, Call, StreamClient
-from codec.messages import Message, make
+from codec.errors import CodecError
+from codec.messages import Message
+from codec.structs import DraftReply, DraftReq, ErrorReply, SessionClose, SessionOpen
 from nodes.drafters.base import DraftSession
+from nodes.engine.errors import OutOfSyncError, TokenizerMismatchError, UnknownSessionError
 from nodes.engine.sampling import SamplingParams
+from nodes.roles.requests import wire_sampling
 
 log = logging.getLogger(__name__)
 
 _EMA = 0.3
 _DECAY = 0.8  # per verified draft block
 EMPTY = np.zeros(0, dtype=np.int32)
+#: error codes after which a proposer cannot help this session any more
+_FATAL_CODES = frozenset(
+    {UnknownSessionError.code, OutOfSyncError.code, TokenizerMismatchError.code})
 
 
 @dataclass
@@ -45,6 +52,10 @@ class DeadlinePolicy:
     explore_factor: float = 50.0  # ...and at least this many times what a try costs (<= 2 %)
     prior_step_s: float = 0.06  # plain verifier step before one is measured
     prior_slope: float = 0.08  # relative verify cost per extra fed token before measuring
+    #: draft='force': how long to wait for each proposer (at least max_s); a proposer that
+    #: leaves the alive state meanwhile is given up at once (checked every liveness_poll_s)
+    forced_s: float = 30.0
+    liveness_poll_s: float = 0.05
 
 
 @dataclass
@@ -143,6 +154,7 @@ class RemoteDraftSession(DraftSession):
         lease_s: float = 30.0,
         policy: DeadlinePolicy | None = None,
         is_alive: Callable[[str], bool] = lambda node_id: True,
+        forced: bool = False,
     ) -> None:
         self.client = client
         self.sid = session_id
@@ -150,6 +162,9 @@ class RemoteDraftSession(DraftSession):
         self.vocab_size = vocab_size
         self.policy = policy or DeadlinePolicy()
         self.is_alive = is_alive
+        #: pinned speculation (tests): ask every proposer every block, wait the full deadline
+        #: (`policy.max_s`), never skip one as slow or unpromising; failures still drop it
+        self.forced = forced
         self.tokens = [int(t) for t in prompt_ids]
         now = time.monotonic()
         # a known proposer is not re-probed at once: exploration runs on its time budget
@@ -161,8 +176,8 @@ class RemoteDraftSession(DraftSession):
         self.deadline_misses = 0
         self.waited_s = 0.0
         prompt = np.asarray(self.tokens, dtype=np.int32)
-        opening = make("session_open", session=session_id, tensors=[prompt], lease_s=lease_s,
-                       tokenizer=fingerprint, sampling=_sampling_map(sampling))
+        opening = SessionOpen(session_id, prompt, lease_s, wire_sampling(sampling),
+                              tokenizer=fingerprint).to_message()
         for peer in self.peers:
             # not awaited: the first draft_req follows on the same connection, so the proposer
             # sees the open first; a failed open surfaces as an error reply to that draft_req
@@ -204,11 +219,12 @@ class RemoteDraftSession(DraftSession):
         deadlines: dict[int, float] = {}
         calls: dict[int, Call] = {}
         for p in ask:
-            wait = p.link.deadline(k, self.policy)
+            wait = (max(self.policy.forced_s, self.policy.max_s) if self.forced
+                    else p.link.deadline(k, self.policy))
             deadlines[id(p)] = t0 + wait
             delta = np.asarray(self.tokens[p.acked :], dtype=np.int32)
-            req = make("draft_req", session=self.sid, k=k, committed=committed,
-                       want_probs=not self.sampling.greedy, budget_s=wait, tensors=[delta])
+            req = DraftReq(self.sid, k, committed, delta, want_probs=not self.sampling.greedy,
+                           budget_s=wait).to_message()
             call = self._send(p, req, wait,
                               lambda call, item, p=p: inbox.put((p, item, time.monotonic())))
             if call is not None:
@@ -221,9 +237,14 @@ class RemoteDraftSession(DraftSession):
             if not worth:
                 break
             remaining = max(deadlines[id(p)] for p in worth) - time.monotonic()
+            if self.forced:  # a long wait: notice a proposer dying meanwhile
+                remaining = min(remaining, self.policy.liveness_poll_s)
             try:
                 p, item, at = inbox.get(timeout=max(remaining, 0.0))
             except queue.Empty:
+                if self.forced and time.monotonic() < max(deadlines[id(p)] for p in worth):
+                    self._abandon_dead(pending, calls)
+                    continue
                 break
             if pending.pop(id(p), None) is None:
                 continue
@@ -246,6 +267,15 @@ class RemoteDraftSession(DraftSession):
         self._last = (p, ids)
         return ids, probs
 
+    def _abandon_dead(self, pending: dict[int, _Peer], calls: dict[int, Call]) -> None:
+        """Forced drafting: stop waiting for proposers that are no longer alive."""
+        for key, p in list(pending.items()):
+            if not self.is_alive(p.link.node_id):
+                del pending[key]
+                calls[key].cancel()
+                p.link.errors += 1
+                self._drop(p, "left the alive state while asked")
+
     def _worth_asking(self, k: int) -> list[_Peer]:
         """Proposers expected to beat plain decoding at k, plus any due for exploration.
 
@@ -254,6 +284,8 @@ class RemoteDraftSession(DraftSession):
         it costs, so probing a far-away proposer never costs more than a few percent.
         """
         live = [p for p in self.peers if not p.dropped]
+        if self.forced:
+            return live
         step = self.costs.cost(1)
         now = time.monotonic()
         out = []
@@ -280,6 +312,8 @@ class RemoteDraftSession(DraftSession):
     def _worth_waiting(self, p: _Peer, k: int, best: float, t0: float) -> bool:
         """Wait for p if its expected extra accepted tokens beat what the wait costs."""
         link = p.link
+        if self.forced:
+            return True
         if link.net_s is None:
             return best <= 0.0  # unmeasured: wait (up to its deadline) unless we have a draft
         eta = t0 + link.net_s + link.per_token_s * k
@@ -294,7 +328,7 @@ class RemoteDraftSession(DraftSession):
     def close(self) -> None:
         for p in self.peers:
             if not p.dropped:
-                self._send(p, make("session_close", session=self.sid), 1.0,
+                self._send(p, SessionClose(self.sid).to_message(), 1.0,
                            lambda call, item: None)
 
     # -- helpers ------------------------------------------------------------------------------
@@ -315,25 +349,29 @@ class RemoteDraftSession(DraftSession):
             self._fail(p, str(item))
             return None
         msg: Message = item
-        if msg.type == "error":
+        if msg.type == ErrorReply.TYPE:
             p.link.errors += 1
-            if msg.get("code") in ("unknown_session", "out_of_sync", "tokenizer_mismatch"):
-                self._drop(p, f"{msg.get('code')}: {msg.get('message')}")
+            code = msg.get("code")
+            if code in _FATAL_CODES:
+                self._drop(p, f"{code}: {msg.get('message')}")
             else:
-                self._fail(p, f"error {msg.get('code')}")
+                self._fail(p, f"error {code}")
             return None
-        ids = msg.tensors[0] if msg.type == "draft_reply" and msg.tensors else None
+        try:
+            reply = DraftReply.from_message(msg) if msg.type == DraftReply.TYPE else None
+        except CodecError:
+            reply = None
         ok = (
-            ids is not None
-            and msg.session == self.sid
-            and msg.get("committed") == committed
-            and ids.ndim == 1
-            and len(ids) <= k
-            and (len(ids) == 0 or (int(ids.min()) >= 0 and int(ids.max()) < self.vocab_size))
+            reply is not None
+            and reply.session == self.sid
+            and reply.committed == committed
+            and len(reply.tokens) <= k
+            and (len(reply.tokens) == 0 or int(reply.tokens.max()) < self.vocab_size)
         )
+        ids = reply.tokens if ok else None
         probs = None
         if ok and not self.sampling.greedy and len(ids):
-            probs = msg.tensors[1] if len(msg.tensors) > 1 else None
+            probs = reply.probs
             ok = probs is not None and probs.shape == (len(ids), self.vocab_size)
             if ok:
                 probs = np.asarray(probs, dtype=np.float32)
@@ -350,7 +388,7 @@ class RemoteDraftSession(DraftSession):
         if p.replied:
             # not the first reply of a session: that one also waited for the session's
             # warm-up (a model drafter's prefill) and says little about later round trips
-            p.link.observe(rtt, float(msg.get("elapsed_s") or 0.0), k)
+            p.link.observe(rtt, reply.elapsed_s, k)
         p.replied = True
         return np.asarray(ids, dtype=np.int64), probs
 
@@ -396,9 +434,3 @@ def _expected_accepted(link: ProposerLink, n: int) -> float:
     a = min(link.acceptance, 0.999)
     return sum(a ** i for i in range(1, n + 1))
 
-
-def _sampling_map(sp: SamplingParams) -> dict:
-    out = {"temperature": float(sp.temperature), "top_p": float(sp.top_p), "top_k": int(sp.top_k)}
-    if sp.seed is not None:
-        out["seed"] = int(sp.seed)
-    return out

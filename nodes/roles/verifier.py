@@ -5,6 +5,11 @@ engine block by block, streaming each committed block back as a `token_chunk` an
 `done` (text, token ids, figures, per-proposer stats). Drafts come from the cluster's compatible
 proposers (alive, same tokenizer fingerprint or tokenizer-agnostic) through
 `RemoteDraftSession`; with none, from the node's own drafter if it has one, else plain decoding.
+
+Each request is parsed into `codec.structs.GenerateReq` and checked against this node
+(`nodes/roles/requests.py`) on the I/O thread, so bad or over-long input is refused before it
+is queued. The proposer links belong to the compute thread; telemetry reads the immutable
+`proposer_snapshot` it publishes after each block and generation.
 """
 
 from __future__ import annotations
@@ -14,23 +19,25 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
 from bus.streams import Request
-from codec.messages import make
+from codec.errors import CodecError
+from codec.structs import Done, GenerateReq, TokenChunk
 from nodes.drafters.base import DraftSession
-from nodes.engine.core import Engine, GenerationParams, Stats
-from nodes.engine.errors import GenerationError
-from nodes.engine.sampling import SamplingParams
-from nodes.roles.proposer import error_code
+from nodes.engine.core import Engine, Stats
+from nodes.engine.errors import BUSY, GenerationError, NoProposerError, error_code
+from nodes.roles import requests
 from nodes.roles.remote_draft import DeadlinePolicy, ProposerLink, RemoteDraftSession
 
 log = logging.getLogger(__name__)
 
 ANY_TOKENIZER = "any"  # card value of tokenizer-agnostic drafters (ngram)
-MAX_TOKENS_LIMIT = 4096
+MAX_TOKENS_LIMIT = requests.MAX_TOKENS_LIMIT
 
 
 @dataclass
@@ -48,12 +55,18 @@ class VerifierRole:
     """Owns the engine (model + caches) on one compute thread; one generation at a time."""
 
     def __init__(self, engine: Engine, max_queue: int = 16,
-                 policy: DeadlinePolicy | None = None, lease_s: float = 30.0) -> None:
+                 policy: DeadlinePolicy | None = None, lease_s: float = 30.0,
+                 max_context: int = 0) -> None:
         self.engine = engine
         self.policy = policy or DeadlinePolicy()
         self.lease_s = lease_s
+        #: longest prompt + max_tokens served (0: the model's own context)
+        self.max_context = max_context or requests.model_context(engine.backend)
         self.stats = VerifierStats()
         self.links: dict[str, ProposerLink] = {}  # compute thread only
+        #: what telemetry (I/O thread) may read: an immutable view the compute thread replaces
+        self.proposer_snapshot: Mapping[str, dict] = MappingProxyType({})
+        self._forced_engine: Engine | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._sids = itertools.count(1)
         self._node = None
@@ -77,59 +90,62 @@ class VerifierRole:
         return self._queue.qsize()
 
     def enqueue(self, req: Request) -> None:
-        """I/O thread: queue the request, or refuse it at once when the queue is full."""
+        """I/O thread: parse and check the request, then queue it, or refuse it at once
+        (bad input, too long, queue full) before any model work."""
         try:
-            self._queue.put_nowait(req)
+            parsed = requests.admit_generate(req.message, self.engine.backend.vocab_size,
+                                             self.max_context)
+        except requests.INPUT_ERRORS as exc:
+            req.fail(*requests.wire_error(exc))
+            return
+        try:
+            self._queue.put_nowait((req, parsed))
         except queue.Full:
             self.stats.rejected_busy += 1
-            req.fail("busy", f"verifier queue is full ({self._queue.maxsize} waiting)")
+            req.fail(BUSY, f"verifier queue is full ({self._queue.maxsize} waiting)")
 
     # -- compute thread -----------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            req = self._queue.get()
-            if req is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            req, parsed = item
             if req.cancelled.is_set():
                 continue
             self.active = 1
             try:
-                self._generate(req)
-            except GenerationError as exc:
-                req.fail(error_code(exc), str(exc)[:300])
+                self._generate(req, parsed)
+            except (GenerationError, CodecError) as exc:
+                if not req.finished:
+                    req.fail(error_code(exc), str(exc)[:300])
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the node
                 log.exception("generation failed")
                 if not req.finished:
                     req.fail("internal", f"{type(exc).__name__}: {exc}"[:300])
             finally:
                 self.active = 0
+                self._publish()
 
-    def _generate(self, req: Request) -> None:
-        msg = req.message
+    def _prompt_ids(self, parsed: GenerateReq) -> list[int]:
+        """Render the prompt to token ids and check it fits, before any model work."""
         tok = self.engine.backend.tokenizer
-        params = GenerationParams(
-            max_tokens=int(msg.get("max_tokens") or 128),
-            sampling=SamplingParams(
-                temperature=float(msg.get("temperature") or 0.0),
-                top_p=float(msg.get("top_p") or 1.0),
-                top_k=int(msg.get("top_k") or 0),
-                seed=msg.get("seed"),
-            ),
-            stop=tuple(msg.get("stop") or ()),
-        )
-        params.validate()
-        if params.max_tokens > MAX_TOKENS_LIMIT:
-            raise GenerationError(
-                f"max_tokens {params.max_tokens} over the limit {MAX_TOKENS_LIMIT}")
-        if msg.tensors:
-            prompt_ids = [int(t) for t in msg.tensors[0]]
+        if parsed.tokens is not None:
+            return parsed.tokens.tolist()
+        if parsed.messages is not None:
+            ids, field = tok.encode_messages([m.as_dict() for m in parsed.messages]), "messages"
         else:
-            prompt = msg.get("prompt") or ""
-            if not prompt.strip():
-                raise GenerationError("empty prompt")
-            prompt_ids = tok.encode(prompt, chat=bool(msg.get("chat", True)))
+            ids, field = tok.encode(parsed.prompt, chat=parsed.chat), "prompt"
+        requests.check_prompt_ids(field, ids, parsed, self.engine.backend.vocab_size,
+                                  self.max_context)
+        return ids
 
-        session = self._draft_session(msg, prompt_ids, params.sampling)
+    def _generate(self, req: Request, parsed: GenerateReq) -> None:
+        tok = self.engine.backend.tokenizer
+        params = requests.generation_params(parsed)
+        prompt_ids = self._prompt_ids(parsed)
+        session = self._draft_session(parsed, prompt_ids, params.sampling)
+        engine = self._engine_for(parsed)
         stats = Stats()
         t0 = time.perf_counter()
         generated: list[int] = []
@@ -138,7 +154,7 @@ class VerifierRole:
         final_text = None
         try:
             for index, block in enumerate(
-                self.engine.stream(prompt_ids, params, stats=stats, draft_session=session)
+                engine.stream(prompt_ids, params, stats=stats, draft_session=session)
             ):
                 if req.cancelled.is_set():
                     break
@@ -149,8 +165,10 @@ class VerifierRole:
                     piece = ""  # half of a multi-byte character: wait for the rest
                 else:
                     sent_text = text
-                req.reply(make("token_chunk", index=index, text=piece,
-                               tensors=[np.asarray(block.token_ids, dtype=np.int32)]), more=True)
+                req.reply(TokenChunk(index, np.asarray(block.token_ids, dtype=np.int32),
+                                     piece).to_message(), more=True)
+                if isinstance(session, RemoteDraftSession):
+                    self._publish()
                 if block.finish_reason is not None:
                     finish, final_text = block.finish_reason, text
         finally:
@@ -161,7 +179,7 @@ class VerifierRole:
             return
         self._account(generated, elapsed, stats, session)
         text = final_text if final_text is not None else tok.decode(generated)
-        req.reply(make("done", finish_reason=finish, text=text, stats={
+        req.reply(Done(finish, text, {
             "token_ids": generated,
             "tokens": tok.token_strings(generated),
             "prompt_tokens": len(prompt_ids),
@@ -180,13 +198,37 @@ class VerifierRole:
             "backend": self.engine.backend.name,
             "verifier": self._node.node_id if self._node else "",
             "proposers": self._proposer_stats(session),
-        }))
+        }).to_message())
 
-    def _draft_session(self, msg, prompt_ids, sampling):
+    def _engine_for(self, parsed: GenerateReq) -> Engine:
+        """Forced drafting asks every block for a full-length draft: an engine with a fixed k
+        (same backend and caches discipline; it only bypasses the adaptive draft length)."""
+        if not parsed.force_draft:
+            return self.engine
+        if self._forced_engine is None:
+            e = self.engine
+            self._forced_engine = type(e)(e.backend, None, max_draft=e.max_draft,
+                                          fixed_k=e.max_draft)
+        return self._forced_engine
+
+    def _publish(self) -> None:
+        """Compute thread: hand telemetry an immutable copy of the proposer links."""
+        self.proposer_snapshot = MappingProxyType(
+            {k: link.as_dict() for k, link in self.links.items()})
+
+    def _draft_session(self, parsed: GenerateReq, prompt_ids, sampling):
         """Remote proposers when the cluster has compatible ones; else the local drafter."""
-        if msg.get("speculate") is False:
+        if not parsed.speculate:
             return _NO_DRAFTS
-        links = self._compatible_links(msg.get("proposers"))
+        only = list(parsed.proposers) if parsed.proposers is not None else None
+        links = self._compatible_links(only)
+        self._publish()
+        if parsed.force_draft:
+            found = {n for link in links for n in (link.node_id, link.name)}
+            missing = [p for p in only if p not in found]
+            if missing:
+                raise NoProposerError(f"proposers: {missing} not alive or not compatible "
+                                      "with this verifier (draft='force')")
         if links:
             node = self._node
             return RemoteDraftSession(
@@ -195,7 +237,7 @@ class VerifierRole:
                 vocab_size=self.engine.backend.vocab_size,
                 fingerprint=self.engine.backend.fingerprint,
                 lease_s=self.lease_s, policy=self.policy,
-                is_alive=self._is_alive,
+                is_alive=self._is_alive, forced=parsed.force_draft,
             )
         return None  # the engine opens a session on its own drafter, if any
 

@@ -1,9 +1,11 @@
-"""docs/protocol.md stays true: it names every message type and every error code."""
+"""docs/protocol.md stays true: it names every message type, codec error code and node code."""
 
 from pathlib import Path
 
 from codec.errors import ERROR_CODES
 from codec.schema import SCHEMAS
+from codec.structs import STRUCTS
+from nodes.engine.errors import NODE_ERROR_CODES
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
 
@@ -16,3 +18,14 @@ def test_every_message_type_is_documented():
 def test_every_error_code_is_documented():
     missing = [c for c in ERROR_CODES if f"| `{c}` |" not in DOC]
     assert not missing, f"docs/protocol.md lacks error codes {missing}"
+
+
+def test_every_node_error_code_is_documented():
+    missing = [c for c in NODE_ERROR_CODES if f"| `{c}` |" not in DOC]
+    assert not missing, f"docs/protocol.md lacks node error codes {missing}"
+
+
+def test_every_typed_struct_is_a_documented_message_type():
+    assert set(STRUCTS) <= set(SCHEMAS)
+    missing = [cls.__name__ for cls in STRUCTS.values() if f"`{cls.__name__}`" not in DOC]
+    assert not missing, f"docs/protocol.md does not mention structs {missing}"

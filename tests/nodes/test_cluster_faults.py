@@ -57,13 +57,16 @@ def start_proposer(cluster, client, name):
     return p
 
 
-def timed_generation(client, proposers, during=None, at=1.0):
-    """Generate, calling `during()` `at` seconds in; return (result, chunk arrival gaps)."""
+def timed_generation(client, proposers, during=None, at=1.0, force=False):
+    """Generate, calling `during()` `at` seconds in; return (result, chunk arrival gaps).
+
+    `force` pins speculation (the proposers are asked every block, with the full deadline)."""
     arrivals, out = [], {}
 
     def run():
         last = None
-        for msg in client.stream(GenerateRequest(PROMPT, max_tokens=MAX, proposers=proposers)):
+        req = GenerateRequest(PROMPT, max_tokens=MAX, proposers=proposers, force_draft=force)
+        for msg in client.stream(req):
             arrivals.append(time.monotonic())
             last = msg
         out["done"] = last
@@ -82,7 +85,8 @@ def timed_generation(client, proposers, during=None, at=1.0):
 def test_proposer_dies_or_hangs_mid_generation(cluster, client, plain, sig):
     p = start_proposer(cluster, client, f"victim-{sig.name.lower()}")
     try:
-        done, gaps = timed_generation(client, [p.node_id], during=lambda: p.signal(sig))
+        done, gaps = timed_generation(client, [p.node_id], during=lambda: p.signal(sig),
+                                      force=True)
     finally:
         p.signal(signal.SIGCONT)
         p.signal(signal.SIGKILL)

@@ -123,3 +123,50 @@ def test_stale_requests_are_skipped_not_drafted(host, proposer):
                            tensors=[np.zeros(0, np.int32)]))
     assert reply.tensors[0].tolist() == []
     assert proposer.stats.stale_skipped == 1
+
+
+@pytest.mark.parametrize("sampling, field", [
+    ({"top_p": 0.0}, "sampling.top_p"),
+    ({"temperature": -1.0}, "sampling.temperature"),
+    ({"temperature": float("nan")}, "sampling.temperature"),
+    ({"top_k": -3}, "sampling.top_k"),
+    ({"seed": -1}, "sampling.seed"),
+])
+def test_bad_sampling_is_a_bad_request_naming_the_field(host, proposer, sampling, field):
+    with pytest.raises(RemoteError) as info:
+        ask(host, make("session_open", session="x", lease_s=5.0, sampling=sampling,
+                       tensors=[PROMPT]))
+    assert info.value.code == "bad_request" and field in info.value.message
+    assert proposer.open_sessions == 0
+    assert open_session(host, sid="ok")["finish_reason"] == "opened"
+
+
+class CountingNgram(NgramDrafter):
+    opened = 0
+
+    def open(self, prompt, params):
+        CountingNgram.opened += 1
+        return super().open(prompt, params)
+
+
+def test_a_million_token_session_is_refused_before_any_work(host):
+    role = ProposerRole(CountingNgram(), vocab_size=100, max_context=4096)
+    role.attach(host)
+    try:
+        huge = np.ones(1_000_000, dtype=np.int32)
+        with pytest.raises(RemoteError) as info:
+            ask(host, make("session_open", session="big", lease_s=5.0, tensors=[huge]))
+        assert info.value.code == "too_long" and "1000000" in info.value.message
+        assert CountingNgram.opened == 0 and role.open_sessions == 0
+        # a session cannot grow past the cap either
+        assert open_session(host, sid="s")["finish_reason"] == "opened"
+        with pytest.raises(RemoteError) as info:
+            draft(host, "s", 2, committed=5000, delta=np.ones(5000 - len(PROMPT), np.int32))
+        assert info.value.code == "too_long" and "committed" in info.value.message
+        assert draft(host, "s", 2, committed=len(PROMPT)).type == "draft_reply"
+    finally:
+        role.close()
+
+
+def test_default_context_cap_is_sane():
+    assert ProposerRole(NgramDrafter(), vocab_size=0).max_context == 8192

@@ -98,3 +98,46 @@ def test_deadline_adapts_to_measured_round_trips():
     assert link.deadline(4, policy) == pytest.approx(2 * (0.001 + 0.00025 * 4) + 0.003)
     link.observe(rtt=5.0, drafting=0.0, k=4)
     assert link.deadline(4, policy) == 0.5  # capped
+
+
+def _hopeless_link(endpoint):
+    """A proposer measured slow and never right: the adaptive verifier would not ask it."""
+    link = ProposerLink("honest", endpoint)
+    link.net_s, link.per_token_s, link.tokens_per_reply = 0.4, 0.01, 3.0
+    link.recent_accepted, link.recent_verified = 0.0, 100.0
+    return link
+
+
+def test_forced_session_asks_every_block_even_a_hopeless_proposer(host, honest):
+    generous = DeadlinePolicy(first_s=5.0, max_s=5.0, max_failures=3)
+    adaptive = RemoteDraftSession(host.client, [_hopeless_link(honest.server.endpoint)], PROMPT,
+                                  SamplingParams(), session_id="a1", vocab_size=100,
+                                  fingerprint="fp", policy=generous)
+    assert adaptive.draft(3)[0].size == 0  # judged not worth asking: nothing sent
+    assert adaptive.stats()["honest"]["drafts"] == 0
+    adaptive.close()
+
+    link = _hopeless_link(honest.server.endpoint)
+    forced = RemoteDraftSession(host.client, [link], PROMPT, SamplingParams(), session_id="f1",
+                                vocab_size=100, fingerprint="fp", policy=generous, forced=True)
+    for block in range(4):
+        ids, _ = forced.draft(3)
+        assert len(ids) >= 1, block
+        forced.extend(ids.tolist()[:1] + [5])
+    assert forced.stats()["honest"]["drafts"] == 4
+    assert forced.stats()["honest"]["timeouts"] == 0
+    forced.close()
+
+
+def test_forced_wait_gives_up_on_a_proposer_that_dies_meanwhile(host, bus):
+    """Forced waits are long (30 s here); a proposer leaving the alive state ends them."""
+    silent = StreamServer(*bus, handler=lambda req: None)
+    asked = []
+    link = ProposerLink("dying", silent.endpoint)
+    s = RemoteDraftSession(host.client, [link], PROMPT, SamplingParams(), session_id="d1",
+                           vocab_size=100, fingerprint="fp", forced=True,
+                           policy=DeadlinePolicy(first_s=30.0, max_s=30.0, forced_s=30.0),
+                           is_alive=lambda nid: asked.append(nid) or len(asked) < 5)
+    assert s.draft(4)[0].size == 0
+    assert s.stats()["dying"]["dropped"] is True
+    assert (link.errors, link.timeouts) == (1, 0)  # abandoned, never waited out

@@ -1,0 +1,503 @@
+"""Typed, validated, frozen objects for the request-stream messages: one class per type.
+
+`codec.messages.decode` checks kinds (an int is an int); these classes check values (a `top_p`
+is in (0, 1], a token tensor is 1-D with non-negative ids, a prompt and a token tensor are not
+both given) and give every field its one default. Each class has `from_message(Message)` (the
+one place a received message's fields are read) and `to_message()` (the one place a message of
+that type is built). A bad value raises `codec.errors.BadRequest` naming the field.
+
+Limits that need node knowledge (vocabulary size, model context) are checked by the node right
+after this parse (`nodes/roles/requests.py`). Gossip types (`card`, `heartbeat`, ...) are parsed
+by discovery.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from codec.errors import BadRequest, UnknownType
+from codec.messages import Message, make
+
+DEFAULT_MAX_TOKENS = 128
+MAX_TOKENS = 1 << 20  # absurd beyond this whatever the model; nodes apply their context too
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1 << 24
+MAX_SEED = 2**63 - 1
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 256
+MAX_PROPOSERS = 64
+MAX_K = 64
+MAX_LEASE_S = 300.0
+MAX_TOKEN_ID = 2**31 - 1
+MAX_COMMITTED = 2**31 - 1
+CHAT_ROLES = ("system", "user", "assistant")
+FORCE = "force"
+
+EMPTY_TOKENS = np.zeros(0, dtype=np.int32)
+
+
+# -- field checks (each names the field it checks) ------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def _int(name: str, v: Any, lo: int, hi: int) -> int:
+    if not _is_int(v):
+        raise BadRequest(name, f"must be an integer, got {type(v).__name__}")
+    if not lo <= int(v) <= hi:
+        raise BadRequest(name, f"must be in {lo}..{hi}, got {int(v)}")
+    return int(v)
+
+
+def _float(name: str, v: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
+        raise BadRequest(name, f"must be a number, got {type(v).__name__}")
+    x = float(v)
+    if not math.isfinite(x):
+        raise BadRequest(name, f"must be finite, got {x}")
+    if x < lo or x > hi or (lo_open and x == lo):
+        left = "(" if lo_open else "["
+        raise BadRequest(name, f"must be in {left}{lo:g}, {hi:g}], got {x:g}")
+    return x
+
+
+def _str(name: str, v: Any, *, allow_empty: bool = True) -> str:
+    if not isinstance(v, str):
+        raise BadRequest(name, f"must be a string, got {type(v).__name__}")
+    if not allow_empty and not v.strip():
+        raise BadRequest(name, f"empty {name}: must hold some text")
+    return v
+
+
+def _bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise BadRequest(name, f"must be true or false, got {type(v).__name__}")
+    return v
+
+
+def _opt(fields: Mapping[str, Any], name: str, default: Any = None) -> Any:
+    """A field's value, `default` when absent or nil (nil means "not given" on the wire)."""
+    v = fields.get(name)
+    return default if v is None else v
+
+
+def tokens_1d(name: str, t: Any, *, allow_empty: bool = True) -> np.ndarray:
+    """A 1-D array of token ids >= 0 (upper bound: the node's vocabulary, checked there)."""
+    arr = np.asarray(t)
+    if arr.ndim != 1:
+        raise BadRequest(name, f"must be a 1-D token tensor, got shape {list(arr.shape)}")
+    if len(arr) == 0:
+        if not allow_empty:
+            raise BadRequest(name, "must hold at least one token id")
+        return EMPTY_TOKENS
+    if arr.dtype.kind not in "iu":
+        raise BadRequest(name, f"must hold integer token ids, got {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > MAX_TOKEN_ID:
+        raise BadRequest(name, f"token id {lo if lo < 0 else hi} is not a valid id")
+    return arr
+
+
+def _tensor(msg: Message, i: int) -> np.ndarray | None:
+    return msg.tensors[i] if len(msg.tensors) > i else None
+
+
+def _expect(msg: Message, type_: str) -> None:
+    if msg.type != type_:
+        raise UnknownType(f"expected a {type_} message, got {msg.type!r}")
+
+
+# -- shared parts ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling knobs as they travel: temperature 0 is greedy; top_k 0 and top_p 1 are "off"."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _int("top_k", self.top_k, 0, MAX_TOP_K)
+        if self.seed is not None:
+            _int("seed", self.seed, 0, MAX_SEED)
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any], prefix: str = "") -> Sampling:
+        try:
+            return cls(
+                temperature=_opt(fields, "temperature", 0.0), top_p=_opt(fields, "top_p", 1.0),
+                top_k=_opt(fields, "top_k", 0), seed=fields.get("seed"),
+            )
+        except BadRequest as exc:
+            if not prefix:
+                raise
+            raise BadRequest(prefix + exc.field, exc.reason) from None
+
+    def to_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"temperature": float(self.temperature),
+                               "top_p": float(self.top_p), "top_k": int(self.top_k)}
+        if self.seed is not None:
+            out["seed"] = int(self.seed)
+        return out
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+    def __post_init__(self) -> None:
+        if self.role not in CHAT_ROLES:
+            raise BadRequest("role", f"must be one of {'/'.join(CHAT_ROLES)}, got {self.role!r}")
+        _str("content", self.content)
+
+    def as_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+def chat_messages(name: str, v: Any) -> tuple[ChatMessage, ...]:
+    if not isinstance(v, list | tuple):
+        raise BadRequest(name, f"must be a list of {{role, content}} maps, got {type(v).__name__}")
+    if not 1 <= len(v) <= MAX_MESSAGES:
+        raise BadRequest(name, f"must hold 1..{MAX_MESSAGES} messages, got {len(v)}")
+    out = []
+    for i, m in enumerate(v):
+        where = f"{name}[{i}]"
+        if isinstance(m, ChatMessage):
+            out.append(m)
+            continue
+        if not isinstance(m, Mapping):
+            raise BadRequest(where, f"must be a {{role, content}} map, got {type(m).__name__}")
+        try:
+            out.append(ChatMessage(_str("role", m.get("role")), _str("content", m.get("content"))))
+        except BadRequest as exc:
+            raise BadRequest(f"{where}.{exc.field}", exc.reason) from None
+    return tuple(out)
+
+
+# -- generation ------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class GenerateReq:
+    """What to generate from (exactly one of prompt, messages, tokens) and how."""
+
+    TYPE: ClassVar[str] = "generate_req"
+
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    tokens: np.ndarray | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    sampling: Sampling = Sampling()
+    stop: tuple[str, ...] = ()
+    chat: bool = True
+    speculate: bool = True
+    proposers: tuple[str, ...] | None = None
+    #: "force": ask exactly `proposers` every block, with the full deadline, never judged slow
+    draft: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("prompt", "messages", "tokens") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise BadRequest(given[1], f"give one of prompt, messages or tokens, not {given}")
+        if not given:
+            raise BadRequest("prompt", "needs a prompt, messages or a token tensor")
+        if self.prompt is not None:
+            _str("prompt", self.prompt, allow_empty=False)
+        if self.messages is not None:
+            object.__setattr__(self, "messages", chat_messages("messages", self.messages))
+        if self.tokens is not None:
+            object.__setattr__(self, "tokens",
+                               tokens_1d("tokens", self.tokens, allow_empty=False))
+        if _is_int(self.max_tokens) and self.max_tokens <= 0:
+            raise BadRequest("max_tokens", f"max tokens must be a positive integer, "
+                             f"got {self.max_tokens}")
+        _int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
+        if not isinstance(self.sampling, Sampling):
+            raise BadRequest("sampling", "must be a Sampling")
+        if not isinstance(self.stop, list | tuple) or len(self.stop) > MAX_STOPS:
+            raise BadRequest("stop", f"must be a list of at most {MAX_STOPS} strings")
+        for i, s in enumerate(self.stop):
+            _str(f"stop[{i}]", s)
+            if not s or len(s) > MAX_STOP_CHARS:
+                raise BadRequest(f"stop[{i}]", f"must have 1..{MAX_STOP_CHARS} characters")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        _bool("chat", self.chat)
+        _bool("speculate", self.speculate)
+        if self.proposers is not None:
+            if (not isinstance(self.proposers, list | tuple)
+                    or len(self.proposers) > MAX_PROPOSERS):
+                raise BadRequest("proposers", f"must be a list of at most {MAX_PROPOSERS} names")
+            for i, p in enumerate(self.proposers):
+                _str(f"proposers[{i}]", p, allow_empty=False)
+            object.__setattr__(self, "proposers", tuple(self.proposers))
+        if self.draft is not None:
+            if self.draft != FORCE:
+                raise BadRequest("draft", f"must be {FORCE!r} or absent, got {self.draft!r}")
+            if not self.speculate:
+                raise BadRequest("draft", "draft='force' contradicts speculate=false")
+            if not self.proposers:
+                raise BadRequest("proposers", "draft='force' needs the proposers to ask")
+
+    @property
+    def force_draft(self) -> bool:
+        return self.draft == FORCE
+
+    @classmethod
+    def from_message(cls, msg: Message) -> GenerateReq:
+        _expect(msg, cls.TYPE)
+        f = msg.fields
+        if len(msg.tensors) > 1:
+            raise BadRequest("tokens", f"at most one token tensor, got {len(msg.tensors)}")
+        return cls(
+            prompt=f.get("prompt"), messages=f.get("messages"), tokens=_tensor(msg, 0),
+            max_tokens=_opt(f, "max_tokens", DEFAULT_MAX_TOKENS),
+            sampling=Sampling.from_fields(f), stop=_opt(f, "stop", ()),
+            chat=_opt(f, "chat", True), speculate=_opt(f, "speculate", True),
+            proposers=f.get("proposers"), draft=f.get("draft"),
+        )
+
+    def to_message(self, **envelope: Any) -> Message:
+        fields: dict[str, Any] = {"max_tokens": self.max_tokens, **self.sampling.to_fields(),
+                                  "stop": list(self.stop), "chat": self.chat,
+                                  "speculate": self.speculate}
+        if self.prompt is not None:
+            fields["prompt"] = self.prompt
+        if self.messages is not None:
+            fields["messages"] = [m.as_dict() for m in self.messages]
+        if self.proposers is not None:
+            fields["proposers"] = list(self.proposers)
+        if self.draft is not None:
+            fields["draft"] = self.draft
+        tensors = [] if self.tokens is None else [self.tokens]
+        return make(self.TYPE, tensors=tensors, **envelope, **fields)
+
+
+@dataclass(frozen=True, eq=False)
+class TokenChunk:
+    TYPE: ClassVar[str] = "token_chunk"
+
+    index: int
+    tokens: np.ndarray
+    text: str = ""
+
+    @classmethod
+    def from_message(cls, msg: Message) -> TokenChunk:
+        _expect(msg, cls.TYPE)
+        return cls(_int("index", msg["index"], 0, MAX_COMMITTED),
+                   tokens_1d("tokens", msg.tensors[0]), _str("text", _opt(msg.fields, "text", "")))
+
+    def to_message(self, **envelope: Any) -> Message:
+        return make(self.TYPE, tensors=[np.asarray(self.tokens, dtype=np.int32)],
+                    index=self.index, text=self.text, **envelope)
+
+
+@dataclass(frozen=True)
+class Done:
+    TYPE: ClassVar[str] = "done"
+
+    finish_reason: str
+    text: str | None = None
+    stats: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> Done:
+        _expect(msg, cls.TYPE)
+        return cls(_str("finish_reason", msg["finish_reason"]), msg.get("text"),
+                   dict(_opt(msg.fields, "stats", {})))
+
+    def to_message(self, **envelope: Any) -> Message:
+        fields: dict[str, Any] = {"finish_reason": self.finish_reason}
+        if self.text is not None:
+            fields["text"] = self.text
+        if self.stats:
+            fields["stats"] = dict(self.stats)
+        return make(self.TYPE, **envelope, **fields)
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    TYPE: ClassVar[str] = "error"
+
+    code: str
+    message: str
+
+    @classmethod
+    def from_message(cls, msg: Message) -> ErrorReply:
+        _expect(msg, cls.TYPE)
+        return cls(_str("code", msg["code"]), _str("message", msg["message"]))
+
+    def to_message(self, **envelope: Any) -> Message:
+        return make(self.TYPE, code=self.code, message=self.message, **envelope)
+
+
+# -- draft sessions --------------------------------------------------------------------------------
+def _session(msg: Message) -> str:
+    if not msg.session:
+        raise BadRequest("sid", f"{msg.type} needs a session id (header 'sid')")
+    return msg.session
+
+
+@dataclass(frozen=True, eq=False)
+class SessionOpen:
+    TYPE: ClassVar[str] = "session_open"
+
+    session: str
+    tokens: np.ndarray
+    lease_s: float
+    sampling: Sampling = Sampling()
+    tokenizer: str | None = None
+    drafter: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tokens_1d("tokens", self.tokens, allow_empty=False))
+        _float("lease_s", self.lease_s, 0.0, MAX_LEASE_S, lo_open=True)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> SessionOpen:
+        _expect(msg, cls.TYPE)
+        sid = _session(msg)
+        tokens = _tensor(msg, 0)
+        if tokens is None:
+            raise BadRequest("tokens", "session_open needs the prompt tokens")
+        return cls(sid, tokens, msg["lease_s"],
+                   Sampling.from_fields(_opt(msg.fields, "sampling", {}), prefix="sampling."),
+                   msg.get("tokenizer"), msg.get("drafter"))
+
+    def to_message(self, **envelope: Any) -> Message:
+        fields: dict[str, Any] = {"lease_s": float(self.lease_s),
+                                  "sampling": self.sampling.to_fields()}
+        if self.tokenizer is not None:
+            fields["tokenizer"] = self.tokenizer
+        if self.drafter is not None:
+            fields["drafter"] = self.drafter
+        return make(self.TYPE, session=self.session,
+                    tensors=[np.ascontiguousarray(self.tokens, dtype=np.int32)],
+                    **envelope, **fields)
+
+
+@dataclass(frozen=True, eq=False)
+class SessionExtend:
+    TYPE: ClassVar[str] = "session_extend"
+
+    session: str
+    tokens: np.ndarray
+    committed: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tokens_1d("tokens", self.tokens))
+        _int("committed", self.committed, len(self.tokens), MAX_COMMITTED)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> SessionExtend:
+        _expect(msg, cls.TYPE)
+        return cls(_session(msg), _tensor(msg, 0), msg["committed"])
+
+    def to_message(self, **envelope: Any) -> Message:
+        return make(self.TYPE, session=self.session, committed=self.committed,
+                    tensors=[np.ascontiguousarray(self.tokens, dtype=np.int32)], **envelope)
+
+
+@dataclass(frozen=True, eq=False)
+class DraftReq:
+    TYPE: ClassVar[str] = "draft_req"
+
+    session: str
+    k: int
+    committed: int
+    tokens: np.ndarray = field(default_factory=lambda: EMPTY_TOKENS)  # committed delta
+    want_probs: bool = False
+    budget_s: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tokens_1d("tokens", self.tokens))
+        _int("k", self.k, 0, MAX_K)
+        _int("committed", self.committed, len(self.tokens), MAX_COMMITTED)
+        _bool("want_probs", self.want_probs)
+        if self.budget_s is not None:
+            _float("budget_s", self.budget_s, 0.0, MAX_LEASE_S)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> DraftReq:
+        _expect(msg, cls.TYPE)
+        delta = _tensor(msg, 0)
+        return cls(_session(msg), msg["k"], msg["committed"],
+                   EMPTY_TOKENS if delta is None else delta,
+                   _opt(msg.fields, "want_probs", False), msg.get("budget_s"))
+
+    def to_message(self, **envelope: Any) -> Message:
+        fields: dict[str, Any] = {"k": self.k, "committed": self.committed,
+                                  "want_probs": self.want_probs}
+        if self.budget_s is not None:
+            fields["budget_s"] = float(self.budget_s)
+        return make(self.TYPE, session=self.session,
+                    tensors=[np.ascontiguousarray(self.tokens, dtype=np.int32)],
+                    **envelope, **fields)
+
+
+@dataclass(frozen=True, eq=False)
+class DraftReply:
+    TYPE: ClassVar[str] = "draft_reply"
+
+    session: str
+    committed: int
+    tokens: np.ndarray
+    probs: np.ndarray | None = None
+    elapsed_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tokens_1d("tokens", self.tokens))
+        _int("committed", self.committed, 0, MAX_COMMITTED)
+        _float("elapsed_s", self.elapsed_s, 0.0, 1e9)
+        if self.probs is not None and (np.ndim(self.probs) != 2
+                                       or len(self.probs) != len(self.tokens)):
+            raise BadRequest("probs", f"must be [{len(self.tokens)}, vocab], got shape "
+                             f"{list(np.shape(self.probs))}")
+
+    @classmethod
+    def from_message(cls, msg: Message) -> DraftReply:
+        _expect(msg, cls.TYPE)
+        return cls(msg.session, msg["committed"], msg.tensors[0], _tensor(msg, 1),
+                   _opt(msg.fields, "elapsed_s", 0.0))
+
+    def to_message(self, **envelope: Any) -> Message:
+        tensors = [np.ascontiguousarray(self.tokens, dtype=np.int32)]
+        if self.probs is not None:
+            tensors.append(np.ascontiguousarray(self.probs, dtype=np.float32))
+        return make(self.TYPE, session=self.session, committed=self.committed,
+                    elapsed_s=float(self.elapsed_s), tensors=tensors, **envelope)
+
+
+@dataclass(frozen=True)
+class SessionClose:
+    TYPE: ClassVar[str] = "session_close"
+
+    session: str
+
+    @classmethod
+    def from_message(cls, msg: Message) -> SessionClose:
+        _expect(msg, cls.TYPE)
+        return cls(_session(msg))
+
+    def to_message(self, **envelope: Any) -> Message:
+        return make(self.TYPE, session=self.session, **envelope)
+
+
+STRUCTS: dict[str, type] = {c.TYPE: c for c in (
+    GenerateReq, TokenChunk, Done, ErrorReply, SessionOpen, SessionExtend, DraftReq,
+    DraftReply, SessionClose)}
+
+
+def parse(msg: Message) -> Any:
+    """The typed object of a request-stream message (raises BadRequest / UnknownType)."""
+    cls = STRUCTS.get(msg.type)
+    if cls is None:
+        raise UnknownType(f"no typed struct for {msg.type!r}")
+    return cls.from_message(msg)

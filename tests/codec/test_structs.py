@@ -1,0 +1,144 @@
+"""Typed structs: every bad value is a BadRequest naming its field; good ones round-trip."""
+
+import math
+
+import numpy as np
+import pytest
+
+from codec.errors import BadRequest
+from codec.messages import decode, encode, make
+from codec.structs import (
+    DraftReply,
+    DraftReq,
+    GenerateReq,
+    Sampling,
+    SessionOpen,
+    parse,
+)
+
+TOKENS = np.array([1, 2, 3], dtype=np.int32)
+
+
+def wire(msg):
+    return decode(encode(msg))
+
+
+def gen(**fields):
+    fields.setdefault("prompt", "hello")
+    return GenerateReq.from_message(wire(make("generate_req", **fields)))
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"),
+    ({"top_p": math.nan}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"max_tokens": 10**12}, "max_tokens"),
+    ({"seed": -1}, "seed"),
+    ({"prompt": "   "}, "prompt"),
+    ({"stop": [""]}, "stop[0]"),
+    ({"proposers": [""]}, "proposers[0]"),
+    ({"draft": "please"}, "draft"),
+    ({"draft": "force"}, "proposers"),
+    ({"draft": "force", "proposers": ["p"], "speculate": False}, "draft"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),  # with the prompt
+])
+def test_bad_generate_values_name_the_field(fields, field):
+    with pytest.raises(BadRequest) as info:
+        gen(**fields)
+    assert info.value.code == "bad_request"
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_prompt_and_tokens_together_is_a_bad_request():
+    with pytest.raises(BadRequest) as info:
+        GenerateReq.from_message(wire(make("generate_req", prompt="x", tensors=[TOKENS])))
+    assert info.value.field == "tokens"
+
+
+@pytest.mark.parametrize("messages, field", [
+    ([], "messages"),
+    ([{"role": "robot", "content": "x"}], "messages[0].role"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": "a"}, "b"], "messages[1]"),
+    ([{"role": "user", "content": "a"}] * 257, "messages"),
+])
+def test_bad_messages_name_the_entry(messages, field):
+    with pytest.raises(BadRequest) as info:
+        GenerateReq.from_message(wire(make("generate_req", messages=messages)))
+    assert info.value.field == field
+
+
+def test_nothing_to_generate_from_is_a_bad_request():
+    with pytest.raises(BadRequest) as info:
+        GenerateReq.from_message(wire(make("generate_req", max_tokens=3)))
+    assert info.value.field == "prompt"
+
+
+def test_two_dimensional_or_negative_tokens_are_refused_by_the_struct():
+    with pytest.raises(BadRequest) as info:
+        GenerateReq(tokens=np.zeros((2, 3), dtype=np.int32))
+    assert info.value.field == "tokens" and "1-D" in str(info.value)
+    with pytest.raises(BadRequest) as info:
+        GenerateReq.from_message(wire(make("generate_req",
+                                           tensors=[np.array([3, -1], np.int32)])))
+    assert info.value.field == "tokens"
+
+
+def test_defaults_apply_only_to_absent_fields_and_round_trip():
+    req = gen()
+    assert (req.max_tokens, req.sampling, req.stop, req.chat, req.speculate) == (
+        128, Sampling(), (), True, True)
+    full = GenerateReq(messages=({"role": "user", "content": "hi"},), max_tokens=7,
+                       sampling=Sampling(0.7, 0.9, 40, 5), stop=("\n",),
+                       proposers=("a", "b"), draft="force")
+    back = GenerateReq.from_message(wire(full.to_message()))
+    assert back.messages == full.messages and back.sampling == full.sampling
+    assert (back.max_tokens, back.stop, back.proposers, back.force_draft) == (
+        7, ("\n",), ("a", "b"), True)
+    # nil on the wire means "not given"
+    assert gen(top_p=None).sampling.top_p == 1.0
+
+
+def test_session_open_checks_lease_sampling_and_tokens():
+    def open_(**kw):
+        fields = {"lease_s": 5.0, **kw}
+        tensors = fields.pop("tensors", [TOKENS])
+        return SessionOpen.from_message(wire(make("session_open", session="s", tensors=tensors,
+                                                  **fields)))
+
+    assert open_().tokens.tolist() == [1, 2, 3]
+    for kw, field in [({"lease_s": 0.0}, "lease_s"), ({"lease_s": 1e9}, "lease_s"),
+                      ({"sampling": {"top_p": 0.0}}, "sampling.top_p"),
+                      ({"sampling": {"seed": -1}}, "sampling.seed"),
+                      ({"sampling": {"temperature": "hot"}}, "sampling.temperature"),
+                      ({"tensors": [np.zeros(0, np.int32)]}, "tokens")]:
+        with pytest.raises(BadRequest) as info:
+            open_(**kw)
+        assert info.value.field == field, kw
+    with pytest.raises(BadRequest) as info:
+        SessionOpen.from_message(wire(make("session_open", lease_s=1.0, tensors=[TOKENS])))
+    assert info.value.field == "sid"
+
+
+def test_draft_messages_check_k_committed_and_probs():
+    ok = DraftReq("s", 4, 10, np.array([1, 2], np.int32), budget_s=0.1)
+    assert parse(wire(ok.to_message())).committed == 10
+    for kw, field in [({"k": 65}, "k"), ({"k": -1}, "k"), ({"committed": 1}, "committed"),
+                      ({"budget_s": -1.0}, "budget_s")]:
+        args = {"session": "s", "k": 4, "committed": 10,
+                "tokens": np.array([1, 2], np.int32), **kw}
+        with pytest.raises(BadRequest) as info:
+            DraftReq(**args)
+        assert info.value.field == field
+    with pytest.raises(BadRequest) as info:
+        DraftReply("s", 3, np.array([1, 2], np.int32), probs=np.zeros((3, 5), np.float32))
+    assert info.value.field == "probs"

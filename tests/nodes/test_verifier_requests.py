@@ -1,0 +1,243 @@
+"""The verifier role over a real ROUTER with a tiny random model and the real tokenizer:
+bad values are typed errors naming the field, over-long input is refused before any compute,
+chat messages render through the chat template, forced drafting pins speculation, and
+telemetry never races the compute thread."""
+
+from __future__ import annotations
+
+import math
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from bus.streams import RemoteError
+from codec.messages import encode, make
+from nodes.drafters.ngram import NgramDrafter
+from nodes.engine.core import Engine
+from nodes.roles.assemble import Roles
+from nodes.roles.proposer import ProposerRole
+from nodes.roles.remote_draft import DeadlinePolicy
+from nodes.roles.verifier import VerifierRole
+from tests.nodes.conftest import BusHost
+
+CONTEXT = 1024  # the tiny model's max_position_embeddings
+PROMPT = "Copy this: one two three four, one two three four, one two three four"
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tmp_path_factory):
+    import torch
+
+    from nodes import models
+    from nodes.backends.torch_backend import TorchBackend
+    from tests.engine.conftest import build_tiny
+
+    torch.set_num_threads(1)
+    folder = tmp_path_factory.mktemp("tiny")
+    build_tiny(folder, models.resolve(models.DEFAULT_MODEL).path, seed=0)
+    return TorchBackend.load(str(folder), device="cpu")
+
+
+class FakeMembership:
+    """The two calls the verifier makes on membership, over a list we control."""
+
+    def __init__(self) -> None:
+        self.members: list = []
+
+    def add_proposer(self, node_id: str, endpoint: str, name: str = "") -> None:
+        card = SimpleNamespace(roles=("proposer",), node_id=node_id, name=name or node_id,
+                               tokenizer="any", vocab=0, endpoints={"stream": endpoint})
+        self.members.append(SimpleNamespace(node_id=node_id, card=card, is_self=False,
+                                            state=SimpleNamespace(value="alive")))
+
+    def workers(self):
+        return list(self.members)
+
+    def get(self, node_id):
+        return next((m for m in self.members if m.node_id == node_id), None)
+
+
+class Counting:
+    """Counts calls to a wrapped callable (here: the backend's prefill)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *a, **kw):
+        self.calls += 1
+        return self.fn(*a, **kw)
+
+
+@pytest.fixture
+def verifier(host, tiny_backend, monkeypatch):
+    host.membership = FakeMembership()
+    prefill = Counting(tiny_backend.prefill)
+    monkeypatch.setattr(tiny_backend, "prefill", prefill)
+    role = VerifierRole(Engine(tiny_backend, None, max_draft=4),
+                        policy=DeadlinePolicy(first_s=5.0, max_s=5.0))
+    role.prefills = prefill
+    role.attach(host)
+    yield role
+    role.close()
+
+
+def generate(host, timeout=60.0, tensors=(), **fields):
+    fields.setdefault("max_tokens", 8)
+    msg = make("generate_req", tensors=list(tensors), **fields)
+    return host.client.request(host.server.endpoint, msg, timeout=timeout).result(timeout)
+
+
+def refused(host, **kw) -> RemoteError:
+    with pytest.raises(RemoteError) as info:
+        generate(host, **kw)
+    return info.value
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"top_p": math.inf}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 5000}, "max_tokens"),
+    ({"max_tokens": 10**9}, "max_tokens"),
+    ({"seed": -1}, "seed"),
+    ({"prompt": ""}, "prompt"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+    ({"draft": "force"}, "proposers"),
+])
+def test_bad_values_are_bad_requests_naming_the_field(host, verifier, fields, field):
+    fields = {"prompt": PROMPT, **fields}
+    err = refused(host, **fields)
+    assert err.code == "bad_request", err
+    assert field in str(err)
+    assert verifier.prefills.calls == 0
+    assert generate(host, prompt=PROMPT)["finish_reason"] in ("length", "eos")
+
+
+def test_token_prompt_problems_are_refused(host, verifier, tiny_backend):
+    vocab = tiny_backend.vocab_size
+    err = refused(host, tensors=[np.array([1, vocab], np.int32)])
+    assert err.code == "bad_request" and "tokens" in str(err) and "vocabulary" in str(err)
+    err = refused(host, prompt=PROMPT, tensors=[np.array([1, 2], np.int32)])
+    assert err.code == "bad_request" and "tokens" in str(err)
+    assert verifier.prefills.calls == 0
+
+
+def test_a_two_dimensional_token_tensor_is_a_typed_error_naming_tokens(host, verifier):
+    """The schema says 1-D: the ROUTER's decode answers before the role sees it."""
+    import zmq
+
+    ok = encode(make("generate_req", rid=7, tensors=[np.array([1, 2, 3, 4], np.int32)]))
+    header = ok[0].replace(b"\x91\x04", b"\x92\x02\x02")  # shape [4] -> [2, 2] in msgpack
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(host.server.endpoint)
+    try:
+        raw.send_multipart([header, ok[1].tobytes()])
+        assert raw.poll(10000)
+        from codec.messages import decode
+
+        reply = decode(raw.recv_multipart())
+    finally:
+        raw.close()
+    assert reply.type == "error" and reply.rid == 7
+    assert reply["code"] == "bad_shape" and "'tokens'" in reply["message"]
+    assert verifier.prefills.calls == 0
+
+
+def test_over_long_prompt_is_refused_before_compute_and_the_next_is_served(host, verifier):
+    err = refused(host, tensors=[np.arange(1, CONTEXT + 500, dtype=np.int32)])
+    assert err.code == "too_long" and "tokens" in str(err)
+    err = refused(host, prompt="word " * 2000, chat=False)
+    assert err.code == "too_long" and "prompt" in str(err)
+    err = refused(host, tensors=[np.arange(1, 1000, dtype=np.int32)], max_tokens=100)
+    assert err.code == "too_long"
+    assert verifier.prefills.calls == 0  # no model work for any of them
+    assert verifier.stats.generations == 0
+    done = generate(host, prompt=PROMPT)
+    assert done.type == "done" and len(done["stats"]["token_ids"]) == 8
+    assert verifier.prefills.calls == 1
+
+
+def test_messages_render_with_the_chat_template(host, verifier, tiny_backend):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Say one two three."}]
+    ids = tiny_backend.tokenizer.encode_messages(messages)
+    # the same rendering as a chat prompt with a system message (both end in the assistant turn)
+    assert ids == tiny_backend.tokenizer.encode("Say one two three.", chat=True,
+                                                system="Be brief.")
+    assert tiny_backend.tokenizer.decode(ids[-3:]).strip().endswith("assistant")
+    by_messages = generate(host, messages=messages)
+    by_tokens = generate(host, tensors=[np.asarray(ids, np.int32)])
+    assert by_messages["stats"]["prompt_tokens"] == len(ids)
+    assert by_messages["stats"]["token_ids"] == by_tokens["stats"]["token_ids"]
+    err = refused(host, messages=[{"role": "robot", "content": "x"}])
+    assert err.code == "bad_request" and "messages[0].role" in str(err)
+
+
+@pytest.fixture
+def ngram_proposer(bus):
+    h = BusHost(*bus, node_id="ngram-1")
+    role = ProposerRole(NgramDrafter(), vocab_size=0)
+    role.attach(h)
+    yield h, role
+    role.close()
+
+
+def test_forced_drafting_asks_the_named_proposer_every_block(host, verifier, ngram_proposer):
+    proposer_host, proposer = ngram_proposer
+    host.membership.add_proposer("ngram-1", proposer_host.server.endpoint, name="ngram")
+    plain = generate(host, prompt=PROMPT, max_tokens=24, speculate=False)
+    forced = generate(host, prompt=PROMPT, max_tokens=24, proposers=["ngram"], draft="force")
+    stats = forced["stats"]
+    assert stats["token_ids"] == plain["stats"]["token_ids"]
+    link = stats["proposers"]["ngram-1"]
+    # every block after the prefill asked for a draft, except a last one with no room
+    asked = stats["blocks"] - 1 - (1 if stats["plain_steps"] else 0)
+    assert link["drafts"] + link["timeouts"] + link["errors"] == proposer.stats.drafts_served
+    assert proposer.stats.drafts_served >= asked >= 1
+    assert link["timeouts"] == 0 and link["bad_replies"] == 0
+    # forcing a proposer the verifier does not know is an error, not silent plain decoding
+    err = refused(host, prompt=PROMPT, proposers=["nobody"], draft="force")
+    assert err.code == "no_proposer" and "nobody" in str(err)
+
+
+def test_telemetry_never_iterates_links_the_compute_thread_mutates(verifier):
+    """Links are added on one thread while telemetry reads on another, as in a node."""
+    members = FakeMembership()
+    verifier._node = SimpleNamespace(membership=members, node_id="v")
+    roles = Roles(verifier=verifier)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def compute():  # what the compute thread does when a generation picks proposers
+        i = 0
+        while not stop.is_set() and i < 1500:
+            members.add_proposer(f"p{i}", f"tcp://127.0.0.1:{10000 + i}")
+            verifier._compatible_links(None)
+            if i % 50 == 0:
+                verifier._publish()
+            i += 1
+        stop.set()
+
+    def io():
+        while not stop.is_set():
+            try:
+                roles.telemetry()
+            except RuntimeError as exc:  # "dictionary changed size during iteration"
+                errors.append(exc)
+                stop.set()
+
+    threads = [threading.Thread(target=compute), threading.Thread(target=io)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    verifier._publish()
+    assert len(roles.telemetry()["verifier"]["proposers"]) == len(verifier.links) > 0
