@@ -120,17 +120,19 @@ class GatewayMetrics:
                                  ("accepted", "counter", "Draft tokens accepted")):
             metric(f"specbus_verifier_{key}_total", kind, help_,
                    [(vl(i), self.per_verifier[i][key]) for i in ids if i in self.per_verifier])
-        for key, help_ in (("active", "Generations running (verifier telemetry)"),
-                           ("queued", "Generations queued (verifier telemetry)"),
-                           ("tok_s", "Tokens/s of its last generation (verifier telemetry)"),
-                           ("acceptance", "Acceptance of its last generation (telemetry)")):
+        for name, key, help_ in (
+                ("active", "active", "Generations running (verifier telemetry)"),
+                ("queued", "queued", "Generations queued (verifier telemetry)"),
+                ("completed", "generations", "Generations completed, all clients (telemetry)"),
+                ("tok_s", "tok_s", "Tokens/s of its last generation (verifier telemetry)"),
+                ("acceptance", "acceptance", "Acceptance of its last generation (telemetry)")):
             samples = []
             for i in ids:
                 v = (self.telemetry.get(i) or {}).get("verifier")
                 n = _num(v.get(key)) if isinstance(v, dict) else None
                 if n is not None:
                     samples.append((vl(i), n))
-            metric(f"specbus_verifier_{key}", "gauge", help_, samples)
+            metric(f"specbus_verifier_{name}", "gauge", help_, samples)
 
         pids = sorted(self.per_proposer)
         for key in ("drafted", "accepted", "verified", "timeouts"):
