@@ -5,15 +5,15 @@ StreamClient and turns its `token_chunk`/`done` replies into events. The replies
 asyncio thread through `loop.call_soon_threadsafe` from the bus I/O thread; the StreamClient's
 `request` and `cancel` are its thread-safe entry points, so no socket is touched here.
 
-Failover: when the serving verifier is no longer alive in the membership (suspect, dead, left),
-its connection is forgotten, or it goes silent mid-stream for `stall_s`, the generation resumes on
-another verifier of the same model with the prompt's token ids plus every token already received
-as the new prompt and `max_tokens` reduced by as many. Greedy decoding is deterministic, so the
-continuation is exactly what the first verifier would have produced: the client's stream goes on
-with no duplicate and no missing token. (With sampling the continuation is a fresh draw from the
-same model distribution given the same prefix.) Resuming needs the prompt's token ids, hence the
-gateway's own tokenizer (tokens.py); without it, or with no other verifier, the stream ends with
-an error.
+Failover: when the serving verifier is dead or gone in the membership, its connection is
+forgotten, or (while another verifier could take over) it is suspect or silent mid-stream for
+`stall_s`, the generation resumes on another verifier of the same model with the prompt's
+token ids plus every token already received as the new prompt and `max_tokens` reduced by as
+many. Greedy decoding is deterministic, so the continuation is exactly what the first verifier
+would have produced: the client's stream goes on with no duplicate and no missing token. (With
+sampling the continuation is a fresh draw from the same model distribution given the same
+prefix.) Resuming needs the prompt's token ids, hence the gateway's own tokenizer (tokens.py);
+without it, or with no other verifier, the stream ends with an error.
 """
 
 from __future__ import annotations
@@ -114,6 +114,8 @@ class Generation:
                 yield Started(v.node_id)
                 while True:
                     item = await self._next(queue, v, got_any)
+                    if isinstance(item, Message) and item.type == "error":
+                        item = RemoteError(str(item.get("code")), str(item.get("message")))
                     if isinstance(item, RemoteError):
                         if item.code == "busy" and not got_any:
                             tried.add(v.node_id)  # its queue filled up: try another one
@@ -148,6 +150,10 @@ class Generation:
                         yield self._final(reason, asm, stats if isinstance(stats, dict) else {},
                                           v.node_id)
                         return
+                    else:
+                        raise StreamFailed(ApiError(
+                            502, f"unexpected {item.type!r} reply from verifier {v.node_id}",
+                            type_="server_error", code="bad_reply"))
             except _Lost as exc:
                 tried.add(v.node_id)
                 self._failover(v, str(exc))
@@ -192,6 +198,15 @@ class Generation:
             raise StreamFailed(ApiError(503, msg, type_="server_error",
                                         code="no_verifier")) from None
 
+    def _alternative(self, v: VerifierInfo) -> bool:
+        """Another alive verifier of the model could resume this generation now."""
+        if self.plan.prompt_ids is None:
+            return False
+        members = self.node.membership.members(include_self=True)
+        return any(o.model == v.model and o.node_id != v.node_id
+                   and self.balancer.inflight.get(o.node_id, 0) < self.balancer.max_inflight
+                   for o in verifiers_of(members))
+
     def _failover(self, v: VerifierInfo, why: str) -> None:
         if self.plan.prompt_ids is None:
             raise StreamFailed(ApiError(
@@ -212,10 +227,14 @@ class Generation:
             except TimeoutError:
                 pass
             m = self.node.membership.get(v.node_id)
-            if m is None or m.state is not State.ALIVE:
-                state = m.state.value if m is not None else "gone"
-                raise _Lost(f"membership says {state}")
-            if got_any and time.monotonic() - last > self.stall_s:
+            if m is None or m.state in (State.DEAD, State.LEFT):
+                raise _Lost(f"membership says {m.state.value if m is not None else 'gone'}")
+            # suspect or silent: move only where another verifier can take over; alone, a
+            # verifier that is merely slow (GC pause, busy machine) is better than an error
+            if m.state is State.SUSPECT and self._alternative(v):
+                raise _Lost("membership says suspect")
+            if (got_any and time.monotonic() - last > self.stall_s
+                    and self._alternative(v)):
                 raise _Lost(f"no reply for {self.stall_s:g}s")
 
     def _message(self) -> Message:

@@ -86,15 +86,27 @@ def cluster(tmp_path_factory):
         c.start_node("v2", "--role", "verifier", "--threads", "1", seed=True)
         c.start_node("gw", "--role", "gateway", "--http", "127.0.0.1:0",
                      "--gateway-max-inflight", "1", seed=True)
+        c.start_node("gw-text", "--role", "gateway", "--http", "127.0.0.1:0",
+                     "--gateway-no-tokenizer", seed=True)
         yield c
     finally:
         c.stop()
 
 
+def _url(cluster, name: str) -> str:
+    gw = next(n for n in cluster.nodes if n.name == name)
+    return next(ev["http"] for ev in gw.lines if ev.get("event") == "ready")
+
+
+@pytest.fixture(scope="module")
+def text_gateway(cluster, gateway_url) -> Http:
+    """A gateway without a tokenizer: it sends prompts and chat messages as they are."""
+    return Http(_url(cluster, "gw-text"))
+
+
 @pytest.fixture(scope="module")
 def gateway_url(cluster) -> str:
-    gw = next(n for n in cluster.nodes if n.name == "gw")
-    url = next(ev["http"] for ev in gw.lines if ev.get("event") == "ready")
+    url = _url(cluster, "gw")
     client = Http(url)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # wait until the gateway sees both verifiers
