@@ -106,8 +106,8 @@ class GatewayApp:
             if api.stream:
                 return await self._stream(request, api, events, first)
             return await self._collect(request, api, events)
-        except asyncio.CancelledError:
-            self.metrics.cancelled += 1
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.cancelled += 1  # the client went away
             raise
         finally:
             await events.aclose()  # its `finally` cancels the verifier's work
