@@ -127,7 +127,7 @@ class GatewayMetrics:
                 ("tok_s", "tok_s", "Tokens/s of its last generation (verifier telemetry)"),
                 ("acceptance", "acceptance", "Acceptance of its last generation (telemetry)")):
             samples = []
-            for i in ids:
+            for i in names:  # alive ones only: a dead verifier's last report is stale
                 v = (self.telemetry.get(i) or {}).get("verifier")
                 n = _num(v.get(key)) if isinstance(v, dict) else None
                 if n is not None:

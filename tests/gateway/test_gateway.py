@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -41,7 +42,11 @@ def test_completion_equals_hf_greedy_and_specbus_generate(oai, reference, cluste
     v = cluster.nodes[0]
     with ClusterClient(cluster.cluster, peers=(v.stream,), mdns=False) as cc:
         direct = cc.generate(GenerateRequest(PROMPT, max_tokens=24, chat=False))
+        gateways = cc.wait_for(lambda ms: sum("gateway" in m.card.roles for m in ms) == 2, 10)
     assert direct.text == expected
+    # the gateways are members like any node: their cards say so and carry their URL
+    urls = {m.card.extras.get("http") for m in gateways if "gateway" in m.card.roles}
+    assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
 
 
 def test_completion_stream_with_usage(oai, reference):
@@ -104,6 +109,30 @@ def test_gateway_without_tokenizer_sends_chat_messages(text_gateway, reference):
         pytest.xfail("the verifier does not render generate_req.messages yet")
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == reference.chat(CHAT, 32)
+
+
+def test_16_concurrent_streams_all_complete_and_agree(text_gateway, reference):
+    """Through the gateway with the default limit (8 per verifier): 16 streams, 2 verifiers."""
+    expected = reference.completion(PROMPT, 6)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+            "stream": True}
+
+    def one(_):
+        conn, resp = text_gateway.open_stream("/v1/completions", body)
+        try:
+            assert resp.status == 200, resp.read()
+            events = list(sse_events(resp))
+        finally:
+            conn.close()
+        assert events[-1] == "[DONE]"
+        objs = [json.loads(e) for e in events[:-1]]
+        assert not [o for o in objs if "error" in o], objs
+        return "".join(o["choices"][0]["text"] for o in objs), objs[-1]["specbus"]["verifier"]
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    assert [text for text, _ in results] == [expected] * 16
+    assert len({v for _, v in results}) == 2  # both verifiers served
 
 
 def test_models_and_health(raw, cluster):
@@ -284,8 +313,59 @@ def test_failover_sigkill_mid_stream_keeps_the_text_exact(raw, reference, cluste
     assert final["specbus"]["verifier"] != victim
 
 
+def _stream_with(raw, body, during):
+    """Stream `body`; after a few chunks call `during(serving node id)`; return (text, final)."""
+    conn, resp = raw.open_stream("/v1/completions", body)
+    events = sse_events(resp)
+    first = json.loads(next(events))
+    text = first["choices"][0]["text"]
+    for _ in range(3):
+        text += json.loads(next(events))["choices"][0]["text"]
+    during(first["specbus"]["verifier"])
+    final = None
+    for e in events:
+        if e == "[DONE]":
+            break
+        obj = json.loads(e)
+        assert "error" not in obj, obj
+        text += obj["choices"][0]["text"]
+        if obj["choices"][0]["finish_reason"]:
+            final = obj
+    conn.close()
+    return text, final
+
+
+def test_failover_when_the_serving_verifier_is_stopped(raw, reference, cluster):
+    """SIGSTOP (a frozen machine): the membership finds it silent, another verifier resumes."""
+    cluster.start_node("v3", "--role", "verifier", "--threads", "1", seed=True)
+    deadline = time.monotonic() + 60
+    while len(raw.json("GET", "/v1/models")[2]["data"][0]["specbus"]["verifiers"]) < 2:
+        assert time.monotonic() < deadline, "the gateway did not see the new verifier"
+        time.sleep(0.2)
+    _settle(raw)
+    max_new = 60
+    expected = reference.completion(LONG, max_new)
+    stopped = []
+
+    def stop(victim):
+        node = next(n for n in cluster.nodes if n.node_id == victim)
+        node.proc.send_signal(signal.SIGSTOP)
+        stopped.append(node)
+
+    try:
+        text, final = _stream_with(raw, {"model": MODEL, "prompt": LONG, "max_tokens": max_new,
+                                         "temperature": 0, "stream": True}, stop)
+    finally:
+        for node in stopped:  # it stays out of the cluster for the tests that follow
+            node.proc.send_signal(signal.SIGKILL)
+            node.proc.wait()
+    assert text == expected
+    assert final["specbus"]["failovers"] == 1
+    assert final["specbus"]["verifiers"][0] == stopped[0].node_id
+
+
 def test_no_verifier_left_ends_the_stream_with_an_error_event(raw, cluster):
-    alive = [n for n in cluster.nodes if n.name in ("v1", "v2") and n.proc.poll() is None]
+    alive = [n for n in cluster.nodes if n.name in ("v1", "v2", "v3") and n.proc.poll() is None]
     assert len(alive) == 1
     conn, resp = raw.open_stream("/v1/completions", {
         "model": MODEL, "prompt": LONG, "max_tokens": 200, "temperature": 0, "stream": True})
