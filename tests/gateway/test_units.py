@@ -162,3 +162,44 @@ def test_prometheus_text_has_the_figures():
     assert 'specbus_proposer_accepted_total{proposer="p1",name="ng"} 6' in lines
     assert 'specbus_proposer_telemetry{proposer="p1",figure="draft_tokens"} 40' in lines
     assert all(line.startswith("#") or " " in line for line in lines if line)
+
+
+# -- the role's socket and flags ---------------------------------------------------------------
+def test_http_address_parsing():
+    from nodes.gateway.role import parse_http
+
+    assert parse_http("127.0.0.1:8000") == ("127.0.0.1", 8000)
+    assert parse_http("localhost:0") == ("127.0.0.1", 0)
+    assert parse_http("[::1]:9000") == ("::1", 9000)
+    for bad in ("8000", "127.0.0.1", "127.0.0.1:99999", "example.com:80", ":80"):
+        with pytest.raises(ValueError):
+            parse_http(bad)
+
+
+def test_role_binds_loopback_before_joining_and_a_taken_port_fails():
+    from nodes.gateway.role import GatewayRole
+
+    role = GatewayRole("127.0.0.1", 0)
+    try:
+        assert role.url.startswith("http://127.0.0.1:") and role.card_extras == {"http": role.url}
+        port = int(role.url.rsplit(":", 1)[1])
+        with pytest.raises(OSError):
+            GatewayRole("127.0.0.1", port)
+    finally:
+        role.close()
+
+
+def test_http_flag_needs_the_gateway_role():
+    import argparse
+
+    from nodes.cmd_node import _make_gateway, add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--role", "verifier", "--http", "127.0.0.1:0"])
+    with pytest.raises(ValueError, match="gateway role"):
+        _make_gateway(args, config_from_args(args))
+    args = parser.parse_args(["--role", "gateway", "--http", "127.0.0.1:0",
+                              "--gateway-max-inflight", "0"])
+    with pytest.raises(ValueError, match="max-inflight"):
+        _make_gateway(args, config_from_args(args))
