@@ -112,7 +112,10 @@ class GatewayRole:
                              self.stall_s).build()
             self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             loop.run_until_complete(self._runner.setup())
-            loop.run_until_complete(web.SockSite(self._runner, self._sock).start())
+            # on close, streams still open get a second to end, then their handlers are
+            # cancelled (which cancels their verifier work)
+            loop.run_until_complete(web.SockSite(self._runner, self._sock,
+                                                 shutdown_timeout=1.0).start())
         except Exception as exc:  # noqa: BLE001 - reported to start() in the main thread
             self._error = exc
             self._ready.set()
