@@ -30,7 +30,7 @@ from discovery.table import Timeouts
 
 log = logging.getLogger(__name__)
 
-ROLES = ("verifier", "proposer")
+ROLES = ("verifier", "proposer", "gateway")
 
 
 @dataclass
