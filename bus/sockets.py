@@ -8,6 +8,7 @@ encryption later means changing this module only.
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass
 
 import zmq
@@ -29,6 +30,10 @@ class SocketOptions:
     tcp_keepalive_cnt: int = 3
     zmtp_heartbeat_ms: int = 1000
     zmtp_heartbeat_timeout_ms: int = 3000
+    # request streams (DEALER/ROUTER) tolerate a stalled peer this long: a SIGSTOP, GC pause
+    # or VM hiccup keeps its TCP connection, and dropping it would lose the replies in flight
+    # (membership, not ZMTP, decides that a peer is dead; see docs/nodes.md "Stalls")
+    stream_heartbeat_timeout_ms: int = 30000
     reconnect_ms: int = 100
     reconnect_max_ms: int = 2000
 
@@ -71,13 +76,22 @@ class SocketFactory:
         sock = self.socket(zmq.ROUTER)
         # replies to vanished peers are dropped, never raised into the I/O loop
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # a DEALER that reconnects (same ROUTING_ID) takes its identity over, so replies
+        # to a request sent before the reconnect still reach it
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.options.stream_heartbeat_timeout_ms)
         return sock
 
     def dealer(self) -> zmq.Socket:
         # No IMMEDIATE: connect is asynchronous and the first request to a new peer must queue
         # until the handshake completes. Requests to dead peers are bounded by their deadlines,
         # and discovery closes the DEALER of a peer it declares dead.
-        return self.socket(zmq.DEALER)
+        sock = self.socket(zmq.DEALER)
+        # a stable, unique routing id (never starting with 0, which libzmq reserves): after a
+        # reconnect the server still routes replies of earlier requests to this socket
+        sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.options.stream_heartbeat_timeout_ms)
+        return sock
 
 
 def bind(sock: zmq.Socket, endpoint: str) -> str:
