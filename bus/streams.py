@@ -5,10 +5,17 @@ sees `[peer id] [header] [tensor]...` and answers with the same request id (`rid
 with `more=True` is followed by others; the last one has `more=False`. The client may send a
 `cancel` with the same rid. Everything socket-related runs on the I/O thread; `Call` and
 `Request` hand results across threads.
+
+Liveness: a client's `close()` cancels what it still has in flight. A client watches each
+DEALER's connection (a ZMQ socket monitor) so callers can tell a peer whose connection is gone
+(SIGKILL: the kernel closes it at once) from one that is merely stalled (SIGSTOP keeps it). A
+server can probe whether a peer's connection still exists (`peer_connected`): routing ids are
+stable per DEALER (bus/sockets.py), so that answer is exact.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import queue
@@ -17,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from bus.loop import IOLoop, Timer, frames_ready, send_frames
 from bus.sockets import SocketFactory, bind
@@ -54,6 +62,9 @@ class RemoteError(BusError):
 # -- client side ---------------------------------------------------------------------------
 
 _END = object()
+_LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+CANCEL_LINGER_MS = 500  # how long a closed client still tries to deliver its cancels
+PROBE_RID = 0  # request ids start at 1: a reply with rid 0 is a server's liveness probe
 
 
 class Call:
@@ -117,7 +128,11 @@ class StreamClient:
         self._rids = itertools.count(1)
         self._rid_lock = threading.Lock()
         self._dealers: dict[str, zmq.Socket] = {}
+        self._monitors: dict[str, zmq.Socket] = {}  # endpoint -> its DEALER's monitor (PAIR)
+        #: endpoints whose connection is up now: an immutable set the loop thread replaces
+        self._up: frozenset[str] = frozenset()
         self._pending: dict[int, Call] = {}
+        self._closed = False
         self.sent = 0
         self.late = 0  # replies after the deadline, after cancel, or for unknown ids
         self.dropped = 0  # malformed replies
@@ -149,17 +164,72 @@ class StreamClient:
         """Close the connection to a dead peer and fail its pending calls at once."""
         self.loop.call_soon(lambda: self._forget(endpoint))
 
+    def connected(self, endpoint: str) -> bool:
+        """Whether the connection to `endpoint` is up now (thread-safe; False before the
+        first handshake, after a disconnect, and for endpoints never used)."""
+        return endpoint in self._up
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Cancel every call still in flight (the servers drop that work), then close the
+        connections. Thread-safe; later requests fail with PeerUnavailable."""
+        if self.loop.in_loop():
+            self._close()
+        elif self.loop.running:
+            try:
+                self.loop.run_sync(self._close, timeout)
+            except (TimeoutError, RuntimeError) as exc:
+                log.warning("stream client close: %s", exc)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
     # -- loop thread ------------------------------------------------------------------------
     def _dealer(self, endpoint: str) -> zmq.Socket:
         sock = self._dealers.get(endpoint)
         if sock is None:
             sock = self.factory.dealer()
+            mon = sock.get_monitor_socket(_LINK_EVENTS)  # before connect: no event missed
             sock.connect(endpoint)
             self._dealers[endpoint] = sock
+            self._monitors[endpoint] = mon
             self.loop.add_reader(sock, self._on_readable)
+            self.loop.add_reader(mon, lambda m, ep=endpoint: self._on_link_event(ep, m))
         return sock
 
+    def _on_link_event(self, endpoint: str, mon: zmq.Socket) -> None:
+        for frames in frames_ready(mon):
+            event = parse_monitor_message([f.bytes for f in frames])["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._up = self._up | {endpoint}
+            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_MONITOR_STOPPED):
+                self._up = self._up - {endpoint}
+
+    def _close_dealer(self, endpoint: str) -> None:
+        sock = self._dealers.pop(endpoint, None)
+        mon = self._monitors.pop(endpoint, None)
+        if mon is not None:
+            self.loop.remove_reader(mon, close=True)
+        if sock is not None:
+            if mon is not None:
+                sock.disable_monitor()
+            self.loop.remove_reader(sock, close=True)
+        self._up = self._up - {endpoint}
+
+    def _close(self) -> None:
+        self._closed = True
+        cancelled = {call.endpoint for call in self._pending.values()}
+        for call in list(self._pending.values()):
+            self._cancel(call)
+        for endpoint in list(self._dealers):
+            if endpoint in cancelled:  # let the cancels go out after the socket is closed
+                self._dealers[endpoint].setsockopt(zmq.LINGER, CANCEL_LINGER_MS)
+            self._close_dealer(endpoint)
+
     def _start(self, call: Call, frames: list, timeout: float | None) -> None:
+        if self._closed:
+            self._finish(call, PeerUnavailable("the stream client is closed"))
+            return
         try:
             send_frames(self._dealer(call.endpoint), frames)
         except zmq.Again:
@@ -197,9 +267,7 @@ class StreamClient:
         self._finish(call, RequestCancelled(f"request {call.rid} cancelled"))
 
     def _forget(self, endpoint: str) -> None:
-        sock = self._dealers.pop(endpoint, None)
-        if sock is not None:
-            self.loop.remove_reader(sock, close=True)
+        self._close_dealer(endpoint)
         for call in [c for c in self._pending.values() if c.endpoint == endpoint]:
             self._finish(call, PeerUnavailable(f"{endpoint} was forgotten"))
 
@@ -211,6 +279,8 @@ class StreamClient:
                 self.dropped += 1
                 log.debug("dropped malformed reply: %s", exc)
                 continue
+            if msg.rid == PROBE_RID:
+                continue  # a server checking that we are still connected
             call = self._pending.get(msg.rid)
             if call is None:
                 self.late += 1
@@ -362,6 +432,32 @@ class StreamServer:
                 rid = 0
         reply = make("error", code=exc.code, message=str(exc)[:300], sender=self.sender, rid=rid)
         self._send(peer, encode(reply, self.limits), None)
+
+    def requests_from(self, sender: str) -> list[Request]:
+        """In-flight requests whose message names `sender` (loop thread only)."""
+        return [r for r in self._inflight.values() if r.message.sender == sender]
+
+    def drop(self, req: Request) -> None:
+        """Forget one in-flight request and cancel it, as if its client had (loop thread)."""
+        if self._inflight.pop((req.peer, req.rid), None) is not None:
+            req._cancel()
+
+    def peer_connected(self, peer: bytes) -> bool:
+        """Whether the ROUTER still has a connection to `peer` (loop thread only).
+
+        Sends a tiny `pong` with rid 0 (clients ignore it) with ROUTER_MANDATORY on: libzmq
+        refuses it (EHOSTUNREACH) when no connection carries that routing id. A stalled peer
+        keeps its TCP connection, so it counts as connected; a killed one does not.
+        """
+        probe = encode(make("pong", payload="", sender=self.sender, rid=PROBE_RID), self.limits)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            send_frames(self._router, [peer, *probe])
+        except zmq.ZMQError as exc:
+            return exc.errno != errno.EHOSTUNREACH  # a full queue (EAGAIN) is still a peer
+        finally:
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        return True
 
     def forget_peer(self, peer: bytes) -> list[Request]:
         """Drop (and cancel) every in-flight request of a peer; loop thread only."""

@@ -2,6 +2,13 @@
 
 Used by `specbus generate` (without `--local`), the demo and the benchmarks. The observer never
 counts as a worker and is never offered work.
+
+Failure rule while streaming (docs/nodes.md "Stalls and deaths"): the client gives up on its
+verifier only when membership says it is dead or left AND the stream connection to it is down.
+A killed process's connection closes at once, so the error comes as soon as membership declares
+it dead (~1.6 s); a stalled one (SIGSTOP, GC pause, VM hiccup) keeps its connection, so the
+client keeps waiting (bounded by `idle_timeout`, and by the bus's 30 s ZMTP heartbeat timeout,
+after which a silent connection is dropped) and the stream resumes where it was.
 """
 
 from __future__ import annotations
@@ -13,11 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from bus.streams import BusError
+from bus.streams import BusError, Call, RequestTimeout
+from codec.errors import CodecError
 from codec.messages import Message
-from codec.structs import FORCE, Done, GenerateReq, Sampling
+from codec.structs import FORCE, Done, GenerateReq, Sampling, TokenChunk
 from discovery.interfaces import DEFAULT_INTERFACE
 from discovery.table import Member, State
+
+WATCH_EVERY_S = 0.2  # how often a waiting stream looks at its verifier's state
 
 
 class ClusterError(RuntimeError):
@@ -93,6 +103,8 @@ class ClusterClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.node.client is not None:
+            self.node.client.close()  # cancel what is still running: no orphans on verifiers
         self.node.stop(leave=True)
 
     def wait_for(self, pred: Callable[[list[Member]], bool], timeout: float) -> list[Member]:
@@ -119,17 +131,64 @@ class ClusterClient:
 
     def stream(self, req: GenerateRequest, verifier: Member | None = None,
                idle_timeout: float = 120.0) -> Iterator[Message]:
-        """Yield `token_chunk` messages, then the final `done`."""
+        """Yield `token_chunk` messages, then the final `done`.
+
+        Raises ClusterError as soon as the verifier is known to be gone (dead or left in
+        membership, and its connection closed), after `idle_timeout` seconds without a reply,
+        or if a chunk is missing or repeated (chunk `index` must count 0, 1, 2, ...).
+        """
         target = verifier or self.verifiers()[0]
-        call = self.node.client.request(target.card.endpoints["stream"], req.message())
+        endpoint = target.card.endpoints["stream"]
+        call = self.node.client.request(endpoint, req.message())
+        expect = 0
         try:
-            yield from call.replies(timeout=idle_timeout)
+            while True:
+                msg = self._next_reply(call, target, idle_timeout)
+                if msg.type == TokenChunk.TYPE:
+                    try:
+                        index = TokenChunk.from_message(msg).index
+                    except CodecError as exc:
+                        raise ClusterError(f"malformed chunk from {target.node_id}: {exc}",
+                                           exc.code) from exc
+                    if index != expect:
+                        raise ClusterError(
+                            f"stream from verifier {target.node_id} lost continuity: chunk "
+                            f"{index} arrived, {expect} expected", "broken_stream")
+                    expect += 1
+                yield msg
+                if not msg.more:
+                    return
         except BusError as exc:
             raise ClusterError(f"generation on {target.node_id} failed: {exc}",
                                getattr(exc, "code", None)) from exc
         finally:
             if not call.done:
                 call.cancel()
+
+    def _next_reply(self, call: Call, target: Member, idle_timeout: float) -> Message:
+        """The next reply, watching the verifier while waiting (see the module docstring)."""
+        endpoint = target.card.endpoints["stream"]
+        deadline = time.monotonic() + idle_timeout
+        while True:
+            wait = min(WATCH_EVERY_S, deadline - time.monotonic())
+            if wait <= 0:
+                raise ClusterError(f"verifier {target.node_id} sent nothing for "
+                                   f"{idle_timeout:g}s", "timeout")
+            try:
+                return call.next(timeout=wait)
+            except RequestTimeout:
+                pass
+            gone = self._gone(target.node_id)
+            if gone and not self.node.client.connected(endpoint):
+                raise ClusterError(f"verifier {target.node_id} died mid-generation "
+                                   f"(membership: {gone}; connection closed)", "verifier_lost")
+
+    def _gone(self, node_id: str) -> str | None:
+        """`dead`/`left`/`forgotten` when membership no longer counts the node alive."""
+        m = self.node.membership.get(node_id)
+        if m is None:
+            return "forgotten"
+        return m.state.value if m.state in (State.DEAD, State.LEFT) else None
 
     def generate(self, req: GenerateRequest, verifier: Member | None = None,
                  on_text: Callable[[str], None] | None = None) -> Result:
