@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -65,6 +66,11 @@ _END = object()
 _LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 CANCEL_LINGER_MS = 500  # how long a closed client still tries to deliver its cancels
 PROBE_RID = 0  # request ids start at 1: a reply with rid 0 is a server's liveness probe
+
+
+def _link_address() -> str:
+    """A fresh inproc address for a DEALER's connection monitor."""
+    return f"inproc://specbus-link-{os.urandom(8).hex()}"
 
 
 class Call:
@@ -133,6 +139,7 @@ class StreamClient:
         self._up: frozenset[str] = frozenset()
         self._pending: dict[int, Call] = {}
         self._closed = False
+        loop.on_close(self._close_dealers)  # monitors are stopped before their sockets close
         self.sent = 0
         self.late = 0  # replies after the deadline, after cancel, or for unknown ids
         self.dropped = 0  # malformed replies
@@ -189,7 +196,9 @@ class StreamClient:
         sock = self._dealers.get(endpoint)
         if sock is None:
             sock = self.factory.dealer()
-            mon = sock.get_monitor_socket(_LINK_EVENTS)  # before connect: no event missed
+            # before connect, so no event is missed; a unique address (pyzmq's default is
+            # derived from the fd, which a later socket may reuse before this one is gone)
+            mon = sock.get_monitor_socket(_LINK_EVENTS, _link_address())
             sock.connect(endpoint)
             self._dealers[endpoint] = sock
             self._monitors[endpoint] = mon
@@ -215,6 +224,10 @@ class StreamClient:
                 sock.disable_monitor()
             self.loop.remove_reader(sock, close=True)
         self._up = self._up - {endpoint}
+
+    def _close_dealers(self) -> None:
+        for endpoint in list(self._dealers):
+            self._close_dealer(endpoint)
 
     def _close(self) -> None:
         self._closed = True

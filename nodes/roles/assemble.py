@@ -64,6 +64,7 @@ class Roles:
                 "acceptance": round(v.stats.last_acceptance, 4),
                 "deadline_misses": v.stats.deadline_misses,
                 "rejected_busy": v.stats.rejected_busy,
+                "orphans_dropped": v.stats.orphans_dropped,
                 "proposers": dict(v.proposer_snapshot),
             }
         if self.proposer is not None:

@@ -10,13 +10,21 @@ Each request is parsed into `codec.structs.GenerateReq` and checked against this
 (`nodes/roles/requests.py`) on the I/O thread, so bad or over-long input is refused before it
 is queued. The proposer links belong to the compute thread; telemetry reads the immutable
 `proposer_snapshot` it publishes after each block and generation.
+
+Client liveness: work whose client is gone is dropped. A client that cancels (or closes) has
+its queued request removed and its running one stopped within a block. A client that vanishes
+without a word is noticed through membership (clients are observer members): when the sender
+of a request leaves, or is declared dead and the ROUTER has no connection to it any more, its
+queued requests are removed and its running one is cancelled (`orphans_dropped`). A client that
+is dead in membership but still connected (stalled: SIGSTOP, GC pause) keeps its work; it is
+checked again every second while membership says dead.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Mapping
@@ -38,6 +46,7 @@ log = logging.getLogger(__name__)
 
 ANY_TOKENIZER = "any"  # card value of tokenizer-agnostic drafters (ngram)
 MAX_TOKENS_LIMIT = requests.MAX_TOKENS_LIMIT
+RECHECK_CLIENT_S = 1.0  # how often a dead-but-connected client's work is looked at again
 
 
 @dataclass
@@ -47,6 +56,7 @@ class VerifierStats:
     busy_s: float = 0.0
     deadline_misses: int = 0
     rejected_busy: int = 0
+    orphans_dropped: int = 0  # requests dropped because their client left or died (I/O thread)
     last_tok_s: float = 0.0
     last_acceptance: float = 0.0
 
@@ -67,7 +77,12 @@ class VerifierRole:
         #: what telemetry (I/O thread) may read: an immutable view the compute thread replaces
         self.proposer_snapshot: Mapping[str, dict] = MappingProxyType({})
         self._forced_engine: Engine | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        #: requests waiting for the compute thread: (request, parsed); guarded by _cv
+        self._waiting: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._closing = False
+        self._watching = False  # subscribed to membership events (I/O thread)
         self._sids = itertools.count(1)
         self._node = None
         self.active = 0
@@ -79,15 +94,14 @@ class VerifierRole:
         self._worker.start()
 
     def close(self) -> None:
-        try:
-            self._queue.put_nowait(None)
-        except queue.Full:
-            pass
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
         self._worker.join(5)
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        return len(self._waiting)
 
     def enqueue(self, req: Request) -> None:
         """I/O thread: parse and check the request, then queue it, or refuse it at once
@@ -98,16 +112,76 @@ class VerifierRole:
         except requests.INPUT_ERRORS as exc:
             req.fail(*requests.wire_error(exc))
             return
-        try:
-            self._queue.put_nowait((req, parsed))
-        except queue.Full:
+        item = (req, parsed)
+        with self._cv:
+            full = len(self._waiting) >= self.max_queue
+            if not full:
+                self._waiting.append(item)
+                self._cv.notify()
+        if full:
             self.stats.rejected_busy += 1
-            req.fail(BUSY, f"verifier queue is full ({self._queue.maxsize} waiting)")
+            req.fail(BUSY, f"verifier queue is full ({self.max_queue} waiting)")
+            return
+        req.on_cancel(lambda: self._unqueue(item))  # a cancelled request leaves the queue
+        self._watch_clients()
+
+    def _unqueue(self, item) -> bool:
+        with self._cv:
+            try:
+                self._waiting.remove(item)
+            except ValueError:
+                return False  # already taken by the compute thread (it sees `cancelled`)
+        return True
+
+    # -- client liveness (events thread -> I/O thread) ----------------------------------------
+    def _watch_clients(self) -> None:
+        """I/O thread: subscribe to membership once it exists (it does not at attach time)."""
+        node = self._node
+        subscribe = getattr(getattr(node, "membership", None), "subscribe", None)
+        if self._watching or subscribe is None:  # no membership: a bare bus host (tests)
+            return
+        self._watching = True
+        subscribe(self._on_member_event)
+
+    def _on_member_event(self, ev) -> None:
+        """Events thread: hand a departure over to the I/O thread, which owns the requests."""
+        if ev.kind in ("dead", "leave"):
+            self._node.loop.call_soon(lambda: self._check_client(ev.node_id))
+
+    def _check_client(self, sender: str) -> None:
+        """I/O thread: drop the work of a client that left, or died and lost its connection."""
+        server = self._node.server
+        reqs = [r for r in server.requests_from(sender) if r.message.type == "generate_req"]
+        if not reqs:
+            return
+        m = self._node.membership.get(sender)
+        state = m.state.value if m is not None else "forgotten"
+        if state in ("alive", "suspect"):
+            return  # back (a stall that ended): keep serving it
+        # a leave is final; a death is believed once the connection is gone too
+        alive_peers = set() if state == "left" else {
+            p for p in {r.peer for r in reqs} if server.peer_connected(p)}
+        for r in reqs:
+            if r.peer not in alive_peers:
+                self.stats.orphans_dropped += 1
+                server.drop(r)  # cancels: a queued one leaves the queue, a running one stops
+        if alive_peers:
+            log.info("client %s is %s but still connected (stalled?): keeping its work",
+                     sender, state)
+            self._node.loop.call_later(RECHECK_CLIENT_S, lambda: self._check_client(sender))
+        else:
+            log.info("client %s %s: dropped %d of its requests", sender, state, len(reqs))
 
     # -- compute thread -----------------------------------------------------------------------
+    def _next(self):
+        with self._cv:
+            while not self._waiting and not self._closing:
+                self._cv.wait()
+            return None if self._closing else self._waiting.popleft()
+
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            item = self._next()
             if item is None:
                 return
             req, parsed = item
