@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -27,12 +28,16 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village by 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.split("\n\n")[0]
-    parser.add_argument("--verifiers", type=int, default=1, choices=(1, 2))
-    parser.add_argument("--concurrency", default="1,4",
-                        help="comma-separated concurrency levels (default 1,4)")
-    parser.add_argument("--requests", type=int, default=8, help="requests per level (default 8)")
+    parser.add_argument("--verifiers", default="1,2",
+                        help="comma-separated verifier counts, one cluster each (default 1,2)")
+    parser.add_argument("--concurrency", default="1,4,16",
+                        help="comma-separated concurrency levels (default 1,4,16)")
+    parser.add_argument("--requests", type=int, default=8,
+                        help="requests per level, at least the concurrency (default 8)")
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per verifier")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: 1 verifier, concurrency 1 and 4, 4 requests of 8 "
+                             "tokens")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
@@ -42,16 +47,20 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _via_bus(cc, verifiers, i: int, max_tokens: int) -> tuple[float, int]:
-    from nodes.cluster_client import GenerateRequest
+    from nodes.cluster_client import ClusterError, GenerateRequest
 
     req = GenerateRequest(PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, chat=False)
     t0 = time.perf_counter()
     ttft, n = None, 0
-    for msg in cc.stream(req, verifiers[i % len(verifiers)]):
-        if msg.type == "token_chunk":
-            n += len(msg.tensors[0])
-            if ttft is None:
-                ttft = time.perf_counter() - t0
+    try:
+        for msg in cc.stream(req, verifiers[i % len(verifiers)]):
+            if msg.type == "token_chunk":
+                n += len(msg.tensors[0])
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+    except ClusterError as exc:  # counted as failed (e.g. the verifier's queue was full)
+        print(f"bus request {i} failed: {exc}", file=sys.stderr)
+        return None, 0
     return ttft, n
 
 
@@ -105,37 +114,132 @@ def _level(fn, conc: int, requests: int, gateway_pid: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.verifiers, args.concurrency, args.requests, args.max_tokens = "1", "1,4", 4, 8
+    try:
+        counts = [int(x) for x in args.verifiers.split(",") if x.strip()]
+        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError:
+        print("specbus bench serve: --verifiers and --concurrency take integers",
+              file=sys.stderr)
+        return 2
+    if (not counts or not levels or min(counts + levels) < 1 or max(counts) > 8
+            or max(levels) > 64 or not 1 <= args.max_tokens <= 512 or args.requests < 1):
+        print("specbus bench serve: verifiers 1..8, concurrency 1..64, max tokens 1..512, "
+              "requests >= 1", file=sys.stderr)
+        return 2
+    cores = sorted(os.sched_getaffinity(0))
+    rows = []
+    for n in counts:
+        rows += _bench_cluster(n, levels, args, cores)
+    summary = _summary(rows)
+    print(render(rows, summary, cores))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"cores": len(cores), "args": {
+            "verifiers": counts, "concurrency": levels, "requests": args.requests,
+            "max_tokens": args.max_tokens}, "rows": rows, "summary": summary}, indent=2) + "\n")
+    return 0
+
+
+def _bench_cluster(n: int, levels: list[int], args: argparse.Namespace,
+                   cores: list[int]) -> list[dict]:
+    """One cluster of `n` verifiers (verifier k pinned to core k, 1 torch thread each) and a
+    gateway on the last core; every level through the bus client, then through the gateway."""
     from nodes.cluster_client import ClusterClient
     from tools.local_cluster import LocalCluster
 
-    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     log_dir = Path(tempfile.mkdtemp(prefix="specbus-bench-serve-"))
     rows = []
     with LocalCluster(log_dir=log_dir, mdns=False) as c:
-        print(f"starting cluster (logs: {log_dir})", file=sys.stderr)
-        for k in range(args.verifiers):
-            c.start_node(f"v{k + 1}", "--role", "verifier", "--threads", str(args.threads),
-                         seed=bool(k))
-        gw = c.start_node("gw", "--role", "gateway", "--http", "127.0.0.1:0", seed=True)
-        url = next(ev["http"] for ev in gw.lines if ev.get("event") == "ready")
-        with ClusterClient(c.cluster, peers=tuple(n.stream for n in c.nodes), mdns=False) as cc:
-            cc.wait_for(lambda ms: sum("verifier" in m.card.roles for m in ms)
-                        >= args.verifiers, 30)
+        print(f"starting {n} verifier(s) and a gateway (logs: {log_dir})", file=sys.stderr)
+        for k in range(n):
+            c.start_node(f"v{k + 1}", "--role", "verifier", "--threads", "1",
+                         "--cpus", str(cores[k % len(cores)]), seed=bool(k))
+        max_inflight = str(max(levels))  # the gateway must not answer 429 at the top level
+        gw = c.start_node("gw", "--role", "gateway", "--http", "127.0.0.1:0", "--cpus",
+                          str(cores[-1]), "--gateway-max-inflight", max_inflight, seed=True)
+        url = gw.ready["http"]
+        with ClusterClient(c.cluster, peers=tuple(x.stream for x in c.nodes),
+                           mdns=False) as cc:
+            cc.wait_for(lambda ms: sum("verifier" in m.card.roles for m in ms) >= n, 60)
             verifiers = cc.verifiers()
-            for i in range(2 * args.verifiers):  # warm-up: connections, tokenizer, caches
+            _wait_gateway(url, n)
+            for i in range(2 * n):  # warm-up: connections, tokenizer, caches
                 _via_bus(cc, verifiers, i, 4)
                 _via_http(url, i, 4)
             for conc in levels:
+                requests = max(args.requests, conc)
                 for path, fn in (
                         ("bus", lambda i: _via_bus(cc, verifiers, i, args.max_tokens)),
                         ("gateway", lambda i: _via_http(url, i, args.max_tokens))):
-                    row = {"path": path, "concurrency": conc, "verifiers": args.verifiers,
-                           **_level(fn, conc, args.requests, gw.proc.pid)}
+                    row = {"path": path, "concurrency": conc, "verifiers": n,
+                           **_level(fn, conc, requests, gw.proc.pid)}
                     rows.append(row)
-                    print(f"{path:8} c={conc:<3} verifiers={args.verifiers} "
-                          f"ttft p50 {row['ttft_p50_ms']:7.1f} ms  p99 {row['ttft_p99_ms']:7.1f}"
-                          f" ms  {row['tok_s']:6.2f} tok/s  failed {row['failed']}  gateway "
-                          f"cpu {row['gateway_cpu_s']:.2f} s", flush=True)
-    if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=2))
-    return 0
+                    print(f"{path:8} c={conc:<3} verifiers={n} ttft p50 "
+                          f"{_ms(row['ttft_p50_ms'])} ms  p99 {_ms(row['ttft_p99_ms'])} ms  "
+                          f"{row['tok_s']:6.2f} tok/s  failed {row['failed']}", file=sys.stderr,
+                          flush=True)
+    return rows
+
+
+def _wait_gateway(url: str, n: int, timeout: float = 60.0) -> None:
+    """Until the gateway lists `n` verifiers of the model."""
+    import urllib.request
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+            data = json.loads(resp.read())["data"]
+        if data and len(data[0]["specbus"]["verifiers"]) >= n:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"the gateway did not see {n} verifier(s) within {timeout:g}s")
+
+
+def _ms(v: float | None) -> str:
+    return f"{v:7.1f}" if v is not None else "      -"
+
+
+def _row(rows: list[dict], path: str, conc: int, n: int) -> dict | None:
+    return next((r for r in rows if (r["path"], r["concurrency"], r["verifiers"])
+                 == (path, conc, n)), None)
+
+
+def _summary(rows: list[dict]) -> dict:
+    """The issue's targets, from the rows that exist."""
+    out: dict = {}
+    bus, gw = _row(rows, "bus", 1, 1), _row(rows, "gateway", 1, 1)
+    if bus and gw and bus["ttft_p50_ms"] is not None and gw["ttft_p50_ms"] is not None:
+        out["gateway_ttft_p50_added_ms"] = round(gw["ttft_p50_ms"] - bus["ttft_p50_ms"], 1)
+        out["gateway_tok_s_change_pct"] = round(100 * (gw["tok_s"] / bus["tok_s"] - 1), 1)
+    for path in ("bus", "gateway"):
+        one, two = _row(rows, path, 4, 1), _row(rows, path, 4, 2)
+        if one and two and one["tok_s"]:
+            out[f"scaling_2v_c4_{path}"] = round(two["tok_s"] / one["tok_s"], 2)
+    return out
+
+
+TARGETS = {"gateway_ttft_p50_added_ms": ("<= 5 ms", lambda v: v <= 5),
+           "gateway_tok_s_change_pct": (">= -2 %", lambda v: v >= -2),
+           "scaling_2v_c4_bus": (">= 1.8x", lambda v: v >= 1.8),
+           "scaling_2v_c4_gateway": (">= 1.8x", lambda v: v >= 1.8)}
+
+
+def render(rows: list[dict], summary: dict, cores: list[int]) -> str:
+    head = (f"{'verifiers':>9} {'path':8} {'conc':>4} {'reqs':>4} {'ttft p50 ms':>11} "
+            f"{'ttft p99 ms':>11} {'tok/s':>7} {'failed':>6} {'gw cpu s':>8}")
+    lines = ["", "specbus bench serve: time to first token and aggregate tok/s", head,
+             "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['verifiers']:>9} {r['path']:8} {r['concurrency']:>4} "
+                     f"{r['requests']:>4} {_ms(r['ttft_p50_ms']):>11} {_ms(r['ttft_p99_ms']):>11}"
+                     f" {r['tok_s']:>7.2f} {r['failed']:>6} {r['gateway_cpu_s']:>8.2f}")
+    lines += ["", "targets (issue 10):"]
+    for key, (want, ok) in TARGETS.items():
+        if key in summary:
+            lines.append(f"  {key:28} {summary[key]:>7}   target {want:9} "
+                         f"{'met' if ok(summary[key]) else 'NOT met'}")
+    lines.append(f"(this machine: {len(cores)} core(s) {cores}; verifier k pinned to core k with "
+                 "1 torch thread, the gateway on the last core, the benchmark's own client "
+                 "unpinned; with 2 cores the gateway and the client share the verifiers' cores)")
+    return "\n".join(lines)

@@ -1,13 +1,16 @@
 """`specbus demo`: a local cluster doing real speculative decoding, plain vs speculative.
 
 Starts separate node processes on loopback — one verifier on the embedded default model, one
-`ngram` proposer, one `int8` proposer — lets them find each other (mDNS on 127.0.0.1), runs a
-fixed prompt set plain and speculative through the cluster, checks the outputs are identical
-token for token, prints a table, and shuts the cluster down cleanly.
+`ngram` proposer, one `int8` proposer, one gateway (OpenAI-compatible HTTP on an ephemeral
+port) — lets them find each other (mDNS on 127.0.0.1), runs a fixed prompt set plain and
+speculative through the cluster, checks the outputs are identical token for token, prints a
+table, then makes one chat call through the gateway and prints it as a `curl` command line
+with its answer, and shuts the cluster down cleanly.
 
 This 2-core box plays two machines: the verifier is pinned to core 0 with one torch thread
-(`--cpus 0 --threads 1`), the proposers to core 1 (`--cpus 1`). The plain baseline is that same
-verifier decoding on its own core, so the speedup is what borrowing a second machine buys.
+(`--cpus 0 --threads 1`), the proposers and the gateway to core 1 (`--cpus 1`). The plain
+baseline is that same verifier decoding on its own core, so the speedup is what borrowing a
+second machine buys.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
                 p = cluster.start_node(f"proposer-{d}", "--role", "proposer", "--drafter", d,
                                        "--cpus", proposer_core, "--threads", "1")
                 say(f"  proposer   {p.node_id}  ready ({d}, core {proposer_core})")
+            gw = cluster.start_node("gateway", "--role", "gateway", "--http", "127.0.0.1:0",
+                                    "--cpus", proposer_core)
+            url = gw.ready["http"]
+            say(f"  gateway    {gw.node_id}  ready ({url}/v1, core {proposer_core})")
         except ClusterStartError as exc:
             print(f"specbus demo: {exc}", file=sys.stderr)
             return 1
@@ -71,12 +78,18 @@ def run(args: argparse.Namespace) -> int:
             except ClusterError as exc:
                 print(f"specbus demo: {exc}", file=sys.stderr)
                 return 1
+        try:
+            curl = _curl_call(url)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"specbus demo: the gateway call failed: {exc}", file=sys.stderr)
+            return 1
         snapshot = _monitor_snapshot(cluster.cluster)
     say("cluster stopped")
     print(render(rows))
     print(f"(two machines played by two cores: verifier on core {verifier_core} with 1 torch "
           f"thread, proposers on core {proposer_core}; plain = the same verifier alone)")
     print("\nmonitor snapshot (specbus monitor --once) taken before shutdown:\n" + snapshot)
+    print("\nthe same cluster through the gateway's OpenAI-compatible API:\n" + curl)
     ok = all(r["identical"] for r in rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "identical": ok}, indent=2) + "\n")
@@ -84,6 +97,39 @@ def run(args: argparse.Namespace) -> int:
         print("specbus demo: speculative output differed from plain output", file=sys.stderr)
         return 1
     return 0
+
+
+CURL_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def _curl_call(url: str, wait: float = 30.0) -> str:
+    """One chat completion through the gateway (urllib), shown as the equivalent `curl`."""
+    import shlex
+    import urllib.request
+
+    def get_json(path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return json.loads(resp.read())
+
+    end = time.monotonic() + wait
+    models = get_json("/v1/models")["data"]
+    while not models and time.monotonic() < end:  # the gateway finds the verifier itself
+        time.sleep(0.2)
+        models = get_json("/v1/models")["data"]
+    if not models:
+        raise ValueError(f"the gateway saw no verifier within {wait:g}s")
+    body = {"model": models[0]["id"], "max_tokens": 48, "temperature": 0,
+            "messages": [{"role": "user", "content": CURL_QUESTION}]}
+    answer = get_json("/v1/chat/completions", body)
+    text = answer["choices"][0]["message"]["content"]
+    usage = answer.get("usage", {})
+    command = (f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
+               f"-d {shlex.quote(json.dumps(body))}")
+    return (f"$ {command}\n-> {text!r}\n   ({usage.get('completion_tokens', '?')} tokens, "
+            f"finish_reason {answer['choices'][0].get('finish_reason')!r})")
 
 
 def _cores() -> tuple[str, str]:
