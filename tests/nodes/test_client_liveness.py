@@ -86,7 +86,7 @@ def verifier_id(cluster):
 def start_orphan_client(cluster, mode: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("orphan_client.py")), cluster.cluster,
-         cluster.node("v").stream.removeprefix("tcp://"), str(QUEUED), "400", mode],
+         cluster.node("v").stream, str(QUEUED), "400", mode],
         stdout=subprocess.PIPE, text=True, cwd=ROOT)
     line = proc.stdout.readline()
     assert line.startswith("ready "), f"orphan client did not start: {line!r}"
