@@ -85,6 +85,7 @@ class Call:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.timer: Timer | None = None
         self.done = False  # set on the I/O thread once the final reply or failure is in
+        self.streaming = False  # set on the I/O thread once a first (non-final) reply is in
 
     def _deliver(self, item: Message | BusError) -> None:
         if self._on_reply is not None:
@@ -168,7 +169,12 @@ class StreamClient:
         self.loop.call_soon(lambda: self._cancel(call))
 
     def forget(self, endpoint: str) -> None:
-        """Close the connection to a dead peer and fail its pending calls at once."""
+        """Close the connection to a dead peer and fail its pending calls at once.
+
+        Except calls that are mid-stream (they had a reply) on a connection that is up: the
+        peer is there, merely silent (stopped, paused), and their later replies will come on
+        that connection, which then stays open.
+        """
         self.loop.call_soon(lambda: self._forget(endpoint))
 
     def connected(self, endpoint: str) -> bool:
@@ -280,9 +286,16 @@ class StreamClient:
         self._finish(call, RequestCancelled(f"request {call.rid} cancelled"))
 
     def _forget(self, endpoint: str) -> None:
-        self._close_dealer(endpoint)
-        for call in [c for c in self._pending.values() if c.endpoint == endpoint]:
-            self._finish(call, PeerUnavailable(f"{endpoint} was forgotten"))
+        calls = [c for c in self._pending.values() if c.endpoint == endpoint]
+        keep = [c for c in calls if c.streaming] if endpoint in self._up else []
+        if keep:
+            log.debug("%s: keeping the connection, %d call(s) mid-stream on it", endpoint,
+                      len(keep))
+        else:
+            self._close_dealer(endpoint)
+        for call in calls:
+            if call not in keep:
+                self._finish(call, PeerUnavailable(f"{endpoint} was forgotten"))
 
     def _on_readable(self, sock: zmq.Socket) -> None:
         for frames in frames_ready(sock):
@@ -299,6 +312,7 @@ class StreamClient:
                 self.late += 1
                 continue
             if msg.more and msg.type != "error":
+                call.streaming = True
                 call._deliver(msg)
             else:
                 self._finish(call, msg)
