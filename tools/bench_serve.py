@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             c.start_node(f"v{k + 1}", "--role", "verifier", "--threads", str(args.threads),
                          seed=bool(k))
         gw = c.start_node("gw", "--role", "gateway", "--http", "127.0.0.1:0", seed=True)
-        url = next(ev["http"] for ev in gw.lines if ev.get("event") == "ready")
+        url = gw.ready["http"]
         with ClusterClient(c.cluster, peers=tuple(n.stream for n in c.nodes), mdns=False) as cc:
             cc.wait_for(lambda ms: sum("verifier" in m.card.roles for m in ms)
                         >= args.verifiers, 30)
