@@ -132,6 +132,14 @@ class DirectCall:
         self.client.cancel(self)
 
 
+def _wait_step_ms(left_s: float) -> int:
+    """How long one blocking receive may wait, in ms, for `left_s` seconds to the bound: the
+    largest power of two not past it (a wait may end early, then the caller waits again,
+    never late), so the same RCVTIMEO serves many calls and is rarely set again."""
+    ms = int(left_s * 1000)
+    return 1 if ms < 1 else 1 << (ms.bit_length() - 1)
+
+
 def _recv_waiting(sock: zmq.Socket) -> list[zmq.Frame]:
     """One multipart message, waiting for its first frame up to the socket's RCVTIMEO
     (raises zmq.Again after it); the other frames of a message arrive with the first."""
@@ -165,6 +173,7 @@ class DirectClient:
         self.owner = threading.get_ident()
         self._rids = itertools.count(1)
         self._dealers: dict[str, zmq.Socket] = {}
+        self._rcvtimeo: dict[zmq.Socket, int] = {}  # RCVTIMEO last set on each socket
         self._poller = zmq.Poller()
         self._pending: dict[int, DirectCall] = {}
         self._deadlines: list[tuple[float, int, DirectCall]] = []  # lazy-deleted heap
@@ -249,6 +258,7 @@ class DirectClient:
         sock = self._dealers.pop(endpoint, None)
         if sock is not None:
             self._poller.unregister(sock)
+            self._rcvtimeo.pop(sock, None)
             sock.close(linger=0)
         for call in [c for c in self._pending.values() if c.endpoint == endpoint]:
             self._finish(call, PeerUnavailable(f"{endpoint} was closed"))
@@ -263,6 +273,7 @@ class DirectClient:
         for sock in self._dealers.values():
             sock.close(linger=0)
         self._dealers.clear()
+        self._rcvtimeo.clear()
         self._poller = zmq.Poller()
         self._closed = True
 
@@ -313,13 +324,16 @@ class DirectClient:
         bound = None if timeout is None else time.monotonic() + timeout
         if call.deadline is not None and (bound is None or call.deadline < bound):
             bound = call.deadline
+        timeouts = self._rcvtimeo
         while not call._inbox:
             if bound is None:
                 ms = -1
-            else:  # round up: a wait never ends before its bound
+            else:
                 left = bound - time.monotonic()
-                ms = 0 if left <= 0 else int(left * 1000) + 1
-            sock.setsockopt(_RCVTIMEO, ms)
+                ms = 0 if left <= 0 else _wait_step_ms(left)
+            if timeouts.get(sock) != ms:  # a setsockopt is ~1-2 us: only when it changes
+                sock.setsockopt(_RCVTIMEO, ms)
+                timeouts[sock] = ms
             try:
                 frames = _recv_waiting(sock)
             except zmq.Again:

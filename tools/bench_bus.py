@@ -233,32 +233,62 @@ def _stages(loop, count: int, on_tcp: dict) -> dict[str, float]:
     }
 
 
-def _cpu_per_rtt(client, endpoint: str, raw, count: int) -> dict[str, float]:
-    """CPU time (all threads, user + system) per round trip, in this process and in the bus
-    server's: unlike wall-clock latency, barely moved by other processes on the machine."""
+def _server_cpu(client, endpoint: str) -> float:
+    """The bus server process's CPU time so far (all threads), asked over the bus."""
     from codec.messages import make
 
-    def server_cpu() -> float:
-        reply = client.request(endpoint, make("snapshot_req", cluster="bench"), timeout=10)
-        return reply.result()["stats"]["cpu_s"]
+    reply = client.request(endpoint, make("snapshot_req", cluster="bench"), timeout=10)
+    return reply.result()["stats"]["cpu_s"]
 
-    bus = _bus_rtt(client, endpoint)
-    c0, s0 = time.process_time(), server_cpu()
-    for _ in range(count):
-        bus()
-    c1, s1 = time.process_time(), server_cpu()
+
+def _cpu_per_rtt(client, direct, endpoint: str, raw, count: int) -> dict[str, float]:
+    """CPU time (all threads, user + system) per round trip, in this process and in the bus
+    server's: unlike wall-clock latency, barely moved by other processes on the machine."""
+    out = {}
+    paths = (("bus", _bus_rtt(client, endpoint)), ("direct", _direct_rtt(direct, endpoint)))
+    for name, fn in paths:
+        c0, s0 = time.process_time(), _server_cpu(client, endpoint)
+        for _ in range(count):
+            fn()
+        c1, s1 = time.process_time(), _server_cpu(client, endpoint)
+        out[f"{name}_client_cpu_us"] = round((c1 - c0) / count * 1e6, 1)
+        out[f"{name}_server_cpu_us"] = round((s1 - s0) / count * 1e6, 1)
+    c0 = time.process_time()
     for _ in range(count):
         raw()
-    c2 = time.process_time()
-    return {
-        "bus_client_cpu_us": round((c1 - c0) / count * 1e6, 1),
-        "bus_server_cpu_us": round((s1 - s0) / count * 1e6, 1),
-        "raw_client_cpu_us": round((c2 - c1) / count * 1e6, 1),
-    }
+    out["raw_client_cpu_us"] = round((time.process_time() - c0) / count * 1e6, 1)
+    return out
+
+
+def _mib_ab(client, direct, endpoint: str, seconds: float, rounds: int = 3) -> dict:
+    """1 MiB frames through both clients in alternating slices (paired A/B on a loaded
+    machine): GB/s and CPU per MiB in this process and in the server (all threads), medians."""
+    samples: dict[str, dict[str, list[float]]] = {}
+    for _ in range(rounds):
+        for name, c in (("StreamClient", client), ("DirectClient", direct)):
+            c0, s0 = time.process_time(), _server_cpu(client, endpoint)
+            sent, elapsed = _pipelined(c, endpoint, 1 << 20, seconds / rounds)
+            gbps = sent * (1 << 20) / elapsed / 1e9
+            mib = sent + 1  # and the warm-up request
+            c1, s1 = time.process_time(), _server_cpu(client, endpoint)
+            row = samples.setdefault(name, {"gbps": [], "client_cpu_us_per_mib": [],
+                                            "server_cpu_us_per_mib": []})
+            row["gbps"].append(gbps)
+            row["client_cpu_us_per_mib"].append((c1 - c0) / mib * 1e6)
+            row["server_cpu_us_per_mib"].append((s1 - s0) / mib * 1e6)
+    return {name: {k: round(statistics.median(v), 2 if k == "gbps" else 1) for k, v in row.items()}
+            for name, row in samples.items()}
 
 
 def _throughput(client, endpoint: str, nbytes: int, seconds: float) -> float:
     """GB/s of tensor payload, pipelined with a window of requests in flight."""
+    sent, elapsed = _pipelined(client, endpoint, nbytes, seconds)
+    return round(sent * nbytes / elapsed / 1e9, 3)
+
+
+def _pipelined(client, endpoint: str, nbytes: int, seconds: float) -> tuple[int, float]:
+    """Send `nbytes` tensors for about `seconds`, a window of requests in flight; returns
+    (requests sent, seconds taken), after one warm-up request."""
     from codec.messages import make
 
     payload = np.ones(nbytes, dtype=np.uint8)  # never mutated while sends are in flight
@@ -274,8 +304,7 @@ def _throughput(client, endpoint: str, nbytes: int, seconds: float) -> float:
         inflight.pop(0).result()
     for call in inflight:
         call.result()
-    elapsed = time.perf_counter() - t0
-    return round(sent * nbytes / elapsed / 1e9, 3)
+    return sent, time.perf_counter() - t0
 
 
 def _start(target, endpoints: list[str], ctx):
@@ -331,7 +360,7 @@ def measure(rtt_count: int = 3000, seconds: float = 1.5) -> dict:
             }, rtt_count)
             on_ipc = _interleaved({"raw": dealers[1], "bus": _bus_rtt(client, ipc),
                                    "direct": _direct_rtt(direct, ipc)}, rtt_count)
-            cpu = _cpu_per_rtt(client, tcp, dealers[0], rtt_count)
+            cpu = _cpu_per_rtt(client, direct, tcp, dealers[0], rtt_count)
         finally:
             for d in dealers:
                 d.close()
@@ -354,6 +383,7 @@ def measure(rtt_count: int = 3000, seconds: float = 1.5) -> dict:
             "tcp_direct": {k: _throughput(direct, tcp, n, seconds) for k, n in SIZES.items()},
             "ipc_direct": {k: _throughput(direct, ipc, n, seconds) for k, n in SIZES.items()},
         }
+        result["mib_ipc_ab"] = _mib_ab(client, direct, ipc, 3 * seconds)
         report = client.request(tcp, make("snapshot_req", cluster="bench"), timeout=10).result()
         by_size = report["stats"]["zero_copy"]
         result["zero_copy_by_size"] = {k: by_size.get(str(n)) for k, n in SIZES.items()}
@@ -375,30 +405,34 @@ def render(result: dict) -> str:
     raw = result["raw_floor_us"]
     lines = [
         "specbus bench bus (two processes per pair, loopback)",
-        f"{'measure':44} {'tcp':>10} {'ipc':>10}",
+        f"{'measure':52} {'tcp':>10} {'ipc':>10}",
     ]
     paths = (("raw floor, bare pyzmq", raw),
              ("full bus path (hot path, DirectClient)", result["direct_us"]),
              ("bus via I/O-thread client (StreamClient)", result["bus_us"]))
     for label, rows in paths:
         for p in ("p50", "p99"):
-            lines.append(f"{f'RTT {p} {label} (us)':44} {rows['tcp'][p]:>10} {rows['ipc'][p]:>10}")
+            lines.append(f"{f'RTT {p} {label} (us)':52} {rows['tcp'][p]:>10} {rows['ipc'][p]:>10}")
     for label, key in (("ratio DirectClient / raw (p50)", "ratio_direct_over_raw_p50"),
                        ("ratio StreamClient / raw (p50)", "ratio_bus_over_raw_p50")):
-        lines.append(f"{label:44} {result[key]['tcp']:>10} {result[key]['ipc']:>10}")
+        lines.append(f"{label:52} {result[key]['tcp']:>10} {result[key]['ipc']:>10}")
     tp = result["throughput_gbps"]
     for k in SIZES:
         for label, t, i in (("StreamClient", "tcp", "ipc"),
                             ("DirectClient", "tcp_direct", "ipc_direct")):
-            lines.append(f"{f'throughput {k} {label} (GB/s)':44} {tp[t][k]:>10} {tp[i][k]:>10}")
+            lines.append(f"{f'throughput {k} {label} (GB/s)':52} {tp[t][k]:>10} {tp[i][k]:>10}")
     zc = ", ".join(f"{k}={v}" for k, v in result["zero_copy_by_size"].items())
     lines.append(f"zero-copy receive: {result['zero_copy']} ({zc})")
     lines.append("per-stage breakdown (p50, us; tcp):")
     for k, v in result["stages_us"].items():
-        lines.append(f"  {k:42} {v:>10}")
+        lines.append(f"  {k:50} {v:>10}")
+    lines.append("1 MiB over ipc, the two clients in alternating slices (medians):")
+    for name, row in result["mib_ipc_ab"].items():
+        lines.append(f"  {name:14} {row['gbps']:>6} GB/s, CPU per MiB: client "
+                     f"{row['client_cpu_us_per_mib']} us, server {row['server_cpu_us_per_mib']} us")
     lines.append("CPU per round trip (us, all threads of the process; tcp):")
     for k, v in result["cpu_per_rtt_us"].items():
-        lines.append(f"  {k:42} {v:>10}")
+        lines.append(f"  {k:50} {v:>10}")
     return "\n".join(lines)
 
 

@@ -136,8 +136,10 @@ def test_deadline_is_reported_by_poll(client):
 def test_a_wait_bound_does_not_end_the_call(loop, factory, client):
     silent = StreamServer(loop, factory, lambda req: None)
     call = client.request(silent.endpoint, make("ping"), timeout=BOUND)
+    t0 = time.monotonic()
     with pytest.raises(RequestTimeout):
         call.next(timeout=0.05)
+    assert time.monotonic() - t0 >= 0.05  # a wait never ends before its bound
     assert not call.done and client.in_flight == 1
     call.cancel()
     with pytest.raises(RequestCancelled):
