@@ -286,6 +286,21 @@ def _throughput(client, endpoint: str, nbytes: int, seconds: float) -> float:
     return round(sent * nbytes / elapsed / 1e9, 3)
 
 
+def _throughputs(client, direct, tcp: str, ipc: str, seconds: float) -> dict:
+    """GB/s per size and transport for both clients, each size measured in two alternating
+    slices per client (so load changes hit both alike), the mean of the two."""
+    out: dict[str, dict[str, float]] = {}
+    for transport, endpoint in (("tcp", tcp), ("ipc", ipc)):
+        for k, n in SIZES.items():
+            runs: dict[str, list[float]] = {transport: [], f"{transport}_direct": []}
+            for _ in range(2):
+                runs[transport].append(_throughput(client, endpoint, n, seconds / 2))
+                runs[f"{transport}_direct"].append(_throughput(direct, endpoint, n, seconds / 2))
+            for key, xs in runs.items():
+                out.setdefault(key, {})[k] = round(statistics.fmean(xs), 3)
+    return out
+
+
 def _pipelined(client, endpoint: str, nbytes: int, seconds: float) -> tuple[int, float]:
     """Send `nbytes` tensors for about `seconds`, a window of requests in flight; returns
     (requests sent, seconds taken), after one warm-up request."""
@@ -377,12 +392,7 @@ def measure(rtt_count: int = 3000, seconds: float = 1.5) -> dict:
             }
         result["stages_us"] = _stages(loop, rtt_count, on_tcp)
         result["cpu_per_rtt_us"] = cpu
-        result["throughput_gbps"] = {
-            "tcp": {k: _throughput(client, tcp, n, seconds) for k, n in SIZES.items()},
-            "ipc": {k: _throughput(client, ipc, n, seconds) for k, n in SIZES.items()},
-            "tcp_direct": {k: _throughput(direct, tcp, n, seconds) for k, n in SIZES.items()},
-            "ipc_direct": {k: _throughput(direct, ipc, n, seconds) for k, n in SIZES.items()},
-        }
+        result["throughput_gbps"] = _throughputs(client, direct, tcp, ipc, seconds)
         result["mib_ipc_ab"] = _mib_ab(client, direct, ipc, 3 * seconds)
         report = client.request(tcp, make("snapshot_req", cluster="bench"), timeout=10).result()
         by_size = report["stats"]["zero_copy"]
