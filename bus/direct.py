@@ -9,7 +9,8 @@ intended user: it sends draft/commit requests to several proposers and reads the
 whenever it is ready, without blocking or with a bounded wait.
 
 Same wire format and semantics as `StreamClient` (request ids, deadlines, cancellation,
-streamed replies with `more`, the same typed errors, sockets from `SocketFactory`). Deadlines
+streamed replies with `more`, the same typed errors, sockets from `SocketFactory`); a
+malformed reply whose header names its request fails that call with `BadReply`. Deadlines
 have no timer: they are checked whenever the owner polls or waits. Every method checks the
 calling thread and raises `WrongThread` from any other, so misuse fails loudly, not randomly.
 
@@ -222,15 +223,15 @@ class DirectClient:
         return call
 
     def poll(self, timeout: float = 0) -> list[tuple[DirectCall, Reply]]:
-        """Receive what has arrived (waiting at most `timeout` s for the first) and return
-        every unread reply of every call as `(call, reply)`, oldest call first.
+        """Receive what has arrived (waiting at most `timeout` s, None: until something
+        arrives, if nothing is unread yet) and return every unread reply of every call as
+        `(call, reply)`, oldest call first; a reply read this way is gone from its call.
 
         `reply` is a Message (an `error` message for a remote failure) or a BusError
         (RequestTimeout, RequestCancelled, PeerUnavailable) when the call failed locally.
         """
         self._check_owner()
-        if not self._ready:
-            self._receive(timeout)
+        self._receive(0 if self._ready else timeout)  # something to return: no waiting
         ready, self._ready = self._ready, {}
         out = []
         for call in ready.values():
@@ -303,9 +304,9 @@ class DirectClient:
         sock = self.factory.dealer()
         try:
             sock.connect(endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             sock.close(linger=0)
-            raise
+            raise ValueError(f"cannot connect to {endpoint!r}: {exc}") from exc
         self._dealers[endpoint] = sock
         self._poller.register(sock, zmq.POLLIN)
         return sock

@@ -309,6 +309,8 @@ def test_zero_copy_tensors_and_bad_requests(client, loop, factory):
     assert "unknown_type" in str(info.value)
     with pytest.raises(ValueError):
         client.request(srv.endpoint, make("ping"), timeout=0)
+    with pytest.raises(ValueError):
+        client.request("nonsense://x", make("ping"), timeout=1)
 
 
 def test_ipc_transport(client, loop, factory, tmp_path):
