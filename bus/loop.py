@@ -48,7 +48,10 @@ def send_frames(sock: zmq.Socket, frames: list) -> None:
     send = sock.send
     for i, frame in enumerate(frames):
         flags = _NOBLOCK if i == last else _NOBLOCK | _SNDMORE
-        size = frame.nbytes if hasattr(frame, "nbytes") else len(frame)
+        if type(frame) is bytes:  # headers, peer ids: skip hasattr's AttributeError (~0.5 us)
+            size = len(frame)
+        else:
+            size = frame.nbytes if hasattr(frame, "nbytes") else len(frame)
         send(frame, flags, copy=size < _COPY_THRESHOLD)
 
 
