@@ -17,7 +17,20 @@ calling thread and raises `WrongThread` from any other, so misuse fails loudly, 
 Replies are buffered per call, bounded: at most `max_queued` streamed (`more=True`) replies
 wait for the owner; later ones are dropped and counted (`DirectCall.overflowed`,
 `DirectClient.overflowed`). The final reply (or failure) of a call is always kept, so a call
-always finishes.
+always finishes. Until the owner reads, replies wait in libzmq (RCVHWM per socket); ZMTP
+heartbeats are answered by libzmq's own thread, so a busy owner delays reading, not liveness.
+
+Typical use on the owner thread (several peers, replies read when the thread is ready):
+
+    client = DirectClient(factory, sender=node_id)         # on the thread that will use it
+    calls = [client.request(ep, make("draft_req", ...), timeout=0.05) for ep in proposers]
+    ...                                                     # other work; replies queue
+    for call, reply in client.poll(timeout=0.002):          # bounded wait, or 0: none
+        ...                                                 # Message, or a BusError
+    call.result(timeout=1.0)                                # or wait for one call
+    client.close()                                          # cancels what is pending
+
+Close it on its owner (a `with` block works); sockets are not closed from other threads.
 """
 
 from __future__ import annotations
