@@ -5,9 +5,8 @@ exception: its DEALERs belong to the thread that made it). They hand work to the
 `call_soon` (a deque plus a self-pipe wake-up, both safe from any thread) and get results back
 through queues or callbacks. The pipe is written only when the loop may be asleep (one byte
 per sleep, not per call), and code already on the loop thread sends directly, without a
-hand-off. Because
-heartbeats and replies are sent from this thread, a long model forward in the main thread never
-delays them (the forward releases the GIL in torch/mlx kernels).
+hand-off. Because heartbeats and replies are sent from this thread, a long model forward in
+the main thread never delays them (the forward releases the GIL in torch/mlx kernels).
 """
 
 from __future__ import annotations
