@@ -333,3 +333,31 @@ def test_the_wire_is_the_same_as_stream_client(client, factory):
         assert zmq.DEALER == client._dealers[endpoint].type
     finally:
         router.close(linger=0)
+
+
+def test_a_compute_thread_owns_its_client(factory, server):
+    """The intended use: a worker thread makes the client and does all its I/O itself."""
+    box = {}
+
+    def compute():
+        cli = DirectClient(factory, sender="compute")
+        box["client"] = cli
+        calls = [cli.request(server.endpoint, make("ping", payload=str(i)), timeout=BOUND)
+                 for i in range(5)]
+        box["payloads"] = [c.result(BOUND).get("payload") for c in calls]
+        box["ready"].set()
+        box["release"].wait(BOUND)
+        cli.close()
+
+    box["ready"], box["release"] = threading.Event(), threading.Event()
+    t = threading.Thread(target=compute, name="verifier-compute")
+    t.start()
+    try:
+        assert box["ready"].wait(BOUND)
+        assert box["payloads"] == [str(i) for i in range(5)]
+        with pytest.raises(WrongThread):
+            box["client"].poll()  # the main thread is not its owner
+    finally:
+        box["release"].set()
+        t.join(BOUND)
+    assert not t.is_alive()
