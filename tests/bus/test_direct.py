@@ -3,6 +3,7 @@
 Timeouts here are only "it happens" bounds: no verdict depends on how fast anything is.
 """
 
+import select
 import subprocess
 import sys
 import threading
@@ -43,7 +44,7 @@ def remote():
         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
     )
     try:
-        endpoint = proc.stdout.readline().strip()
+        endpoint = read_line(proc)
         assert endpoint.startswith("tcp://127.0.0.1:")
         yield proc, endpoint
     finally:
@@ -60,6 +61,12 @@ def client(factory):
     cli = DirectClient(factory, sender="cli")
     yield cli
     cli.close()
+
+
+def read_line(proc, bound=BOUND):
+    """The server's next stdout line, or "" if none comes within `bound` (no hang)."""
+    ready, _, _ = select.select([proc.stdout], [], [], bound)
+    return proc.stdout.readline().strip() if ready else ""
 
 
 def drain(client, calls, bound=BOUND):
@@ -174,7 +181,7 @@ def test_cancel_reaches_a_server_in_another_process(client, remote):
     call = client.request(endpoint, make("blob", note="hold"), timeout=BOUND)
     client.request(endpoint, make("ping"), timeout=BOUND).result()  # same pipe: hold arrived
     call.cancel()
-    assert proc.stdout.readline().strip() == f"cancelled {call.rid}"
+    assert read_line(proc) == f"cancelled {call.rid}"
 
 
 def test_close_cancels_pending_calls_on_the_server(client, remote):
@@ -182,7 +189,7 @@ def test_close_cancels_pending_calls_on_the_server(client, remote):
     call = client.request(endpoint, make("blob", note="hold"), timeout=BOUND)
     client.request(endpoint, make("ping"), timeout=BOUND).result()
     client.close()
-    assert proc.stdout.readline().strip() == f"cancelled {call.rid}"
+    assert read_line(proc) == f"cancelled {call.rid}"
     with pytest.raises(RequestCancelled):
         call.result(0)
     with pytest.raises(BusError):
