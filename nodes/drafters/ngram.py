@@ -1,7 +1,10 @@
-"""Prompt-lookup drafting: continue the longest recent n-gram match in prompt + generated text.
+"""Prompt-lookup drafting: continue the longest n-gram match in prompt + generated text.
 
 Model-free and nearly free to run, so it pays off whenever the output copies the input (code
-edits, extraction, quoting). Longest suffix first (max_n down to min_n), most recent occurrence.
+edits, extraction, quoting). Longest suffix first (max_n down to min_n). As a chain (`draft`) it
+follows the most recent occurrence; as a tree source (`NgramSource`) it proposes the distinct
+continuations of every earlier occurrence of the matched suffix, most recent first, so the
+verifier picks the one the text actually takes.
 """
 
 from __future__ import annotations
@@ -13,15 +16,20 @@ import numpy as np
 from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
+from nodes.engine.sources import DraftSource
+from nodes.engine.tree import Candidate
+
+#: earlier occurrences looked at per tree proposal (most recent first): bounds the work per step
+MAX_OCCURRENCES = 16
 
 
 class NgramSession(DraftSession):
-    """Index of n-gram -> most recent end position, excluding the n-gram ending at the tip."""
+    """Index of n-gram -> end positions (oldest first), excluding the n-gram ending at the tip."""
 
     def __init__(self, prompt_ids: Sequence[int], min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
-        self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self.index: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_n + 1)]
         self.extend(prompt_ids)
 
     def extend(self, delta: Sequence[int]) -> None:
@@ -30,7 +38,7 @@ class NgramSession(DraftSession):
             # the n-grams ending at the old tip are no longer the suffix: index them now
             end = len(toks)
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.index[n][tuple(toks[end - n : end])] = end
+                self.index[n].setdefault(tuple(toks[end - n : end]), []).append(end)
             toks.append(int(t))
 
     def draft(self, k: int) -> tuple[np.ndarray, None]:
@@ -38,10 +46,44 @@ class NgramSession(DraftSession):
         if k <= 0:
             return EMPTY_DRAFT, None
         for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
-            end = self.index[n].get(tuple(toks[len(toks) - n :]))
-            if end is not None:
-                return np.asarray(toks[end : end + k], dtype=np.int32), None
+            ends = self.index[n].get(tuple(toks[len(toks) - n :]))
+            if ends:
+                return np.asarray(toks[ends[-1] : ends[-1] + k], dtype=np.int32), None
         return EMPTY_DRAFT, None
+
+    def continuations(self, k: int) -> list[list[int]]:
+        """Distinct continuations (up to k tokens) of every earlier occurrence of the longest
+        matched suffix, most recent occurrence first; none that is a prefix of an earlier one."""
+        toks = self.tokens
+        if k <= 0:
+            return []
+        for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
+            ends = self.index[n].get(tuple(toks[len(toks) - n :]))
+            if not ends:
+                continue
+            out: list[list[int]] = []
+            for end in reversed(ends[-MAX_OCCURRENCES:]):
+                cont = toks[end : end + k]
+                if cont and not any(c[: len(cont)] == cont for c in out):
+                    out.append(cont)
+            return out
+        return []
+
+
+class NgramSource(DraftSource):
+    """The n-gram index as a tree source: several continuations per step, deterministic."""
+
+    name = "ngram"
+
+    def __init__(self, session: NgramSession, told: int) -> None:
+        self.session = session
+        self.told = told
+
+    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
+        self.session.extend(committed[self.told :])
+        self.told = len(committed)
+        return [Candidate(np.asarray(c, dtype=np.int64)) for c in
+                self.session.continuations(budget)]
 
 
 class NgramDrafter(Drafter):
@@ -62,3 +104,6 @@ class NgramDrafter(Drafter):
 
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> NgramSession:
         return NgramSession(prompt_ids, self.min_n, self.max_n)
+
+    def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> NgramSource:
+        return NgramSource(self.open(prompt_ids, params), len(prompt_ids))

@@ -59,13 +59,26 @@ class TokenTree:
     ) -> dict[int, int]:
         """Merge (source index, candidate) pairs; return draft tokens placed per source.
 
-        Tokens are added depth by depth across candidates (candidate order breaks ties), so a
-        tight node budget spends itself on the first tokens of every branch before deep tails.
-        A token already in the tree costs nothing.
+        Each source's first candidate (its best chain) goes in whole, in source order; then the
+        other candidates (alternatives) depth by depth, so what budget is left covers the first
+        tokens of every alternative before deep tails. A token already in the tree costs nothing.
         """
+        offered: dict[int, int] = {}
+        firsts, seen = [], set()
+        for ci, (src, _) in enumerate(candidates):
+            if src not in seen:
+                seen.add(src)
+                firsts.append(ci)
+        rest = [ci for ci in range(len(candidates)) if ci not in set(firsts)]
+        for ci in firsts:
+            self._place([candidates[ci]], budget, max_depth, offered)
+        self._place([candidates[ci] for ci in rest], budget, max_depth, offered)
+        return offered
+
+    def _place(self, candidates, budget, max_depth, offered) -> None:
+        """Add candidates depth by depth (candidate order breaks ties) within the budget."""
         cur = [0] * len(candidates)
         alive = [True] * len(candidates)
-        offered: dict[int, int] = {}
         for d in range(max_depth):
             for ci, (src, cand) in enumerate(candidates):
                 if not alive[ci] or d >= len(cand.tokens):
@@ -83,7 +96,6 @@ class TokenTree:
                 self.owners[child].add(src)
                 offered[src] = offered.get(src, 0) + 1
                 cur[ci] = child
-        return offered
 
     def _new(self, tok: int, parent: int) -> int:
         node = len(self.tokens)
