@@ -69,3 +69,18 @@ def test_smollm2_mlx_matches_mlx_lm(smollm2_folder):
     gen = Engine(backend, NgramDrafter()).generate(ids, GenerationParams(max_tokens=32))
     assert gen.token_ids == expected
     assert gen.stats.accepted > 0
+
+
+@pytest.mark.parametrize("drafter_name", ["ngram", "int8"])
+def test_smollm2_trees_match_hf(smol_torch, smol_prompt, hf_reference, drafter_name):
+    """Pinned node budget, so branching trees are really verified (not left to the cost model)."""
+    from nodes.drafters.base import make_drafter
+
+    engine = Engine(smol_torch, make_drafter(drafter_name, smol_torch), fixed_k=8)
+    stats = Stats()
+    out = []
+    for block in engine.stream(smol_prompt, GenerationParams(max_tokens=N), stats=stats):
+        assert block.cache_len == block.committed_len - 1
+        out.extend(block.token_ids)
+    assert out == hf_reference
+    assert stats.tree_blocks > 0 and stats.accepted > 0
