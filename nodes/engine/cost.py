@@ -37,7 +37,8 @@ class CostModel:
     _acc: float = 0.0
     _trials: float = 0.0
     _verify: dict[int, float] = field(default_factory=dict)  # fed tokens -> EMA seconds
-    _draft_per_token: float | None = None
+    #: seconds per drafted token (EMA) under key "per_token"; a dict so forks share it
+    _draft: dict[str, float] = field(default_factory=dict)
     _plain_streak: int = 0
     _probing: bool = False
     _probe_interval: int = 8
@@ -57,8 +58,8 @@ class CostModel:
         self._trials = self.prior_weight
 
     def fork(self) -> CostModel:
-        """A per-sequence model: fresh acceptance, the verify costs shared with this one (they
-        belong to the backend and device, not to a prompt)."""
+        """A per-sequence model: fresh acceptance; verify and draft costs shared with this one
+        (they belong to the backend, device and drafter, not to a prompt)."""
         other = CostModel(
             max_k=self.max_k, min_k=self.min_k, probe_every=self.probe_every,
             max_probe_every=self.max_probe_every, prior_acceptance=self.prior_acceptance,
@@ -66,7 +67,7 @@ class CostModel:
             prior_slope=self.prior_slope, margin=self.margin, probe_k=self.probe_k,
         )
         other._verify = self._verify
-        other._draft_per_token = self._draft_per_token
+        other._draft = self._draft
         return other
 
     @property
@@ -105,7 +106,7 @@ class CostModel:
         """Committed tokens per second expected from a block with k drafts."""
         a = min(self.acceptance, 0.999)
         tokens = (1 - a ** (k + 1)) / (1 - a)
-        cost = self.verify_cost(k + 1) + (self._draft_per_token or 0.0) * k
+        cost = self.verify_cost(k + 1) + self._draft.get("per_token", 0.0) * k
         return tokens / cost
 
     def choose_k(self) -> int:
@@ -131,8 +132,8 @@ class CostModel:
         if drafted <= 0:
             return
         per = seconds / drafted
-        old = self._draft_per_token
-        self._draft_per_token = per if old is None else (1 - _EMA) * old + _EMA * per
+        old = self._draft.get("per_token")
+        self._draft["per_token"] = per if old is None else (1 - _EMA) * old + _EMA * per
 
     def record_acceptance(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
