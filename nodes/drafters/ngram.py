@@ -21,6 +21,9 @@ from nodes.engine.tree import Candidate
 
 #: earlier occurrences looked at per tree proposal (most recent first): bounds the work per step
 MAX_OCCURRENCES = 16
+#: distinct continuations per proposal, and the shortest suffix that may add alternatives
+MAX_BRANCHES = 4
+ALT_MIN_N = 2
 
 
 class NgramSession(DraftSession):
@@ -52,22 +55,26 @@ class NgramSession(DraftSession):
         return EMPTY_DRAFT, None
 
     def continuations(self, k: int) -> list[list[int]]:
-        """Distinct continuations (up to k tokens) of every earlier occurrence of the longest
-        matched suffix, most recent occurrence first; none that is a prefix of an earlier one."""
+        """Distinct continuations (up to k tokens) of the earlier occurrences of the longest
+        matched suffix, most recent first, then of shorter suffixes (down to `alt_min_n`) as
+        alternatives; at most MAX_BRANCHES, none a prefix of an earlier one."""
         toks = self.tokens
         if k <= 0:
             return []
+        out: list[list[int]] = []
         for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
             ends = self.index[n].get(tuple(toks[len(toks) - n :]))
             if not ends:
                 continue
-            out: list[list[int]] = []
+            if out and n < ALT_MIN_N:
+                break
             for end in reversed(ends[-MAX_OCCURRENCES:]):
                 cont = toks[end : end + k]
                 if cont and not any(c[: len(cont)] == cont for c in out):
                     out.append(cont)
-            return out
-        return []
+                if len(out) >= MAX_BRANCHES:
+                    return out
+        return out
 
 
 class NgramSource(DraftSource):

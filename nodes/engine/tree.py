@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+#: nodes a source's first chain leaves free for each of its alternative candidates
+ALT_RESERVE = 2
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -59,9 +62,11 @@ class TokenTree:
     ) -> dict[int, int]:
         """Merge (source index, candidate) pairs; return draft tokens placed per source.
 
-        Each source's first candidate (its best chain) goes in whole, in source order; then the
-        other candidates (alternatives) depth by depth, so what budget is left covers the first
-        tokens of every alternative before deep tails. A token already in the tree costs nothing.
+        Each source's first candidate (its best chain) goes in, in source order, leaving
+        ALT_RESERVE nodes per alternative of that source (but taking at least half of what is
+        left); then the other candidates (alternatives) depth by depth, so the rest of the
+        budget covers the first tokens of every alternative before deep tails. A token already
+        in the tree costs nothing.
         """
         offered: dict[int, int] = {}
         firsts, seen = [], set()
@@ -71,7 +76,14 @@ class TokenTree:
                 firsts.append(ci)
         rest = [ci for ci in range(len(candidates)) if ci not in set(firsts)]
         for ci in firsts:
-            self._place([candidates[ci]], budget, max_depth, offered)
+            src, cand = candidates[ci]
+            # hold back room for this source's alternatives: their divergent token and one more
+            alts = sum(1 for s, _ in candidates if s == src) - 1
+            left = budget - self.drafted
+            room = max(left - ALT_RESERVE * alts, (left + 1) // 2)
+            self._place([(src, Candidate(cand.tokens[:room], None if cand.probs is None
+                                          else cand.probs[:room]))],
+                        budget, max_depth, offered)
         self._place([candidates[ci] for ci in rest], budget, max_depth, offered)
         return offered
 

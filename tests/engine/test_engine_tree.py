@@ -173,20 +173,25 @@ def test_two_sources_merge_into_one_tree(tiny_torch, tiny_draft_folder, prompt_i
 
 
 def test_tree_dedups_and_respects_budget():
-    tree = TokenTree(1)
     a = Candidate(np.asarray([5, 6, 7]))
-    b = Candidate(np.asarray([5, 6, 8]))
+    b = Candidate(np.asarray([5, 6, 8, 8]))
     c = Candidate(np.asarray([9]))
     d = Candidate(np.asarray([4, 4, 4]))
-    offered = tree.add([(0, a), (1, b), (1, c), (1, d)], budget=7, max_depth=8)
-    # each source's first chain whole, then the alternatives' first tokens before their tails
-    assert tree.tokens == [1, 5, 6, 7, 8, 9, 4, 4]
-    assert tree.parents == [-1, 0, 1, 2, 2, 0, 0, 6]
-    assert offered == {0: 3, 1: 6}
+    tree = TokenTree(1)
+    offered = tree.add([(0, a), (1, b), (1, c), (1, d)], budget=9, max_depth=8)
+    # source 0's chain whole; source 1's chain leaves 2 nodes per alternative (9 - 3 - 4 = 2
+    # tokens, but at least half of the 6 left: 3), then the alternatives breadth-first
+    assert tree.tokens == [1, 5, 6, 7, 8, 9, 4, 4, 4]
+    assert tree.parents == [-1, 0, 1, 2, 2, 0, 0, 6, 7]
+    assert offered == {0: 3, 1: 7}
     assert tree.accepted_by(0, [1, 2, 3]) == 3 and tree.accepted_by(1, [1, 2, 3]) == 2
+    assert tree.accepted_by(1, [1, 2, 4]) == 3
     small = TokenTree(1)
     small.add([(0, a), (1, b)], budget=2, max_depth=8)
     assert small.tokens == [1, 5, 6]
+    depth_cap = TokenTree(1)
+    depth_cap.add([(0, a)], budget=9, max_depth=2)
+    assert depth_cap.tokens == [1, 5, 6]
 
 
 def test_ngram_tree_offers_every_continuation():
@@ -197,3 +202,8 @@ def test_ngram_tree_offers_every_continuation():
     src = NgramDrafter().open_source(tokens, SamplingParams())
     got = [c.tokens.tolist() for c in src.propose(tokens, 3)]
     assert got == [[9, 3, 1], [5, 5, 1], [9, 9, 4]]  # most recent first, all distinct
+    # a longer matched suffix first, then shorter suffixes' continuations as alternatives
+    tokens = [7, 1, 2, 5, 0, 3, 1, 2, 6, 0, 7, 1, 2]
+    got = [c.tokens.tolist() for c in NgramDrafter().open_source(tokens, SamplingParams())
+           .propose(tokens, 2)]
+    assert got == [[5, 0], [6, 0]]
