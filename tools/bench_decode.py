@@ -142,7 +142,7 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
         (
             "engine-ngram-tree",
             "torch",
-            lambda: _engine_runner(Engine(torch_backend(), NgramDrafter())),
+            lambda: _engine_runner(Engine(torch_backend(), NgramDrafter(branches=4))),
         ),
         ("hf-plain", "torch", lambda: _hf_runner(torch_backend())),
         (

@@ -21,16 +21,17 @@ from nodes.engine.tree import Candidate
 
 #: earlier occurrences looked at per tree proposal (most recent first): bounds the work per step
 MAX_OCCURRENCES = 16
-#: distinct continuations per proposal, and the shortest suffix that may add alternatives
-MAX_BRANCHES = 4
+#: the shortest suffix whose occurrences may add alternatives to a longer match's
 ALT_MIN_N = 2
 
 
 class NgramSession(DraftSession):
     """Index of n-gram -> end positions (oldest first), excluding the n-gram ending at the tip."""
 
-    def __init__(self, prompt_ids: Sequence[int], min_n: int, max_n: int) -> None:
-        self.min_n, self.max_n = min_n, max_n
+    def __init__(
+        self, prompt_ids: Sequence[int], min_n: int, max_n: int, branches: int = 1
+    ) -> None:
+        self.min_n, self.max_n, self.branches = min_n, max_n, branches
         self.tokens: list[int] = []
         self.index: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_n + 1)]
         self.extend(prompt_ids)
@@ -56,8 +57,8 @@ class NgramSession(DraftSession):
 
     def continuations(self, k: int) -> list[list[int]]:
         """Distinct continuations (up to k tokens) of the earlier occurrences of the longest
-        matched suffix, most recent first, then of shorter suffixes (down to `alt_min_n`) as
-        alternatives; at most MAX_BRANCHES, none a prefix of an earlier one."""
+        matched suffix, most recent first, then of shorter suffixes (down to ALT_MIN_N) as
+        alternatives; at most `branches`, none a prefix of an earlier one."""
         toks = self.tokens
         if k <= 0:
             return []
@@ -72,7 +73,7 @@ class NgramSession(DraftSession):
                 cont = toks[end : end + k]
                 if cont and not any(c[: len(cont)] == cont for c in out):
                     out.append(cont)
-                if len(out) >= MAX_BRANCHES:
+                if len(out) >= self.branches:
                     return out
         return out
 
@@ -98,19 +99,24 @@ class NgramDrafter(Drafter):
 
     Defaults (n from 8 down to 1) were picked by replaying the decode benchmark's greedy outputs
     through the adaptive engine: long n-grams pick the right place in repetitive code, and the
-    engine's acceptance tracking already turns junk single-token matches down.
+    engine's acceptance tracking already turns junk single-token matches down. `branches` > 1
+    proposes a tree of that many distinct continuations; off by default because on the
+    benchmark prompts it committed no more tokens per forward than the chain (the longest
+    matched suffix occurs once) while feeding more nodes (see docs/engine.md).
     """
 
     name = "ngram"
     fingerprint = None
 
-    def __init__(self, min_n: int = 1, max_n: int = 8) -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 8, branches: int = 1) -> None:
         if not (1 <= min_n <= max_n):
             raise BadRequestError(f"ngram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        self.min_n, self.max_n = min_n, max_n
+        if not 1 <= branches <= MAX_OCCURRENCES:
+            raise BadRequestError(f"ngram branches must be in 1..{MAX_OCCURRENCES}, got {branches}")
+        self.min_n, self.max_n, self.branches = min_n, max_n, branches
 
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> NgramSession:
-        return NgramSession(prompt_ids, self.min_n, self.max_n)
+        return NgramSession(prompt_ids, self.min_n, self.max_n, self.branches)
 
     def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> NgramSource:
         return NgramSource(self.open(prompt_ids, params), len(prompt_ids))

@@ -75,8 +75,13 @@ def test_smollm2_mlx_matches_mlx_lm(smollm2_folder):
 def test_smollm2_trees_match_hf(smol_torch, smol_prompt, hf_reference, drafter_name):
     """Pinned node budget, so branching trees are really verified (not left to the cost model)."""
     from nodes.drafters.base import make_drafter
+    from nodes.drafters.ngram import NgramDrafter
 
-    engine = Engine(smol_torch, make_drafter(drafter_name, smol_torch), fixed_k=8)
+    if drafter_name == "ngram":
+        drafter = NgramDrafter(branches=4)
+    else:
+        drafter = make_drafter("int8", smol_torch)
+    engine = Engine(smol_torch, drafter, fixed_k=8)
     stats = Stats()
     out = []
     for block in engine.stream(smol_prompt, GenerationParams(max_tokens=N), stats=stats):

@@ -146,7 +146,7 @@ def test_model_and_ngram_trees_match_hf(tiny_torch, tiny_draft_folder, prompt_id
 
     params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
     other = TorchBackend.load(str(tiny_draft_folder), device="cpu")
-    for drafter in (NgramDrafter(), ModelDrafter(other, tree_width=3),
+    for drafter in (NgramDrafter(branches=4), ModelDrafter(other, tree_width=3),
                     ModelDrafter(tiny_torch, tree_width=2)):
         out, _ = run(Engine(tiny_torch, drafter, fixed_k=k), prompt_ids, params)
         assert out == reference[:N], drafter.name
@@ -163,7 +163,7 @@ def test_two_sources_merge_into_one_tree(tiny_torch, tiny_draft_folder, prompt_i
     sp = SamplingParams()
     sources = [
         ScriptedTree(prompt_ids + reference, tiny_torch.vocab_size),
-        NgramDrafter().open_source(prompt_ids, sp),
+        NgramDrafter(branches=4).open_source(prompt_ids, sp),
         other.open_source(prompt_ids, sp),
     ]
     params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
@@ -199,11 +199,13 @@ def test_ngram_tree_offers_every_continuation():
     from nodes.engine import SamplingParams
 
     tokens = [1, 2, 9, 9, 4, 1, 2, 5, 5, 1, 2, 9, 3, 1, 2]
-    src = NgramDrafter().open_source(tokens, SamplingParams())
+    src = NgramDrafter(branches=4).open_source(tokens, SamplingParams())
     got = [c.tokens.tolist() for c in src.propose(tokens, 3)]
     assert got == [[9, 3, 1], [5, 5, 1], [9, 9, 4]]  # most recent first, all distinct
     # a longer matched suffix first, then shorter suffixes' continuations as alternatives
     tokens = [7, 1, 2, 5, 0, 3, 1, 2, 6, 0, 7, 1, 2]
-    got = [c.tokens.tolist() for c in NgramDrafter().open_source(tokens, SamplingParams())
+    got = [c.tokens.tolist() for c in NgramDrafter(branches=4).open_source(tokens, SamplingParams())
            .propose(tokens, 2)]
     assert got == [[5, 0], [6, 0]]
+    assert [c.tokens.tolist() for c in NgramDrafter().open_source(tokens, SamplingParams())
+            .propose(tokens, 2)] == [[5, 0]]  # default: one chain
