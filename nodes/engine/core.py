@@ -131,6 +131,7 @@ class _Slot:
     name: str
     asked: bool = False  # proposed this step (gets feedback on its offer)
     offered: int = 0
+    tag: int = -1  # this step's source index in the tree's owner sets
 
 
 @dataclass
@@ -321,7 +322,7 @@ class Engine:
         found: list[tuple[int, Candidate]] = []
         t0 = time.perf_counter()
         for i, slot in enumerate(list(seq.slots)):
-            slot.asked, slot.offered = False, 0
+            slot.asked, slot.offered, slot.tag = False, 0, i
             try:
                 cands = slot.source.propose(committed, budget)
             except Exception as exc:  # noqa: BLE001 - a broken source must not end generation
@@ -335,8 +336,8 @@ class Engine:
         if found and not self.tree:
             found = found[:1]  # single-path verification: the first source's first candidate
         offered = tree.add(found, budget, max_depth=max(remaining - 1, 0))
-        for i, slot in enumerate(seq.slots):
-            slot.offered = offered.get(i, 0)
+        for slot in seq.slots:
+            slot.offered = offered.get(slot.tag, 0)
         dt = time.perf_counter() - t0
         if budget > 0:
             seq.stats.draft_s += dt
@@ -379,12 +380,13 @@ class Engine:
         committed = len(seq.prompt) + len(seq.generated)
         # roll back rejected (or cut-off) drafts: keep all committed but the pending one
         self.backend.crop(seq.cache, committed - 1)
-        for i, slot in enumerate(list(seq.slots)):
+        for slot in list(seq.slots):
+            asked = slot.asked and tree is not None and path is not None
             fb = Feedback(
                 committed=tuple(new),
                 committed_len=committed,
-                offered=slot.offered if slot.asked else 0,
-                accepted=tree.accepted_by(i, path) if tree is not None and slot.asked else 0,
+                offered=slot.offered if asked else 0,
+                accepted=tree.accepted_by(slot.tag, path) if asked else 0,
             )
             if fb.offered and self.fixed_k is None:
                 seq.cost.record_source(slot.name, fb.offered, fb.accepted)

@@ -209,3 +209,48 @@ def test_ngram_tree_offers_every_continuation():
     assert got == [[5, 0], [6, 0]]
     assert [c.tokens.tolist() for c in NgramDrafter().open_source(tokens, SamplingParams())
             .propose(tokens, 2)] == [[5, 0]]  # default: one chain
+
+
+class Recorder(DraftSource):
+    """Passes proposals through and keeps every feedback it gets."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.got = inner, "recorder", []
+
+    def propose(self, committed, budget):
+        return self.inner.propose(committed, budget)
+
+    def feedback(self, fb):
+        self.got.append(fb)
+
+
+class FailsOnSecondCall(DraftSource):
+    name = "flaky"
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, committed, budget):
+        self.calls += 1
+        if self.calls == 2:
+            raise ConnectionError("gone")
+        return [Candidate(np.asarray([3, 3]))]
+
+
+def test_feedback_is_explicit_and_survives_a_failing_source(tiny_torch, prompt_ids, reference):
+    rec = Recorder(ScriptedTree(prompt_ids + reference, tiny_torch.vocab_size))
+    flaky = FailsOnSecondCall()
+    params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
+    blocks, stats = [], Stats()
+    for block in Engine(tiny_torch, fixed_k=6).stream(prompt_ids, params, stats=stats,
+                                                      sources=[flaky, rec]):
+        blocks.append(block)
+    assert [t for b in blocks for t in b.token_ids] == reference[:N]
+    assert stats.drafter_errors == 1 and flaky.calls == 2  # dropped, never asked again
+    assert len(rec.got) == len(blocks)  # one feedback per step, the prefill included
+    for fb, block in zip(rec.got, blocks, strict=True):
+        assert list(fb.committed) == block.token_ids
+        assert fb.committed_len == block.committed_len
+        # the truth is among the recorder's candidates: every accepted token was its proposal
+        assert fb.accepted == block.accepted
+        assert fb.offered >= fb.accepted and (fb.offered > 0) == (block.drafted > 0)
