@@ -94,8 +94,7 @@ def cluster(tmp_path_factory):
 
 
 def _url(cluster, name: str) -> str:
-    gw = next(n for n in cluster.nodes if n.name == name)
-    return gw.ready["http"]
+    return cluster.node(name).ready["http"]
 
 
 @pytest.fixture(scope="module")
