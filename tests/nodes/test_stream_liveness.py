@@ -85,3 +85,32 @@ def test_close_cancels_calls_in_flight_and_the_server_can_tell_the_peer_is_gone(
     assert wait_all(lambda: not loop.run_sync(lambda: server.peer_connected(peer)), 30)
     with pytest.raises(PeerUnavailable):
         client.request(server.endpoint, make("ping")).next(timeout=5)
+
+
+@pytest.mark.parametrize("indexes, ok", [((0, 1, 2), True), ((0, 2), False), ((0, 1, 1), False)],
+                         ids=["in-order", "gap", "repeat"])
+def test_the_cluster_client_checks_chunk_continuity(loop, indexes, ok):
+    """A chunk missing or repeated is a `broken_stream` error, never silently wrong text."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from codec.structs import Done, TokenChunk
+    from nodes.cluster_client import ClusterClient, ClusterError, GenerateRequest
+
+    def serve(req):
+        for i in indexes:
+            req.reply(TokenChunk(i, np.array([1], np.int32), "x").to_message(), more=True)
+        req.reply(Done("length", "x" * len(indexes)).to_message())
+
+    server = StreamServer(loop, SocketFactory(), serve)
+    fake = SimpleNamespace(node_id="fake-verifier", card=SimpleNamespace(
+        endpoints={"stream": server.endpoint}))
+    with ClusterClient("liveness-test", mdns=False) as cc:
+        stream = cc.stream(GenerateRequest("hi", max_tokens=3), fake, idle_timeout=60)
+        if ok:
+            assert [m.type for m in stream] == ["token_chunk"] * 3 + ["done"]
+        else:
+            with pytest.raises(ClusterError) as info:
+                list(stream)
+            assert info.value.code == "broken_stream"
