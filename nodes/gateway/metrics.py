@@ -125,7 +125,9 @@ class GatewayMetrics:
                 ("queued", "queued", "Generations queued (verifier telemetry)"),
                 ("completed", "generations", "Generations completed, all clients (telemetry)"),
                 ("tok_s", "tok_s", "Tokens/s of its last generation (verifier telemetry)"),
-                ("acceptance", "acceptance", "Acceptance of its last generation (telemetry)")):
+                ("acceptance", "acceptance", "Acceptance of its last generation (telemetry)"),
+                ("orphans_dropped", "orphans_dropped",
+                 "Requests dropped because their client left or died (verifier telemetry)")):
             samples = []
             for i in names:  # alive ones only: a dead verifier's last report is stale
                 v = (self.telemetry.get(i) or {}).get("verifier")
