@@ -56,24 +56,28 @@ def start_proposer(cluster, client, name):
     return p
 
 
-def timed_generation(client, proposers, during=None, at=1.0, force=False):
-    """Generate, calling `during()` `at` seconds in; return (result, chunk arrival gaps).
-
-    `force` pins speculation (the proposers are asked every block, with the full deadline)."""
+def timed_generation(client, proposers, during=None, after_chunks=3, force=False):
+    """Generate, calling `during()` once `after_chunks` token chunks have arrived (blocks the
+    proposers took part in: a point in the generation, not a time); return (result, chunk
+    arrival gaps). `force` pins speculation (the proposers are asked every block)."""
     arrivals, out = [], {}
+    reached = threading.Event()
 
     def run():
         last = None
         req = GenerateRequest(PROMPT, max_tokens=MAX, proposers=proposers, force_draft=force)
         for msg in client.stream(req):
             arrivals.append(time.monotonic())
+            if len(arrivals) >= after_chunks:
+                reached.set()
             last = msg
+        reached.set()
         out["done"] = last
 
     t = threading.Thread(target=run)
     t.start()
     if during is not None:
-        time.sleep(at)
+        reached.wait(600)
         during()
     t.join(600)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
