@@ -220,10 +220,13 @@ class ShardProcess:
         finally:
             if telemetry is not None:
                 telemetry.stop()
+            if roles is not None:
+                # in-flight and queued requests fail fast on the broken pipeline; their error
+                # replies go out through the node before it leaves
+                roles.close()
+                time.sleep(0.2)
             if node is not None:
                 node.stop(leave=True)
-            if roles is not None:
-                roles.close()
             backend.close()
 
 

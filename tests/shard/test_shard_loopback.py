@@ -15,17 +15,41 @@ MAX_TOKENS = 16
 LOOP = ("--interface", "127.0.0.1", "--threads", "1")
 
 
+def free_port_pair() -> int:
+    """A loopback port P with P + 1 free too (a node's request and gossip ports)."""
+    import socket
+
+    while True:
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65534:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+
+
+def shard_flags(n: int, group: str, *extra: str) -> tuple[str, ...]:
+    """A fixed --port: the process rejoins on the same address after a re-forming round, so
+    the seeds others were given stay valid (without mDNS)."""
+    return ("--role", "verifier", "--shards", str(n), "--shard-group", group,
+            "--port", str(free_port_pair()), *LOOP, *extra)
+
+
 def start_group(c: LocalCluster, n: int, group: str, *extra: str):
-    """Spawn n shard processes; return them once rank 0 serves, plus rank 0's formed event."""
-    first = c.start_node(f"{group}-0", "--role", "verifier", "--shards", str(n),
-                         "--shard-group", group, *LOOP, *extra)
-    procs = [first] + [c.spawn(f"{group}-{i}", "--role", "verifier", "--shards", str(n),
-                               "--shard-group", group, *LOOP, *extra) for i in range(1, n)]
+    """Spawn n shard processes; once formed, return them in rank order and rank 0's event."""
+    first = c.start_node(f"{group}-0", *shard_flags(n, group, *extra))
+    procs = [first] + [c.spawn(f"{group}-{i}", *shard_flags(n, group, *extra))
+                       for i in range(1, n)]
     formed = [p.wait_event(lambda e: e["event"] in ("shard_formed", "eof"), 240) for p in procs]
     assert all(f and f["event"] == "shard_formed" for f in formed), [p.tail_of_log() for p in procs]
     leader = next(f for f in formed if f["rank"] == 0)
     assert sorted(f["rank"] for f in formed) == list(range(n))
-    return procs, leader
+    return sorted(procs, key=lambda p: formed[procs.index(p)]["rank"]), leader
 
 
 def hf_greedy(prompt_ids: list[int]) -> list[int]:
