@@ -26,11 +26,13 @@ def test_killed_stage_fails_the_request_and_restart_reforms(tmp_path):
             req = GenerateRequest(prompt="Count: one, two, three, four,", max_tokens=400,
                                   chat=False, speculate=False)
             stream = cc.stream(req, verifier, idle_timeout=60)
+            seen = []
             with pytest.raises(ClusterError, match="shard pipeline") as err:
-                for i, msg in enumerate(stream):
-                    if i == 1:  # tokens are flowing: kill the last stage
+                for msg in stream:
+                    seen.append(msg.type)
+                    if len(seen) == 2:  # tokens are flowing: kill the last stage
                         stage.signal(signal.SIGKILL)
-            assert msg.type == "token_chunk"
+            assert seen[:2] == ["token_chunk", "token_chunk"]
             assert err.value.code == "generation_failed"
         broken = rank0.wait_event(lambda e: e["event"] in ("shard_broken", "eof"), 60)
         assert broken is not None and broken["event"] == "shard_broken"

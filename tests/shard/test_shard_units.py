@@ -18,7 +18,7 @@ def test_split_is_contiguous_and_covers_every_layer():
     for world in (1, 2, 3, 7, 30):
         parts = [split_layers(30, world, r) for r in range(world)]
         assert parts[0].start == 0 and parts[-1].end == 30
-        assert all(a.end == b.start for a, b in zip(parts, parts[1:]))
+        assert all(a.end == b.start for a, b in zip(parts, parts[1:], strict=False))
         assert max(p.end - p.start for p in parts) - min(p.end - p.start for p in parts) <= 1
         assert parts[0].first and parts[-1].last
 
