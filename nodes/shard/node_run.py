@@ -176,7 +176,8 @@ class ShardProcess:
                   leader=plan.members[0])
         node.membership.update_card(extras={"shard": sh})
         self.emit({"event": "shard_formed", "rank": plan.rank, "world": plan.world,
-                   "node_id": node.node_id, "members": list(plan.members)})
+                   "node_id": node.node_id, "members": list(plan.members),
+                   "param_mb": round(stage.param_bytes / 2**20, 1)})
         link = Link(self.args.shard_timeout, int(stage.full_config.hidden_size), self.vocab)
         follow(stage, link, self.stop)
         log.info("rank 0 stopped the pipeline; re-forming")
@@ -208,7 +209,8 @@ class ShardProcess:
             card = node.membership.card
             self.emit({"event": "shard_formed", "rank": 0, "world": plan.world,
                        "node_id": node.node_id, "endpoints": card.endpoints,
-                       "members": list(plan.members)})
+                       "members": list(plan.members),
+                       "param_mb": round(stage.param_bytes / 2**20, 1)})
             telemetry = Telemetry(node, providers=[roles.telemetry])
             telemetry.start()
             while not self.stop.wait(0.2):

@@ -54,6 +54,8 @@ class StageModel:
             inner.rotary_emb = type(inner.rotary_emb)(config=local)
         self._load(folder, model, config)
         self.model = model.eval()
+        #: bytes of the weights this stage holds (tied tensors counted once)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.config = local
         self.dtype = torch.float32
 
