@@ -101,6 +101,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-no-tokenizer", action="store_true",
                         help="never tokenize in the gateway: send text/messages to verifiers "
                              "(no exact failover)")
+    shard = parser.add_argument_group("sharded verifier (docs/sharding.md)")
+    shard.add_argument("--shards", type=int, default=0, metavar="N",
+                       help="run this verifier as one of N pipeline stages on N processes; "
+                            "start the same command on each host")
+    shard.add_argument("--shard-group", default="", metavar="NAME",
+                       help="the shard group these processes form (found through membership)")
+    shard.add_argument("--shard-timeout", type=positive_float, default=10.0, metavar="SECONDS",
+                       help="longest wait on a stage before the group is taken for broken "
+                            "(default 10)")
     parser.add_argument("--print-events", action="store_true",
                         help="print one JSON line per membership event on stdout "
                              "(for scripts, tests and benchmarks)")
@@ -191,6 +200,10 @@ class _Printer:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.shards or args.shard_group:
+        from nodes.shard.node_run import run_sharded
+
+        return run_sharded(args)
     try:
         pin_cpus(args)
         config = config_from_args(args)

@@ -8,4 +8,5 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "membership": ("tools.bench_membership", "join, failure detection, leave, convergence"),
     "decode": ("tools.bench_decode", "plain vs speculative decoding, tok/s and acceptance"),
     "serve": ("tools.bench_serve", "TTFT and tok/s through the gateway vs the bus client"),
+    "shard": ("tools.bench_shard", "a verifier sharded into 1-3 pipeline stages: RSS, tok/s"),
 }

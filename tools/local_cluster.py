@@ -130,6 +130,12 @@ class NodeProcess:
 
     # -- what it said ---------------------------------------------------------------------------
     @property
+    def is_ready(self) -> bool:
+        """Whether its `ready` line has arrived (never waits)."""
+        with self._cond:
+            return any(e["event"] == "ready" for e in self.events)
+
+    @property
     def ready(self) -> dict:
         return self.wait_ready()
 
@@ -199,7 +205,8 @@ class LocalCluster:
                    env: dict[str, str] | None = None, module: str = "nodes") -> NodeProcess:
         """Start `python -m nodes --name NAME FLAGS...` and wait for its `ready` line.
 
-        Without mDNS (or with `seed`), every node started before is given as a `--peer` seed.
+        Without mDNS (or with `seed`), every running node that is ready is given as a `--peer`
+        seed (gossip spreads the rest).
         `prefix` runs it under another command (e.g. `ip netns exec NS`); `env` adds variables.
         """
         node = self.spawn(name, *flags, seed=seed, prefix=prefix, env=env, module=module)
@@ -214,7 +221,7 @@ class LocalCluster:
             args.append("--no-mdns")
         if seed or not self.mdns:
             for other in self.nodes:
-                if other.proc.poll() is None and other.stream:
+                if other.proc.poll() is None and other.is_ready and other.stream:
                     args += ["--peer", other.stream.removeprefix("tcp://")]
         log_path = self.log_dir / f"{name}.log" if self.log_dir is not None else None
         node = NodeProcess(args, name=name, env={**self.env, **(env or {})}, prefix=prefix,

@@ -32,6 +32,8 @@ class RoleSpec:
     #: longest context served: a verifier's prompt + max_tokens, a proposer's session
     #: (0: the model's context; 8192 for a model-less ngram proposer)
     max_context: int = 0
+    #: an already-built verifier backend (a sharded pipeline's rank 0) instead of loading one
+    prebuilt: Any = None
 
 
 @dataclass
@@ -92,7 +94,7 @@ def assemble(spec: RoleSpec) -> Roles:
         from nodes.backends.base import load_backend
 
         t0 = time.perf_counter()
-        backend = load_backend(spec.backend, spec.model)
+        backend = spec.prebuilt or load_backend(spec.backend, spec.model)
         log.info("loaded %s on %s in %.1fs", backend.model_name, backend.name,
                  time.perf_counter() - t0)
         roles.card.update(backend=backend.name, model=backend.model_name,

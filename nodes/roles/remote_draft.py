@@ -54,7 +54,7 @@ class DeadlinePolicy:
     prior_slope: float = 0.08  # relative verify cost per extra fed token before measuring
     #: draft='force': how long to wait for each proposer (at least max_s); a proposer that
     #: leaves the alive state meanwhile is given up at once (checked every liveness_poll_s)
-    forced_s: float = 30.0
+    forced_s: float = 120.0
     liveness_poll_s: float = 0.05
 
 
@@ -178,10 +178,13 @@ class RemoteDraftSession(DraftSession):
         prompt = np.asarray(self.tokens, dtype=np.int32)
         opening = SessionOpen(session_id, prompt, lease_s, wire_sampling(sampling),
                               tokenizer=fingerprint).to_message()
+        # forced drafting must survive a slow open (a cold drafter on a loaded machine): a
+        # timed-out open is cancelled on the proposer, and every draft then fails
+        open_s = self.policy.forced_s if forced else self.policy.first_s * 4
         for peer in self.peers:
             # not awaited: the first draft_req follows on the same connection, so the proposer
             # sees the open first; a failed open surfaces as an error reply to that draft_req
-            self._send(peer, opening, self.policy.first_s * 4, lambda call, item: None)
+            self._send(peer, opening, open_s, lambda call, item: None)
 
     # -- DraftSession -------------------------------------------------------------------------
     def extend(self, delta: Sequence[int]) -> None:

@@ -80,14 +80,20 @@ def metrics(client: Http) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    """Its own two verifiers (not the session's shared cluster: the failover tests kill the
+    verifiers they stream from), plus two gateways."""
     c = LocalCluster(log_dir=tmp_path_factory.mktemp("logs"), mdns=False)
     try:
         c.start_node("v1", "--role", "verifier", "--threads", "1")
-        c.start_node("v2", "--role", "verifier", "--threads", "1", seed=True)
-        c.start_node("gw", "--role", "gateway", "--http", "127.0.0.1:0",
-                     "--gateway-max-inflight", "1", seed=True)
-        c.start_node("gw-text", "--role", "gateway", "--http", "127.0.0.1:0",
-                     "--gateway-no-tokenizer", seed=True)
+        v2 = c.spawn("v2", "--role", "verifier", "--threads", "1")
+        gateways = [
+            c.spawn("gw", "--role", "gateway", "--http", "127.0.0.1:0",
+                    "--gateway-max-inflight", "1"),
+            c.spawn("gw-text", "--role", "gateway", "--http", "127.0.0.1:0",
+                    "--gateway-no-tokenizer"),
+        ]
+        for node in (v2, *gateways):  # loaded in parallel, seeded by v1
+            node.wait_ready()
         yield c
     finally:
         c.stop()

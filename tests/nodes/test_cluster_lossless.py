@@ -11,7 +11,6 @@ import zmq
 
 from codec.messages import decode
 from nodes.cluster_client import ClusterClient, GenerateRequest
-from tools.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 
@@ -21,26 +20,14 @@ MAX = 40
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalCluster(log_dir=tmp_path_factory.mktemp("logs"), mdns=False)
-    try:
-        # generous waits: MLX on CPU drafts slower than the torch verifier verifies on this
-        # machine, and this test is about correctness, not speed
-        c.start_node("v1", "--role", "verifier", "--max-draft-wait", "5")
-        c.start_node("ngram", "--role", "proposer", "--drafter", "ngram")
-        c.start_node("int8", "--role", "proposer", "--drafter", "int8")
-        c.start_node("mlx", "--role", "proposer", "--backend", "mlx",
-                     "--drafter", "model:smollm2-135m")
-        c.start_node("v2", "--role", "verifier", "--max-draft-wait", "5")
-        yield c
-    finally:
-        c.stop()
+def cluster(model_cluster):
+    """The session's shared model cluster (tests/conftest.py): v1, v2, ngram, int8, mlx."""
+    return model_cluster
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    seeds = tuple(n.stream for n in cluster.nodes)
-    with ClusterClient(cluster.cluster, peers=seeds, mdns=False) as cc:
+    with ClusterClient(cluster.cluster, peers=(cluster.node("v1").stream,), mdns=False) as cc:
         cc.wait_for(lambda ms: len([m for m in ms if m.card.is_worker]) >= 5, 30)
         yield cc
 

@@ -1,0 +1,1 @@
+"""A verifier sharded across hosts: a pipeline of stages over torch.distributed (issue 13)."""

@@ -1,0 +1,47 @@
+"""Fixtures shared by every test folder.
+
+`model_cluster` is the one set of real model processes the cluster-level modules share (nodes,
+gateway, monitor): starting SmolLM2 verifiers and model proposers is the slowest thing the suite
+does, so it happens once per session, in parallel, instead of once per module. Modules add their
+own short-lived nodes (proposers they kill, gateways, a doomed verifier) and stop them
+themselves; every request that asserts speculation names its proposers, so the extra members
+never change another module's verdict.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Both verifiers: one torch thread each (several model processes share two cores), a generous
+# forced-draft wait (correctness, not speed, is under test), a short session lease so that
+# the lease tests do not wait long.
+VERIFIER_FLAGS = ("--role", "verifier", "--threads", "1", "--max-draft-wait", "5",
+                  "--session-lease", "2")
+SHARED_NODES = (
+    ("v1", VERIFIER_FLAGS),
+    ("v2", VERIFIER_FLAGS),
+    ("ngram", ("--role", "proposer", "--drafter", "ngram")),
+    ("int8", ("--role", "proposer", "--drafter", "int8", "--threads", "1")),
+    ("mlx", ("--role", "proposer", "--backend", "mlx", "--drafter", "model:smollm2-135m")),
+)
+
+
+@pytest.fixture(scope="session")
+def model_cluster(tmp_path_factory):
+    """v1, v2 (SmolLM2 verifiers) and ngram, int8, mlx proposers on loopback, seeded by v1."""
+    from tools.local_cluster import LocalCluster
+
+    c = LocalCluster(log_dir=tmp_path_factory.mktemp("cluster-logs"), mdns=False)
+    try:
+        (first, flags), *rest = SHARED_NODES
+        c.start_node(first, *flags)
+        started = [c.spawn(name, *flags) for name, flags in rest]  # load in parallel
+        for node in started:
+            node.wait_ready()
+        yield c
+    finally:
+        c.stop()
