@@ -109,10 +109,9 @@ def assemble(spec: RoleSpec) -> Roles:
         local = drafter if "proposer" not in spec.roles else None
         engine = Engine(backend, local, max_draft=spec.max_draft)
         roles.card["tok_s"] = round(_measure_plain(engine), 2)
-        from nodes.roles.remote_draft import DeadlinePolicy
-
-        policy = DeadlinePolicy(first_s=spec.max_wait_s, max_s=spec.max_wait_s)
-        roles.verifier = VerifierRole(engine, lease_s=spec.lease_s, policy=policy,
+        # protocol 2: drafts stream in ahead and are never waited for (but with draft='force'),
+        # so spec.max_wait_s no longer bounds anything on this path
+        roles.verifier = VerifierRole(engine, lease_s=spec.lease_s,
                                       max_context=spec.max_context)
 
     if "proposer" in spec.roles:
