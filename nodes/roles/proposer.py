@@ -291,7 +291,7 @@ class ProposerRole:
                 s.draft.extend(ids)
                 s.assumed.extend(ids)
                 self.stats.draft_tokens += len(ids)
-            if len(ids) < k:
+            if not ids:
                 s.exhausted = True  # nothing more from here until a commit
         if not ids and not s.dirty:
             return

@@ -18,7 +18,7 @@ from nodes.drafters.ngram import NgramDrafter
 from nodes.engine.core import Engine
 from nodes.roles.assemble import Roles
 from nodes.roles.proposer import ProposerRole
-from nodes.roles.remote_draft import DeadlinePolicy
+from nodes.roles.remote_draft import DraftPolicy
 from nodes.roles.verifier import VerifierRole
 from tests.nodes.conftest import BusHost
 
@@ -76,7 +76,7 @@ def verifier(host, tiny_backend, monkeypatch):
     prefill = Counting(tiny_backend.prefill)
     monkeypatch.setattr(tiny_backend, "prefill", prefill)
     role = VerifierRole(Engine(tiny_backend, None, max_draft=4),
-                        policy=DeadlinePolicy(first_s=5.0, max_s=5.0))
+                        policy=DraftPolicy(forced_s=5.0))
     role.prefills = prefill
     role.attach(host)
     yield role
