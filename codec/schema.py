@@ -183,7 +183,7 @@ SCHEMAS: dict[str, Schema] = {
             "its assumed (earlier drafted) tokens first; the verifier uses what extends its "
             "committed prefix.",
             required={"base": _INT},
-            optional={"seq": _INT},
+            optional={"chunk": _INT},
             tensors=(_TOKENS,),
             min_tensors=1,
         ),

@@ -502,12 +502,12 @@ class DraftChunk:
     session: str
     base: int
     tokens: np.ndarray
-    seq: int = 0
+    chunk: int = 0  # chunks streamed in this session so far, this one included
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tokens_1d("tokens", self.tokens))
         _int("base", self.base, 0, MAX_COMMITTED)
-        _int("seq", self.seq, 0, 2**62)
+        _int("chunk", self.chunk, 0, 2**62)
         if len(self.tokens) > MAX_HORIZON:
             raise BadRequest("tokens", f"a draft chunk carries at most {MAX_HORIZON} tokens, "
                              f"got {len(self.tokens)}")
@@ -515,10 +515,10 @@ class DraftChunk:
     @classmethod
     def from_message(cls, msg: Message) -> DraftChunk:
         _expect(msg, cls.TYPE)
-        return cls(msg.session, msg["base"], msg.tensors[0], _opt(msg.fields, "seq", 0))
+        return cls(msg.session, msg["base"], msg.tensors[0], _opt(msg.fields, "chunk", 0))
 
     def to_message(self, **envelope: Any) -> Message:
-        return make(self.TYPE, session=self.session, base=self.base, seq=self.seq,
+        return make(self.TYPE, session=self.session, base=self.base, chunk=self.chunk,
                     tensors=[np.ascontiguousarray(self.tokens, dtype=np.int32)], **envelope)
 
 

@@ -65,7 +65,7 @@ class _Session:
     assumed: list[int] = field(default_factory=list)  # drafted past `tokens`, fed as if committed
     exhausted: bool = False  # the drafter had nothing more at this point: wait for a commit
     dirty: bool = True  # a commit arrived since the last chunk: tell the verifier even if empty
-    seq: int = 0
+    chunks: int = 0
 
     @property
     def committed(self) -> int:
@@ -296,10 +296,10 @@ class ProposerRole:
         if not ids and not s.dirty:
             return
         s.dirty = False
-        s.seq += 1
+        s.chunks += 1
         self.stats.drafts_served += 1
         s.stream.reply(DraftChunk(s.sid, s.committed, np.asarray(s.assumed, dtype=np.int32),
-                                  s.seq).to_message(), more=True)
+                                  s.chunks).to_message(), more=True)
 
     def _expire(self, now: float) -> None:
         for s in [s for s in self._sessions.values() if s.expires <= now]:

@@ -157,6 +157,7 @@ class ProposerSource(DraftSource):
         self.tokens = [int(t) for t in prompt_ids]  # committed, as pushed to the proposer
         self.start = link.counters()
         self.dropped = False
+        self.closed = False
         self.failures = 0
         self.best: tuple[int, np.ndarray] | None = None  # freshest valid chunk (base, tokens)
         self.chunks_since_step = 0
@@ -218,11 +219,13 @@ class ProposerSource(DraftSource):
         return {**self.link.as_dict(since=self.start), "dropped": self.dropped}
 
     def close(self) -> None:
+        if self.closed:
+            return
         if self.stream is not None and not self.stream.done:
             self.client.cancel(self.stream)
         if not self.dropped:
             self._send(SessionClose(self.sid).to_message(), 1.0)
-        self.dropped = True  # replies still on their way are ignored (by the next session too)
+        self.closed = True  # replies still on their way are ignored (by the next session too)
 
     # -- chunks -------------------------------------------------------------------------------
     def _extension(self, committed: Sequence[int], budget: int) -> np.ndarray | None:
@@ -277,7 +280,7 @@ class ProposerSource(DraftSource):
             self._flood(f"{self.stream.overflowed} chunks past the reply queue")
 
     def _on_stream(self, reply) -> None:
-        if self.dropped:
+        if self.dropped or self.closed:
             return
         if isinstance(reply, BusError):
             self.link.errors += 1

@@ -41,7 +41,7 @@ def main() -> None:
                 req.reply(make("draft_chunk", session=sid, base=committed,
                                tensors=[np.full(k, 10**6, dtype=np.int32)]), more=True)
             elif mode == "flood":
-                req.reply(make("draft_chunk", session=sid, base=committed, seq=i,
+                req.reply(make("draft_chunk", session=sid, base=committed, chunk=i,
                                tensors=[np.arange(k, dtype=np.int32)]), more=True)
             else:
                 req.reply(make("draft_chunk", session=sid, base=committed + 7 + i,

@@ -1,7 +1,6 @@
 """The proposer role over a real ROUTER (protocol 2): streamed drafts ahead, rollback on a
 disagreeing commit, idempotent commits, leases, bad input."""
 
-import time
 
 import numpy as np
 import pytest
