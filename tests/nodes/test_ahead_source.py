@@ -14,7 +14,6 @@ import time
 import numpy as np
 import pytest
 
-from bus.direct import DirectClient
 from codec.messages import make
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import Feedback
