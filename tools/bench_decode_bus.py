@@ -53,7 +53,7 @@ def free_port_pair() -> int:
 def run_bus(args, prompts: list[tuple[str, str]]) -> int:
     from nodes.cluster_client import ClusterClient, GenerateRequest
     from tools.delay_proxy import Delay, DelayProxy
-    from tools.local_cluster import LocalCluster
+    from tools.local_cluster import ClusterStartError, LocalCluster
 
     n = 48 if args.quick else args.max_tokens
     if args.quick:
@@ -70,14 +70,22 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
                 f"p-{drafter}", "--role", "proposer", "--drafter", drafter, *PROPOSER_CORE,
                 seed=True)
             for d in DELAYS_MS[1:]:
-                port = free_port_pair()
-                proxy = stack.enter_context(DelayProxy(("127.0.0.1", port), Delay(d / 2000.0)))
-                proposers[(drafter, d)] = c.start_node(
-                    f"p-{drafter}-{d}ms", "--role", "proposer", "--drafter", drafter,
-                    *PROPOSER_CORE, "--port", str(port), "--advertise", proxy.address,
-                    seed=True)
-        with ClusterClient(c.cluster, peers=tuple(x.stream for x in c.nodes), mdns=False) as cc:
-            cc.wait_for(lambda ms: len([m for m in ms if m.card.is_worker]) >= len(c.nodes), 60)
+                for attempt in range(3):  # a free port can be taken before the node binds it
+                    port = free_port_pair()
+                    proxy = stack.enter_context(
+                        DelayProxy(("127.0.0.1", port), Delay(d / 2000.0)))
+                    try:
+                        proposers[(drafter, d)] = c.start_node(
+                            f"p-{drafter}-{d}ms-{attempt}", "--role", "proposer", "--drafter",
+                            drafter, *PROPOSER_CORE, "--port", str(port), "--advertise",
+                            proxy.address, seed=True)
+                        break
+                    except ClusterStartError:
+                        if attempt == 2:
+                            raise
+        live = [x for x in c.nodes if x.proc.poll() is None and x.stream]
+        with ClusterClient(c.cluster, peers=tuple(x.stream for x in live), mdns=False) as cc:
+            cc.wait_for(lambda ms: len([m for m in ms if m.card.is_worker]) >= len(live), 60)
             by_name = {m.card.name: m for m in cc.verifiers()}
             configs = [
                 # (row name, generate_req overrides)
