@@ -12,7 +12,7 @@ from typing import Any
 
 from codec.errors import BadDtype, BadField, BadShape, FrameCount, MissingField
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # field kind -> predicate
 _INT = "int"
@@ -144,32 +144,47 @@ SCHEMAS: dict[str, Schema] = {
         Schema("cancel", "Cancel the in-flight request whose id is in the header `rid`."),
         Schema(
             "session_open",
-            "Open a draft session on a proposer with the prompt tokens.",
+            "Open a draft session on a proposer with the prompt tokens; the proposer answers "
+            "with a stream of draft_chunk replies (more=true) until the session ends.",
             required={"lease_s": _FLOAT},
-            optional={"tokenizer": _STR, "sampling": _MAP, "drafter": _STR},
+            optional={"tokenizer": _STR, "sampling": _MAP, "drafter": _STR, "horizon": _INT},
             tensors=(_TOKENS,),
             min_tensors=1,
         ),
         Schema(
             "session_extend",
-            "Tokens committed since the last message; `committed` is the total after them.",
+            "Tokens committed since the last message; `committed` is the total after them. "
+            "Pushed by the verifier after every step; `horizon` updates how far to draft ahead.",
             required={"committed": _INT},
+            optional={"horizon": _INT},
             tensors=(_TOKENS,),
             min_tensors=1,
         ),
         Schema(
             "draft_req",
-            "Optional delta of committed tokens, then: propose up to k next tokens.",
+            "Protocol 1 (request/reply drafting; not sent by v2 verifiers): optional delta of "
+            "committed tokens, then: propose up to k next tokens.",
             required={"k": _INT, "committed": _INT},
             optional={"want_probs": _BOOL, "budget_s": _FLOAT},
             tensors=(_TOKENS,),
         ),
         Schema(
             "draft_reply",
-            "0..k drafted tokens (never padding) continuing `committed`; probs when sampling.",
+            "Protocol 1 reply to draft_req: 0..k drafted tokens (never padding) continuing "
+            "`committed`; probs when sampling.",
             required={"committed": _INT},
             optional={"elapsed_s": _FLOAT},
             tensors=(_TOKENS, TensorRule("probs", PROB_DTYPES, 2)),
+            min_tensors=1,
+        ),
+        Schema(
+            "draft_chunk",
+            "Streamed reply to session_open: the proposer's draft past committed length `base`, "
+            "its assumed (earlier drafted) tokens first; the verifier uses what extends its "
+            "committed prefix.",
+            required={"base": _INT},
+            optional={"chunk": _INT},
+            tensors=(_TOKENS,),
             min_tensors=1,
         ),
         Schema("session_close", "Close a draft session now (otherwise its lease expires)."),

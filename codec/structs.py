@@ -34,6 +34,7 @@ MAX_MESSAGES = 256
 MAX_PROPOSERS = 64
 MAX_K = 64
 MAX_LEASE_S = 300.0
+MAX_HORIZON = 256  # tokens a proposer may draft past the last commit it knows
 MAX_TOKEN_ID = 2**31 - 1
 MAX_COMMITTED = 2**31 - 1
 CHAT_ROLES = ("system", "user", "assistant")
@@ -355,10 +356,13 @@ class SessionOpen:
     sampling: Sampling = Sampling()
     tokenizer: str | None = None
     drafter: str | None = None
+    horizon: int | None = None  # draft at most this many tokens past the last known commit
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tokens_1d("tokens", self.tokens, allow_empty=False))
         _float("lease_s", self.lease_s, 0.0, MAX_LEASE_S, lo_open=True)
+        if self.horizon is not None:
+            _int("horizon", self.horizon, 0, MAX_HORIZON)
 
     @classmethod
     def from_message(cls, msg: Message) -> SessionOpen:
@@ -369,7 +373,7 @@ class SessionOpen:
             raise BadRequest("tokens", "session_open needs the prompt tokens")
         return cls(sid, tokens, msg["lease_s"],
                    Sampling.from_fields(_opt(msg.fields, "sampling", {}), prefix="sampling."),
-                   msg.get("tokenizer"), msg.get("drafter"))
+                   msg.get("tokenizer"), msg.get("drafter"), msg.get("horizon"))
 
     def to_message(self, **envelope: Any) -> Message:
         fields: dict[str, Any] = {"lease_s": float(self.lease_s),
@@ -378,6 +382,8 @@ class SessionOpen:
             fields["tokenizer"] = self.tokenizer
         if self.drafter is not None:
             fields["drafter"] = self.drafter
+        if self.horizon is not None:
+            fields["horizon"] = self.horizon
         return make(self.TYPE, session=self.session,
                     tensors=[np.ascontiguousarray(self.tokens, dtype=np.int32)],
                     **envelope, **fields)
@@ -390,19 +396,26 @@ class SessionExtend:
     session: str
     tokens: np.ndarray
     committed: int
+    horizon: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tokens_1d("tokens", self.tokens))
         _int("committed", self.committed, len(self.tokens), MAX_COMMITTED)
+        if self.horizon is not None:
+            _int("horizon", self.horizon, 0, MAX_HORIZON)
 
     @classmethod
     def from_message(cls, msg: Message) -> SessionExtend:
         _expect(msg, cls.TYPE)
-        return cls(_session(msg), _tensor(msg, 0), msg["committed"])
+        return cls(_session(msg), _tensor(msg, 0), msg["committed"], msg.get("horizon"))
 
     def to_message(self, **envelope: Any) -> Message:
-        return make(self.TYPE, session=self.session, committed=self.committed,
-                    tensors=[np.ascontiguousarray(self.tokens, dtype=np.int32)], **envelope)
+        fields: dict[str, Any] = {"committed": self.committed}
+        if self.horizon is not None:
+            fields["horizon"] = self.horizon
+        return make(self.TYPE, session=self.session,
+                    tensors=[np.ascontiguousarray(self.tokens, dtype=np.int32)],
+                    **envelope, **fields)
 
 
 @dataclass(frozen=True, eq=False)
@@ -475,6 +488,40 @@ class DraftReply:
                     elapsed_s=float(self.elapsed_s), tensors=tensors, **envelope)
 
 
+@dataclass(frozen=True, eq=False)
+class DraftChunk:
+    """Protocol 2: a streamed draft, tagged with what it extends.
+
+    `tokens` continue the committed prefix of length `base` (the last commit the proposer
+    knows): first the tokens it assumed (its own earlier drafts, not yet confirmed), then new
+    ones. The verifier checks the assumed part against what it committed since `base`.
+    """
+
+    TYPE: ClassVar[str] = "draft_chunk"
+
+    session: str
+    base: int
+    tokens: np.ndarray
+    chunk: int = 0  # chunks streamed in this session so far, this one included
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tokens_1d("tokens", self.tokens))
+        _int("base", self.base, 0, MAX_COMMITTED)
+        _int("chunk", self.chunk, 0, 2**62)
+        if len(self.tokens) > MAX_HORIZON:
+            raise BadRequest("tokens", f"a draft chunk carries at most {MAX_HORIZON} tokens, "
+                             f"got {len(self.tokens)}")
+
+    @classmethod
+    def from_message(cls, msg: Message) -> DraftChunk:
+        _expect(msg, cls.TYPE)
+        return cls(msg.session, msg["base"], msg.tensors[0], _opt(msg.fields, "chunk", 0))
+
+    def to_message(self, **envelope: Any) -> Message:
+        return make(self.TYPE, session=self.session, base=self.base, chunk=self.chunk,
+                    tensors=[np.ascontiguousarray(self.tokens, dtype=np.int32)], **envelope)
+
+
 @dataclass(frozen=True)
 class SessionClose:
     TYPE: ClassVar[str] = "session_close"
@@ -492,7 +539,7 @@ class SessionClose:
 
 STRUCTS: dict[str, type] = {c.TYPE: c for c in (
     GenerateReq, TokenChunk, Done, ErrorReply, SessionOpen, SessionExtend, DraftReq,
-    DraftReply, SessionClose)}
+    DraftReply, DraftChunk, SessionClose)}
 
 
 def parse(msg: Message) -> Any:

@@ -68,9 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads for this node's models (default: torch's choice; "
                              "use 1 when several model nodes share a machine's cores)")
-    parser.add_argument("--max-draft-wait", type=positive_float, default=0.5,
-                        help="longest a verifier waits for one draft reply, and its first "
-                             "wait before anything is measured (default 0.5 s)")
     parser.add_argument("--max-context", type=int, default=0, metavar="N",
                         help="longest context served: a verifier's prompt + max tokens, a "
                              "proposer's draft session (default: the model's context; 8192 "
@@ -290,7 +287,7 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
     spec = RoleSpec(roles=config.roles, model=args.model or None,
                     backend=args.backend or "torch", drafter=args.drafter or default,
                     max_draft=args.max_draft, lease_s=args.session_lease,
-                    max_wait_s=args.max_draft_wait, threads=args.threads,
+                    threads=args.threads,
                     max_context=args.max_context)
     roles = assemble(spec)
     config.card_fields = {**config.card_fields, **roles.card}

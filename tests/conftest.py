@@ -16,11 +16,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# Both verifiers: one torch thread each (several model processes share two cores), a generous
-# forced-draft wait (correctness, not speed, is under test), a short session lease so that
-# the lease tests do not wait long.
-VERIFIER_FLAGS = ("--role", "verifier", "--threads", "1", "--max-draft-wait", "5",
-                  "--session-lease", "2")
+# Both verifiers: one torch thread each (several model processes share two cores) and a short
+# session lease so that the lease tests do not wait long.
+VERIFIER_FLAGS = ("--role", "verifier", "--threads", "1", "--session-lease", "2")
 SHARED_NODES = (
     ("v1", VERIFIER_FLAGS),
     ("v2", VERIFIER_FLAGS),

@@ -1,13 +1,20 @@
-"""`specbus bench decode` (without `--local`): decoding over the bus vs in-process, one run.
+"""`specbus bench decode` (without `--local`): decoding over the bus (protocol 2), one run.
 
 A local cluster of real processes, this 2-core box played as two machines: verifiers pinned
-to core 0 with one torch thread, proposers pinned to core 1. A verifier with an in-process
-`ngram` drafter, a verifier with an in-process `int8` drafter, an `ngram` proposer, an `int8`
-proposer, and `ngram` proposers reached only through a userspace delay proxy adding 5, 20 and
-50 ms of round trip (this kernel has no netem: see `tools/delay_proxy.py`; each such proposer
-advertises the proxy's address with `--advertise`). Every configuration runs on the same prompts
-through the same verifier processes, interleaved prompt by prompt; speedups are over that
-verifier's own plain decoding of the same prompt on its core.
+to core 0 with one torch thread, proposers pinned to core 1. One verifier (`v-ngram`, with an
+in-process ngram drafter used only for the `inproc-ngram` row) serves every bus row; an
+`ngram` and an `int8` proposer that draft ahead and stream chunks, each also reached through a
+userspace delay proxy adding 5, 20 and 50 ms of round trip (this kernel has no netem: see
+`tools/delay_proxy.py`; each such proposer advertises the proxy's address with `--advertise`).
+Rows: plain; ngram; int8; ngram + int8 together (their chains merged into one token tree per
+forward) at each delay; HF prompt lookup on the same raw prompts and token counts, run in this
+process pinned to core 0 with one torch thread once the cluster is idle. Every configuration
+runs on the same prompts through the same verifier process, interleaved prompt by prompt;
+speedups are over that verifier's own plain decoding of the same prompt on its core.
+
+Protocol 1's request/reply drafting is gone from the nodes, so it has no row here (its figures
+are in the older tables of docs/benchmarks.md). Remote proposers send chains (no top-k
+alternatives yet): the only remote trees are several proposers' chains merged.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ def free_port_pair() -> int:
 def run_bus(args, prompts: list[tuple[str, str]]) -> int:
     from nodes.cluster_client import ClusterClient, GenerateRequest
     from tools.delay_proxy import Delay, DelayProxy
-    from tools.local_cluster import LocalCluster
+    from tools.local_cluster import ClusterStartError, LocalCluster
 
     n = 48 if args.quick else args.max_tokens
     if args.quick:
@@ -57,43 +64,52 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
         print(f"starting cluster (logs: {log_dir}); verifiers on core 0 (1 torch thread), "
               "proposers on core 1", file=sys.stderr)
         c.start_node("v-ngram", "--role", "verifier", "--drafter", "ngram", *VERIFIER_CORE)
-        c.start_node("v-int8", "--role", "verifier", "--drafter", "int8", *VERIFIER_CORE,
-                     seed=True)
-        pn = c.start_node("p-ngram", "--role", "proposer", "--drafter", "ngram",
-                          *PROPOSER_CORE, seed=True)
-        pi = c.start_node("p-int8", "--role", "proposer", "--drafter", "int8", *PROPOSER_CORE,
-                          seed=True)
-        delayed = {0: pn}
-        for d in DELAYS_MS[1:]:
-            port = free_port_pair()
-            proxy = stack.enter_context(DelayProxy(("127.0.0.1", port), Delay(d / 2000.0)))
-            delayed[d] = c.start_node(f"p-ngram-{d}ms", "--role", "proposer", *PROPOSER_CORE,
-                                      "--port", str(port), "--advertise", proxy.address,
-                                      seed=True)
-        with ClusterClient(c.cluster, peers=tuple(x.stream for x in c.nodes), mdns=False) as cc:
-            cc.wait_for(lambda ms: len([m for m in ms if m.card.is_worker]) >= len(c.nodes), 30)
+        proposers: dict[tuple[str, int], object] = {}
+        for drafter in ("ngram", "int8"):
+            proposers[(drafter, 0)] = c.start_node(
+                f"p-{drafter}", "--role", "proposer", "--drafter", drafter, *PROPOSER_CORE,
+                seed=True)
+            for d in DELAYS_MS[1:]:
+                for attempt in range(3):  # a free port can be taken before the node binds it
+                    port = free_port_pair()
+                    proxy = stack.enter_context(
+                        DelayProxy(("127.0.0.1", port), Delay(d / 2000.0)))
+                    try:
+                        proposers[(drafter, d)] = c.start_node(
+                            f"p-{drafter}-{d}ms-{attempt}", "--role", "proposer", "--drafter",
+                            drafter, *PROPOSER_CORE, "--port", str(port), "--advertise",
+                            proxy.address, seed=True)
+                        break
+                    except ClusterStartError:
+                        if attempt == 2:
+                            raise
+        live = [x for x in c.nodes if x.proc.poll() is None and x.stream]
+        with ClusterClient(c.cluster, peers=tuple(x.stream for x in live), mdns=False) as cc:
+            cc.wait_for(lambda ms: len([m for m in ms if m.card.is_worker]) >= len(live), 60)
             by_name = {m.card.name: m for m in cc.verifiers()}
             configs = [
-                # (row name, verifier, generate_req overrides)
-                ("bus-plain", "v-ngram", dict(speculate=False)),
-                ("inproc-ngram", "v-ngram", dict(proposers=[])),
-                ("bus-ngram", "v-ngram", dict(proposers=[pn.node_id])),
-                ("bus-plain-int8v", "v-int8", dict(speculate=False)),
-                ("inproc-int8", "v-int8", dict(proposers=[])),
-                ("bus-int8", "v-int8", dict(proposers=[pi.node_id])),
-                *[(f"bus-ngram+{d}ms", "v-ngram", dict(proposers=[delayed[d].node_id]))
-                  for d in DELAYS_MS[1:]],
+                # (row name, generate_req overrides)
+                ("bus-plain", dict(speculate=False)),
+                ("inproc-ngram", dict(proposers=[])),
             ]
+            for d in DELAYS_MS:
+                tag = f"+{d}ms"
+                ng, i8 = proposers[("ngram", d)].node_id, proposers[("int8", d)].node_id
+                configs += [(f"bus-ngram{tag}", dict(proposers=[ng])),
+                            (f"bus-int8{tag}", dict(proposers=[i8])),
+                            (f"bus-ngram+int8{tag}", dict(proposers=[ng, i8]))]
+            verifier = by_name["v-ngram"]
             # warm-up: learn costs, open connections
-            for _, vname, over in configs:
-                cc.generate(GenerateRequest(prompts[0][1][:200], max_tokens=8, **over),
-                            by_name[vname])
-            results: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
+            for _, over in configs:
+                cc.generate(GenerateRequest(prompts[0][1][:200], max_tokens=8, **over), verifier)
+            results: dict[str, list[dict]] = {name: [] for name, _ in configs}
             for i, (klass, text) in enumerate(prompts):
                 print(f"prompt {i + 1}/{len(prompts)} ({klass})", file=sys.stderr)
-                for name, vname, over in configs:
-                    r = cc.generate(GenerateRequest(text, max_tokens=n, **over), by_name[vname])
+                for name, over in configs:
+                    r = cc.generate(GenerateRequest(text, max_tokens=n, **over), verifier)
                     results[name].append({"class": klass, **r.stats})
+            raw = [(klass, text) for klass, text in prompts]
+    results.update(_hf_rows(args, raw, n))
     rows = _rows(results)
     _print(rows, n)
     if args.json:
@@ -101,35 +117,81 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
     return 0
 
 
+def _hf_rows(args, prompts: list[tuple[str, str]], n: int) -> dict[str, list[dict]]:
+    """HF greedy and HF prompt lookup on the same raw prompts (the verifier's own encoding, no
+    chat template) and token counts, on core 0 with one torch thread, the cluster idle."""
+    import os
+
+    import torch
+
+    from nodes.backends.base import load_backend
+    from tools.bench_decode import _hf_runner
+
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    backend = load_backend("torch", getattr(args, "model", None))
+    out: dict[str, list[dict]] = {"hf-plain": [], "hf-prompt-lookup": []}
+    runners = {"hf-plain": _hf_runner(backend),
+               "hf-prompt-lookup": _hf_runner(backend, prompt_lookup_num_tokens=8)}
+    runners["hf-plain"](backend.tokenizer.encode(prompts[0][1][:200]), 4)  # warm-up
+    for klass, text in prompts:
+        ids = backend.tokenizer.encode(text)
+        for name, run in runners.items():
+            r = run(ids, n)
+            out[name].append({"class": klass, "token_ids": r.token_ids,
+                              "tok_per_s": len(r.token_ids) / r.elapsed_s if r.elapsed_s
+                              else 0.0, "acceptance": 0.0, "mean_accepted_len": 0.0,
+                              "accepted": 0, "drafted": 0, "blocks": 0})
+    return out
+
+
 def _rows(results: dict[str, list[dict]]) -> list[dict]:
-    base = {"v-ngram": results["bus-plain"], "v-int8": results["bus-plain-int8v"]}
+    plain = results["bus-plain"]
     rows = []
     for name, runs in results.items():
-        plain = base["v-int8"] if "int8" in name else base["v-ngram"]
+        base = results["hf-plain"] if name.startswith("hf-") else plain
         for klass in sorted({r["class"] for r in runs}):
             idx = [i for i, r in enumerate(runs) if r["class"] == klass]
-            speed = [runs[i]["tok_per_s"] / plain[i]["tok_per_s"] for i in idx
-                     if plain[i]["tok_per_s"]]
-            rows.append({
+            speed = [runs[i]["tok_per_s"] / base[i]["tok_per_s"] for i in idx
+                     if base[i]["tok_per_s"]]
+            blocks = [runs[i].get("blocks", 0) for i in idx]
+            row = {
                 "name": name, "backend": "torch", "prompt_class": klass,
                 "tok_per_s": round(statistics.median(runs[i]["tok_per_s"] for i in idx), 2),
                 "speedup": round(statistics.median(speed), 3) if speed else None,
                 "min_speedup": round(min(speed), 3) if speed else None,
                 "acceptance": round(statistics.median(runs[i]["acceptance"] for i in idx), 3),
-                "mean_accepted_len": round(
-                    statistics.median(runs[i]["mean_accepted_len"] for i in idx), 2),
+                "accepted_per_forward": round(statistics.median(
+                    runs[i]["accepted"] / b for i, b in zip(idx, blocks, strict=True) if b)
+                    if any(blocks) else 0.0, 2),
+                "fed_per_forward": round(statistics.median(
+                    (runs[i]["drafted"] + b) / b for i, b in zip(idx, blocks, strict=True) if b)
+                    if any(blocks) else 0.0, 2),
                 "identical_to_plain": all(runs[i]["token_ids"] == plain[i]["token_ids"]
                                           for i in idx),
-            })
+            }
+            if name == "hf-prompt-lookup":  # the issue's comparison: our ngram vs HF's
+                ours = results["bus-ngram+0ms"]
+                vs = [ours[i]["tok_per_s"] / runs[i]["tok_per_s"] for i in idx
+                      if runs[i]["tok_per_s"]]
+                row["bus_ngram_vs_this"] = round(statistics.median(vs), 3) if vs else None
+                row["bus_ngram_vs_this_min"] = round(min(vs), 3) if vs else None
+            rows.append(row)
     return rows
 
 
 def _print(rows: list[dict], n: int) -> None:
     print(f"decode over the bus: up to {n} new tokens, medians over prompts; speedup vs the "
-          "same verifier decoding plainly on the same prompt")
-    print(f"{'name':18s} {'class':15s} {'tok/s':>7s} {'speedup':>8s} {'min':>6s} "
-          f"{'accept':>7s} {'mean acc':>8s} {'identical':>9s}")
+          "same verifier decoding plainly on the same prompt (hf-* rows: vs hf-plain)")
+    print(f"{'name':22s} {'class':15s} {'tok/s':>7s} {'speedup':>8s} {'worst':>6s} "
+          f"{'accept':>7s} {'acc/fwd':>7s} {'fed/fwd':>7s} {'identical':>9s}")
     for r in rows:
-        print(f"{r['name']:18s} {r['prompt_class']:15s} {r['tok_per_s']:7.1f} "
+        extra = ""
+        if "bus_ngram_vs_this" in r:
+            extra = (f"  bus-ngram+0ms vs this: {r['bus_ngram_vs_this']:.2f}x "
+                     f"(worst {r['bus_ngram_vs_this_min']:.2f}x)")
+        print(f"{r['name']:22s} {r['prompt_class']:15s} {r['tok_per_s']:7.1f} "
               f"{r['speedup'] or 0:8.2f} {r['min_speedup'] or 0:6.2f} {r['acceptance']:7.2f} "
-              f"{r['mean_accepted_len']:8.2f} {str(r['identical_to_plain']):>9s}")
+              f"{r['accepted_per_forward']:7.2f} {r['fed_per_forward']:7.2f} "
+              f"{str(r['identical_to_plain']):>9s}{extra}")

@@ -36,6 +36,12 @@ class DraftSession(ABC):
     def draft(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Up to k proposed next tokens after everything committed so far."""
 
+    def truncate(self, length: int) -> None:
+        """Forget every token past the first `length` (prompt + extended), so a proposer that
+        drafted ahead on assumed tokens can roll back. Sessions that cannot raise
+        NotImplementedError and are reopened from the tokens instead."""
+        raise NotImplementedError
+
     def warm(self) -> None:
         """Optional: do per-session set-up (e.g. prompt prefill) ahead of the first draft."""
         return None
@@ -51,6 +57,9 @@ class Drafter(ABC):
     name: str = "?"
     #: tokenizer fingerprint the drafts are in; None means "works on any tokenizer's ids"
     fingerprint: str | None = None
+    #: drafting ahead (proposer role): tokens per streamed chunk; 0 drafts up to the horizon
+    #: in one go (cheap drafters), a model drafter streams a few at a time
+    ahead_chunk: int = 0
 
     @abstractmethod
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftSession:

@@ -46,6 +46,11 @@ class ModelSession(DraftSession):
     def extend(self, delta: Sequence[int]) -> None:
         self.tokens.extend(int(t) for t in delta)
 
+    def truncate(self, length: int) -> None:
+        """Roll back to `length` tokens; the cache is cropped to the common prefix lazily, at
+        the next `draft`."""
+        del self.tokens[max(length, 0) :]
+
     def warm(self) -> None:
         """Feed everything but the last token now, so the first `draft` is only decode steps.
 
@@ -167,6 +172,8 @@ class ModelTreeSource(DraftSource):
 
 class ModelDrafter(Drafter):
     """Drafts with a (smaller or cheaper) model sharing the verifier's tokenizer."""
+
+    ahead_chunk = 4
 
     def __init__(
         self, backend: Backend, name: str | None = None, tree_width: int = TREE_WIDTH

@@ -45,6 +45,19 @@ class NgramSession(DraftSession):
                 self.index[n].setdefault(tuple(toks[end - n : end]), []).append(end)
             toks.append(int(t))
 
+    def truncate(self, length: int) -> None:
+        """Undo `extend` past `length`: each n-gram indexed when token e was appended ends at e
+        and sits last in its list, so popping from the newest back restores the index."""
+        toks = self.tokens
+        for end in range(len(toks) - 1, max(length, 0) - 1, -1):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                key = tuple(toks[end - n : end])
+                ends = self.index[n][key]
+                ends.pop()
+                if not ends:
+                    del self.index[n][key]
+        del toks[max(length, 0) :]
+
     def draft(self, k: int) -> tuple[np.ndarray, None]:
         toks = self.tokens
         if k <= 0:

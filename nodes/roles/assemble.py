@@ -27,7 +27,6 @@ class RoleSpec:
     drafter: str = "ngram"  # the proposer's drafter (or the verifier's local one)
     max_draft: int = 16
     lease_s: float = 30.0  # draft-session lease a verifier asks proposers for
-    max_wait_s: float = 0.5  # a verifier's longest wait for one draft reply
     threads: int = 0  # torch intra-op threads (0: torch's default)
     #: longest context served: a verifier's prompt + max_tokens, a proposer's session
     #: (0: the model's context; 8192 for a model-less ngram proposer)
@@ -112,10 +111,8 @@ def assemble(spec: RoleSpec) -> Roles:
         local = drafter if "proposer" not in spec.roles else None
         engine = Engine(backend, local, max_draft=spec.max_draft)
         roles.card["tok_s"] = round(_measure_plain(engine), 2)
-        from nodes.roles.remote_draft import DeadlinePolicy
-
-        policy = DeadlinePolicy(first_s=spec.max_wait_s, max_s=spec.max_wait_s)
-        roles.verifier = VerifierRole(engine, lease_s=spec.lease_s, policy=policy,
+        # protocol 2: drafts stream in ahead and are never waited for (but with draft='force')
+        roles.verifier = VerifierRole(engine, lease_s=spec.lease_s,
                                       max_context=spec.max_context)
 
     if "proposer" in spec.roles:

@@ -1,15 +1,18 @@
-"""The proposer role: serve draft sessions over the node's ROUTER.
+"""The proposer role: serve draft sessions over the node's ROUTER, drafting ahead.
 
-Protocol (docs/protocol.md, "Draft sessions"): `session_open` (prompt tokens, sampling params,
-lease) -> `draft_req` (delta of committed tokens + k) -> `draft_reply` (0..k tokens, probs when
-sampling) ... -> `session_close` or lease expiry.
+Protocol 2 (docs/protocol.md, "Draft sessions"): `session_open` (prompt tokens, sampling params,
+lease, horizon) is answered by a stream of `draft_chunk` replies until `session_close` or lease
+expiry; the verifier pushes every commit with `session_extend` (delta + committed total,
+idempotent) and does not wait for drafts. Between commits the worker drafts past the last
+commit it knows, assuming its own drafts will be accepted, up to the session's horizon, and
+streams each chunk tagged with its base (that commit) and the tokens it assumed. A commit that
+disagrees with what it assumed rolls the drafter back (`DraftSession.truncate`, or a reopen)
+and drafting continues from the correction.
 
 The I/O thread parses each message into its typed struct and checks it against this node (token
 ids in the vocabulary, context within `max_context`), answering bad input at once; then it
 only enqueues. One drafting worker thread owns every session (drafters and their
-KV caches are not thread-safe) and answers with `Request.reply`. Deltas are idempotent: a
-`draft_req` says where its delta ends (`committed`), so a delta that arrives after its request
-timed out on the verifier, or twice, is applied exactly once.
+KV caches are not thread-safe) and answers with `Request.reply`.
 """
 
 from __future__ import annotations
@@ -26,8 +29,7 @@ from bus.streams import Request
 from codec.errors import CodecError
 from codec.structs import (
     Done,
-    DraftReply,
-    DraftReq,
+    DraftChunk,
     SessionClose,
     SessionExtend,
     SessionOpen,
@@ -45,7 +47,8 @@ from nodes.roles import requests
 log = logging.getLogger(__name__)
 
 MAX_SESSIONS = 256
-_STRUCTS = {c.TYPE: c for c in (SessionOpen, SessionExtend, DraftReq, SessionClose)}
+DEFAULT_HORIZON = 16
+_STRUCTS = {c.TYPE: c for c in (SessionOpen, SessionExtend, SessionClose)}
 
 
 @dataclass
@@ -53,20 +56,34 @@ class _Session:
     sid: str
     owner: str  # verifier node id
     draft: DraftSession
-    committed: int
+    params: object  # SamplingParams, to reopen the drafter when it cannot truncate
+    tokens: list[int]  # committed tokens this proposer knows (prompt + deltas)
     lease_s: float
     expires: float
-    want_probs: bool
+    stream: Request  # the session_open request; chunks are its streamed replies
+    horizon: int
+    assumed: list[int] = field(default_factory=list)  # drafted past `tokens`, fed as if committed
+    exhausted: bool = False  # the drafter had nothing more at this point: wait for a commit
+    dirty: bool = True  # a commit arrived since the last chunk: tell the verifier even if empty
+    chunks: int = 0
+
+    @property
+    def committed(self) -> int:
+        return len(self.tokens)
+
+    def wants_drafting(self) -> bool:
+        return self.dirty or (not self.exhausted and len(self.assumed) < self.horizon)
 
 
 @dataclass
 class ProposerStats:
     sessions_opened: int = 0
     sessions_expired: int = 0
-    drafts_served: int = 0
-    draft_tokens: int = 0
+    drafts_served: int = 0  # chunks streamed
+    draft_tokens: int = 0  # tokens drafted (new ones, not resent assumed ones)
     draft_s: float = 0.0
-    stale_skipped: int = 0  # requests whose budget had passed before we got to them
+    rollbacks: int = 0  # commits that disagreed with what was assumed
+    cancelled: int = 0  # sessions whose stream the verifier cancelled
     errors: int = 0
     by_verifier: dict[str, int] = field(default_factory=dict)
 
@@ -77,15 +94,15 @@ class ProposerStats:
             "drafts_served": self.drafts_served,
             "draft_tokens": self.draft_tokens,
             "draft_tok_s": self.draft_tokens / self.draft_s if self.draft_s else 0.0,
-            "stale_skipped": self.stale_skipped,
+            "rollbacks": self.rollbacks,
             "errors": self.errors,
         }
 
 
 class ProposerRole:
-    """Draft sessions for any number of verifiers, on one worker thread."""
+    """Draft sessions for any number of verifiers, on one worker thread that drafts ahead."""
 
-    TYPES = ("session_open", "session_extend", "draft_req", "session_close")
+    TYPES = ("session_open", "session_extend", "session_close")
 
     def __init__(self, drafter: Drafter, vocab_size: int, sweep_every: float = 0.25,
                  max_context: int = 0) -> None:
@@ -99,6 +116,7 @@ class ProposerRole:
         self._sweep_every = sweep_every
         self._stop = threading.Event()
         self._loop = None
+        self._turn = 0  # round robin over sessions that want drafting
         self._worker = threading.Thread(target=self._run, name="proposer-worker", daemon=True)
 
     # -- wiring -----------------------------------------------------------------------------
@@ -119,23 +137,22 @@ class ProposerRole:
 
     def enqueue(self, req: Request) -> None:
         """I/O thread: parse and check (cheap, O(1) in the token count but for one min/max),
-        answer bad input at once, else stamp the arrival time and hand over; never blocks."""
-        arrived = time.monotonic()
+        answer bad input at once, else hand over; never blocks."""
         try:
             parsed = self._admit(req)
         except requests.INPUT_ERRORS as exc:
             self.stats.errors += 1
             req.fail(*requests.wire_error(exc))
             return
-        self._queue.put((arrived, req, parsed))
+        self._queue.put((req, parsed))
 
     def _admit(self, req: Request):
         parsed = _STRUCTS[req.message.type].from_message(req.message)
         if isinstance(parsed, SessionOpen):
             requests.check_context("tokens", len(parsed.tokens), self.max_context)
-        elif isinstance(parsed, SessionExtend | DraftReq):
+        elif isinstance(parsed, SessionExtend):
             requests.check_context("committed", parsed.committed, self.max_context)
-        if isinstance(parsed, SessionOpen | SessionExtend | DraftReq):
+        if isinstance(parsed, SessionOpen | SessionExtend):
             requests.check_ids("tokens", parsed.tokens, self.vocab_size)
         return parsed
 
@@ -143,32 +160,42 @@ class ProposerRole:
     def _run(self) -> None:
         next_sweep = time.monotonic() + self._sweep_every
         while not self._stop.is_set():
+            busy = any(s.wants_drafting() for s in self._sessions.values())
             try:
-                item = self._queue.get(timeout=self._sweep_every)
+                item = (self._queue.get_nowait() if busy
+                        else self._queue.get(timeout=self._sweep_every))
             except queue.Empty:
                 item = False
+            while item:  # every message that is waiting, before drafting further
+                self._dispatch(*item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = False
+            if item is None:
+                break
             now = time.monotonic()
             if now >= next_sweep:
                 self._expire(now)
                 next_sweep = now + self._sweep_every
-            if not item:
-                continue
-            arrived, req, parsed = item
-            try:
-                self._handle(arrived, req, parsed)
-            except (GenerationError, CodecError) as exc:
-                self.stats.errors += 1
-                if not req.finished:
-                    req.fail(error_code(exc), str(exc)[:300])
-            except Exception as exc:  # noqa: BLE001 - a drafter bug fails one request only
-                self.stats.errors += 1
-                log.exception("drafting failed")
-                if not req.finished:
-                    req.fail("internal", f"{type(exc).__name__}: {exc}"[:300])
+            self._draft_one()
         for s in list(self._sessions.values()):
-            self._close(s)
+            self._close(s, "stopped")
 
-    def _handle(self, arrived: float, req: Request, parsed) -> None:
+    def _dispatch(self, req: Request, parsed) -> None:
+        try:
+            self._handle(req, parsed)
+        except (GenerationError, CodecError) as exc:
+            self.stats.errors += 1
+            if not req.finished:
+                req.fail(error_code(exc), str(exc)[:300])
+        except Exception as exc:  # noqa: BLE001 - a drafter bug fails one request only
+            self.stats.errors += 1
+            log.exception("session message failed")
+            if not req.finished:
+                req.fail("internal", f"{type(exc).__name__}: {exc}"[:300])
+
+    def _handle(self, req: Request, parsed) -> None:
         if isinstance(parsed, SessionOpen):
             self._open(req, parsed)
             return
@@ -178,80 +205,113 @@ class ProposerRole:
                 f"no open session {parsed.session!r} (expired or never opened)")
         session.expires = time.monotonic() + session.lease_s
         if isinstance(parsed, SessionClose):
-            self._close(session)
+            self._close(session, "closed")
             req.reply(Done("closed").to_message())
             return
-        self._extend(session, parsed.tokens, parsed.committed)
-        if isinstance(parsed, SessionExtend):
-            req.reply(Done("extended").to_message())
-            return
-        k = parsed.k
-        budget = parsed.budget_s
-        late = budget is not None and time.monotonic() - arrived > budget
-        if late or req.cancelled.is_set():
-            # the verifier has given up on this block already: don't waste a draft on it
-            self.stats.stale_skipped += 1
-            ids, probs = np.zeros(0, np.int32), None
-            elapsed = 0.0
-        else:
-            t0 = time.perf_counter()
-            ids, probs = session.draft.draft(k)
-            elapsed = time.perf_counter() - t0
-            ids = np.ascontiguousarray(np.asarray(ids, dtype=np.int32).reshape(-1)[:k])
-            self.stats.drafts_served += 1
-            self.stats.draft_tokens += len(ids)
-            self.stats.draft_s += elapsed
-        send_probs = None
-        if session.want_probs and probs is not None and len(ids):
-            send_probs = np.asarray(probs, dtype=np.float32)[: len(ids)]
-        reply = DraftReply(session.sid, session.committed, ids, send_probs,
-                           elapsed).to_message()
-        req.reply(reply)
+        self._commit(session, parsed)
+        req.reply(Done("extended").to_message())
 
     def _open(self, req: Request, parsed: SessionOpen) -> None:
         sid = parsed.session
         if sid in self._sessions:
-            self._close(self._sessions[sid])
+            self._close(self._sessions[sid], "reopened")
         if len(self._sessions) >= MAX_SESSIONS:
             req.fail(BUSY, f"proposer has {MAX_SESSIONS} open sessions")
             return
         if parsed.tokenizer:
             self.drafter.check_compatible(parsed.tokenizer)
         params = requests.sampling_params(parsed.sampling)
-        draft = self.drafter.open(parsed.tokens.tolist(), params)
+        tokens = parsed.tokens.tolist()
+        draft = self.drafter.open(tokens, params)
         draft.warm()  # prefill now, in parallel with the verifier's own prefill
+        horizon = DEFAULT_HORIZON if parsed.horizon is None else parsed.horizon
         self._sessions[sid] = _Session(
-            sid=sid, owner=req.message.sender, draft=draft, committed=len(parsed.tokens),
-            lease_s=parsed.lease_s, expires=time.monotonic() + parsed.lease_s,
-            want_probs=not params.greedy,
-        )
+            sid=sid, owner=req.message.sender, draft=draft, params=params, tokens=tokens,
+            lease_s=parsed.lease_s, expires=time.monotonic() + parsed.lease_s, stream=req,
+            horizon=horizon)
         self.stats.sessions_opened += 1
         owner = req.message.sender
         self.stats.by_verifier[owner] = self.stats.by_verifier.get(owner, 0) + 1
-        req.reply(Done("opened").to_message())
 
-    def _extend(self, session: _Session, delta: np.ndarray, committed: int) -> None:
+    def _commit(self, s: _Session, ext: SessionExtend) -> None:
+        """Apply a pushed commit exactly once; keep the assumed drafts it confirms, roll back
+        the rest."""
+        if ext.horizon is not None:
+            s.horizon = ext.horizon
+        delta, committed = ext.tokens, ext.committed
         base = committed - len(delta)
-        if base > session.committed or committed < session.committed:
+        if base > s.committed or committed < s.committed:
             raise OutOfSyncError(
-                f"session {session.sid} has {session.committed} committed tokens; "
-                f"delta covers {base}..{committed}"
-            )
-        new = delta[session.committed - base :]
-        if len(new):
-            session.draft.extend(new.tolist())
-            session.committed = committed
+                f"session {s.sid} has {s.committed} committed tokens; "
+                f"delta covers {base}..{committed}")
+        new = delta[s.committed - base :].tolist()
+        if not new:
+            return  # a duplicate
+        n = 0
+        while n < len(new) and n < len(s.assumed) and new[n] == s.assumed[n]:
+            n += 1
+        s.tokens.extend(new)
+        if n == len(new):
+            s.assumed = s.assumed[n:]  # the drafter holds these already
+        else:
+            self.stats.rollbacks += 1
+            self._rollback(s, s.committed - len(new) + n)
+            s.draft.extend(new[n:])
+            s.assumed = []
+        s.exhausted = False
+        s.dirty = True
+
+    def _rollback(self, s: _Session, length: int) -> None:
+        try:
+            s.draft.truncate(length)
+        except NotImplementedError:
+            s.draft.close()
+            s.draft = self.drafter.open(s.tokens[:length], s.params)
+
+    def _draft_one(self) -> None:
+        """Draft one chunk for the next session that wants one, and stream it."""
+        ready = [s for s in self._sessions.values() if s.wants_drafting()]
+        if not ready:
+            return
+        self._turn = (self._turn + 1) % len(ready)
+        s = ready[self._turn]
+        if s.stream.cancelled.is_set():
+            self.stats.cancelled += 1
+            self._close(s, "cancelled")
+            return
+        room = max(s.horizon - len(s.assumed), 0)
+        k = min(room, self.drafter.ahead_chunk or room)
+        ids: list[int] = []
+        if k > 0:
+            t0 = time.perf_counter()
+            out, _probs = s.draft.draft(k)  # probs are not sent: drafts are point masses
+            self.stats.draft_s += time.perf_counter() - t0
+            ids = [int(t) for t in np.asarray(out).reshape(-1)[:k]]
+            if ids:
+                s.draft.extend(ids)
+                s.assumed.extend(ids)
+                self.stats.draft_tokens += len(ids)
+            if not ids:
+                s.exhausted = True  # nothing more from here until a commit
+        if not ids and not s.dirty:
+            return
+        s.dirty = False
+        s.chunks += 1
+        self.stats.drafts_served += 1
+        s.stream.reply(DraftChunk(s.sid, s.committed, np.asarray(s.assumed, dtype=np.int32),
+                                  s.chunks).to_message(), more=True)
 
     def _expire(self, now: float) -> None:
         for s in [s for s in self._sessions.values() if s.expires <= now]:
             log.info("session %s of %s expired (lease %.1fs)", s.sid, s.owner, s.lease_s)
             self.stats.sessions_expired += 1
-            self._close(s)
+            self._close(s, "expired")
 
-    def _close(self, session: _Session) -> None:
+    def _close(self, session: _Session, why: str) -> None:
         self._sessions.pop(session.sid, None)
+        if not session.stream.finished and not session.stream.cancelled.is_set():
+            session.stream.reply(Done(why).to_message())
         try:
             session.draft.close()
         except Exception:  # noqa: BLE001 - closing must not take the worker down
             log.exception("closing session %s", session.sid)
-

@@ -3,8 +3,9 @@
 Requests queue (bounded) for one compute thread that owns the model: a generation runs the
 engine block by block, streaming each committed block back as a `token_chunk` and ending with
 `done` (text, token ids, figures, per-proposer stats). Drafts come from the cluster's compatible
-proposers (alive, same tokenizer fingerprint or tokenizer-agnostic) through
-`RemoteDraftSession`; with none, from the node's own drafter if it has one, else plain decoding.
+proposers (alive, same tokenizer fingerprint or tokenizer-agnostic), one `ProposerSource` each:
+they stream drafts ahead and are pushed every commit, and the engine merges their chains into
+one tree per forward; with none, from the node's own drafter if it has one, else plain decoding.
 
 Each request is parsed into `codec.structs.GenerateReq` and checked against this node
 (`nodes/roles/requests.py`) on the I/O thread, so bad or over-long input is refused before it
@@ -40,7 +41,7 @@ from nodes.drafters.base import DraftSession
 from nodes.engine.core import Engine, Stats
 from nodes.engine.errors import BUSY, GenerationError, NoProposerError, error_code
 from nodes.roles import requests
-from nodes.roles.remote_draft import DeadlinePolicy, ProposerLink, RemoteDraftSession
+from nodes.roles.remote_draft import DraftPolicy, ProposerLink, ProposerSource
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +66,10 @@ class VerifierRole:
     """Owns the engine (model + caches) on one compute thread; one generation at a time."""
 
     def __init__(self, engine: Engine, max_queue: int = 16,
-                 policy: DeadlinePolicy | None = None, lease_s: float = 30.0,
+                 policy: DraftPolicy | None = None, lease_s: float = 30.0,
                  max_context: int = 0) -> None:
         self.engine = engine
-        self.policy = policy or DeadlinePolicy()
+        self.policy = policy or DraftPolicy()
         self.lease_s = lease_s
         #: longest prompt + max_tokens served (0: the model's own context)
         self.max_context = max_context or requests.model_context(engine.backend)
@@ -183,6 +184,8 @@ class VerifierRole:
         while True:
             item = self._next()
             if item is None:
+                for link in self.links.values():
+                    link.close()  # the links' sockets belong to this thread
                 return
             req, parsed = item
             if req.cancelled.is_set():
@@ -218,8 +221,11 @@ class VerifierRole:
         tok = self.engine.backend.tokenizer
         params = requests.generation_params(parsed)
         prompt_ids = self._prompt_ids(parsed)
-        session = self._draft_session(parsed, prompt_ids, params.sampling)
         engine = self._engine_for(parsed)
+        session = self._draft_session(parsed, prompt_ids, params.sampling, engine)
+        remote = session if isinstance(session, list) else None
+        draft_args = ({"sources": remote} if remote is not None
+                      else {"draft_session": session})
         stats = Stats()
         t0 = time.perf_counter()
         generated: list[int] = []
@@ -228,7 +234,7 @@ class VerifierRole:
         final_text = None
         try:
             for index, block in enumerate(
-                engine.stream(prompt_ids, params, stats=stats, draft_session=session)
+                engine.stream(prompt_ids, params, stats=stats, **draft_args)
             ):
                 if req.cancelled.is_set():
                     break
@@ -241,12 +247,15 @@ class VerifierRole:
                     sent_text = text
                 req.reply(TokenChunk(index, np.asarray(block.token_ids, dtype=np.int32),
                                      piece).to_message(), more=True)
-                if isinstance(session, RemoteDraftSession):
+                if remote is not None:
                     self._publish()
                 if block.finish_reason is not None:
                     finish, final_text = block.finish_reason, text
         finally:
-            if session is not None and session is not _NO_DRAFTS:
+            if remote is not None:
+                for source in remote:
+                    source.close()
+            elif session is not None and session is not _NO_DRAFTS:
                 session.close()
         elapsed = time.perf_counter() - t0
         if req.cancelled.is_set():
@@ -266,8 +275,7 @@ class VerifierRole:
             "blocks": stats.blocks,
             "spec_blocks": stats.spec_blocks,
             "plain_steps": stats.plain_steps,
-            "deadline_misses": session.deadline_misses if isinstance(session, RemoteDraftSession)
-            else 0,
+            "deadline_misses": 0,  # protocol 2 never waits on a proposer (but forced)
             "model": self.engine.backend.model_name,
             "backend": self.engine.backend.name,
             "verifier": self._node.node_id if self._node else "",
@@ -290,8 +298,9 @@ class VerifierRole:
         self.proposer_snapshot = MappingProxyType(
             {k: link.as_dict() for k, link in self.links.items()})
 
-    def _draft_session(self, parsed: GenerateReq, prompt_ids, sampling):
-        """Remote proposers when the cluster has compatible ones; else the local drafter."""
+    def _draft_session(self, parsed: GenerateReq, prompt_ids, sampling, engine: Engine):
+        """Remote proposers (a list of sources) when the cluster has compatible ones; else the
+        local drafter (None)."""
         if not parsed.speculate:
             return _NO_DRAFTS
         only = list(parsed.proposers) if parsed.proposers is not None else None
@@ -305,14 +314,15 @@ class VerifierRole:
                                       "with this verifier (draft='force')")
         if links:
             node = self._node
-            return RemoteDraftSession(
-                node.client, links, prompt_ids, sampling,
-                session_id=f"{node.node_id}-{next(self._sids)}",
+            sid = f"{node.node_id}-{next(self._sids)}"
+            return [ProposerSource(
+                link, link.direct(node.factory, node.node_id, self.policy.max_queued),
+                prompt_ids, sampling, session_id=f"{sid}-{i}",
                 vocab_size=self.engine.backend.vocab_size,
-                fingerprint=self.engine.backend.fingerprint,
+                fingerprint=self.engine.backend.fingerprint, max_draft=engine.max_draft,
                 lease_s=self.lease_s, policy=self.policy,
                 is_alive=self._is_alive, forced=parsed.force_draft,
-            )
+            ) for i, link in enumerate(links)]
         return None  # the engine opens a session on its own drafter, if any
 
     def _compatible_links(self, only: list[str] | None) -> list[ProposerLink]:
@@ -334,6 +344,8 @@ class VerifierRole:
             link = self.links.get(card.node_id)
             endpoint = card.endpoints.get("stream", "")
             if link is None or link.endpoint != endpoint:
+                if link is not None:
+                    link.close()
                 link = ProposerLink(card.node_id, endpoint, card.name)
                 self.links[card.node_id] = link
             out.append(link)
@@ -344,9 +356,9 @@ class VerifierRole:
         return m is not None and m.state.value == "alive"
 
     def _proposer_stats(self, session) -> dict:
-        if not isinstance(session, RemoteDraftSession):
+        if not isinstance(session, list):
             return {}
-        return session.stats()
+        return {source.link.node_id: source.stats() for source in session}
 
     def _account(self, generated, elapsed, stats, session) -> None:
         s = self.stats
@@ -355,8 +367,6 @@ class VerifierRole:
         s.busy_s += elapsed
         s.last_tok_s = len(generated) / elapsed if elapsed > 0 else 0.0
         s.last_acceptance = stats.acceptance
-        if isinstance(session, RemoteDraftSession):
-            s.deadline_misses += session.deadline_misses
 
 
 class _NoDrafts(DraftSession):

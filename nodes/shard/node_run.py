@@ -193,7 +193,7 @@ class ShardProcess:
         try:
             spec = RoleSpec(roles=("verifier",), backend="torch",
                             drafter=args.drafter or "none", max_draft=args.max_draft,
-                            lease_s=args.session_lease, max_wait_s=args.max_draft_wait,
+                            lease_s=args.session_lease,
                             threads=args.threads, max_context=args.max_context,
                             prebuilt=backend)
             try:

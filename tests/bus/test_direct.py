@@ -226,7 +226,7 @@ def test_a_malformed_reply_fails_its_call_with_a_typed_error(client, factory):
         call = client.request(endpoint, make("ping"), timeout=BOUND)
         # a header naming our rid that promises a tensor frame it does not carry
         serve_once(router, lambda req: [msgpack.packb(
-            {"v": 1, "t": "pong", "rid": req.rid, "tensors": [{"dtype": "int32", "shape": [4]}]}
+            {"v": 2, "t": "pong", "rid": req.rid, "tensors": [{"dtype": "int32", "shape": [4]}]}
         )])
         with pytest.raises(BadReply) as info:
             call.result(BOUND)

@@ -152,10 +152,10 @@ def test_garbage_gets_a_typed_error_and_the_server_keeps_serving(server, client,
     try:
         bad = [
             [b"\xc1\xc1 not msgpack"],
-            [msgpack.packb({"v": 1, "t": "ping", "rid": 77, "tensors": [{"dtype": "int32",
+            [msgpack.packb({"v": 2, "t": "ping", "rid": 77, "tensors": [{"dtype": "int32",
                                                                          "shape": [4]}]})],
             [msgpack.packb({"v": 9, "t": "ping"})],
-            [msgpack.packb({"v": 1, "t": "session_extend", "rid": 5, "committed": 1,
+            [msgpack.packb({"v": 2, "t": "session_extend", "rid": 5, "committed": 1,
                             "tensors": [{"dtype": "int32", "shape": [2**40]}]}), b""],
         ]
         codes = []

@@ -105,23 +105,23 @@ def test_mutated_valid_messages(data):
     [
         ({"v": 99, "t": "ping"}, [], "bad_version"),
         ({"t": "ping"}, [], "bad_version"),
-        ({"v": 1, "t": "nope"}, [], "unknown_type"),
-        ({"v": 1, "t": "heartbeat", "cluster": "c", "incarnation": 1}, [], "missing_field"),
-        ({"v": 1, "t": "heartbeat", "cluster": 5, "incarnation": 1, "version": 1}, [],
+        ({"v": 2, "t": "nope"}, [], "unknown_type"),
+        ({"v": 2, "t": "heartbeat", "cluster": "c", "incarnation": 1}, [], "missing_field"),
+        ({"v": 2, "t": "heartbeat", "cluster": 5, "incarnation": 1, "version": 1}, [],
          "bad_field"),
-        ({"v": 1, "t": "session_extend", "committed": 1,
+        ({"v": 2, "t": "session_extend", "committed": 1,
           "tensors": [{"dtype": "int32", "shape": [2]}]}, [], "frame_count"),
-        ({"v": 1, "t": "session_extend", "committed": 1,
+        ({"v": 2, "t": "session_extend", "committed": 1,
           "tensors": [{"dtype": "int32", "shape": [2]}]}, [b"\0" * 7], "byte_count"),
-        ({"v": 1, "t": "session_extend", "committed": 1,
+        ({"v": 2, "t": "session_extend", "committed": 1,
           "tensors": [{"dtype": "int32", "shape": [-2]}]}, [b""], "bad_shape"),
-        ({"v": 1, "t": "session_extend", "committed": 1,
+        ({"v": 2, "t": "session_extend", "committed": 1,
           "tensors": [{"dtype": "int32", "shape": [2**40]}]}, [b""], "oversize"),
-        ({"v": 1, "t": "session_extend", "committed": 1,
+        ({"v": 2, "t": "session_extend", "committed": 1,
           "tensors": [{"dtype": "complex64", "shape": [1]}]}, [b"\0" * 8], "bad_dtype"),
-        ({"v": 1, "t": "session_extend", "committed": 1,
+        ({"v": 2, "t": "session_extend", "committed": 1,
           "tensors": [{"dtype": "float32", "shape": [1]}]}, [b"\0" * 4], "bad_dtype"),
-        ({"v": 1, "t": "session_extend", "committed": 1,
+        ({"v": 2, "t": "session_extend", "committed": 1,
           "tensors": [{"dtype": "int32", "shape": [1, 1]}]}, [b"\0" * 4], "bad_shape"),
     ],
 )
@@ -146,7 +146,7 @@ def test_specific_errors(header, tail, code):
     ],
 )
 def test_inline_tensors_are_validated_like_frames(spec, tail, code):
-    header = {"v": 1, "t": "session_extend", "committed": 1, "tensors": [spec]}
+    header = {"v": 2, "t": "session_extend", "committed": 1, "tensors": [spec]}
     with pytest.raises(errors.CodecError) as info:
         m.decode([msgpack.packb(header, use_bin_type=True), *tail])
     assert info.value.code == code
@@ -154,7 +154,7 @@ def test_inline_tensors_are_validated_like_frames(spec, tail, code):
 
 def test_inline_tensors_count_towards_the_limits():
     spec = {"dtype": "uint8", "shape": [600], "data": b"\1" * 600}
-    header = msgpack.packb({"v": 1, "t": "blob", "tensors": [spec, spec]}, use_bin_type=True)
+    header = msgpack.packb({"v": 2, "t": "blob", "tensors": [spec, spec]}, use_bin_type=True)
     tight = m.Limits(max_tensor_bytes=500)
     with pytest.raises(errors.Oversize):
         m.decode([header], tight)

@@ -32,6 +32,7 @@ SAMPLE_FIELDS = {
     "session_extend": dict(committed=12),
     "draft_req": dict(k=4, committed=12, want_probs=False),
     "draft_reply": dict(committed=12),
+    "draft_chunk": dict(base=12, chunk=3),
     "session_close": dict(),
     "generate_req": dict(prompt="hello", max_tokens=16, temperature=0.7, seed=1, stop=["\n"]),
     "token_chunk": dict(index=0, text="hi"),
@@ -46,6 +47,7 @@ SAMPLE_TENSORS = {
     "session_extend": [TOKENS],
     "draft_reply": [TOKENS, np.random.default_rng(0).random((3, 11), dtype=np.float32)],
     "token_chunk": [TOKENS],
+    "draft_chunk": [TOKENS],
     "blob": [np.zeros((2, 2, 2), np.uint8), np.ones(3, bool)],
 }
 

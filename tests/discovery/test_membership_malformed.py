@@ -65,9 +65,9 @@ def test_malformed_gossip_changes_nothing(make_node, seed_of, view, wait_until, 
         [TOPIC, b"\xff\xfe not msgpack"],
         [TOPIC, msgpack.packb([1, 2, 3])],
         [TOPIC, msgpack.packb({"v": 99, "t": "card"})],
-        [TOPIC, msgpack.packb({"v": 1, "t": "no_such_type"})],
-        [TOPIC, msgpack.packb({"v": 1, "t": "card", "from": "x"})],  # missing fields
-        [TOPIC, msgpack.packb({"v": 1, "t": "heartbeat", "from": b.node_id, "cluster": "specbus",
+        [TOPIC, msgpack.packb({"v": 2, "t": "no_such_type"})],
+        [TOPIC, msgpack.packb({"v": 2, "t": "card", "from": "x"})],  # missing fields
+        [TOPIC, msgpack.packb({"v": 2, "t": "heartbeat", "from": b.node_id, "cluster": "specbus",
                                "incarnation": "one", "version": 1})],
         [TOPIC, *encode(make("ping"))], [TOPIC, b"x", b"extra frame"],
         # well-formed messages that must be ignored

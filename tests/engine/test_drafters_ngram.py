@@ -50,3 +50,16 @@ def test_default_prefers_long_context():
     tokens = [1, 2, 3, 8, 0, 2, 3, 9, 5, 1, 2, 3]
     assert NgramDrafter().open(tokens, SP).draft(1)[0].tolist() == [8]
     assert NgramDrafter(max_n=2).open(tokens, SP).draft(1)[0].tolist() == [9]
+
+
+def test_truncate_rolls_back_to_a_fresh_sessions_index():
+    """Drafting ahead assumes tokens then rolls back: the index must equal a fresh session's."""
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2]
+    rolled = NgramDrafter(min_n=1, max_n=3).open(prompt, SP)
+    rolled.extend([3, 1, 2, 9, 9])
+    rolled.truncate(len(prompt) + 1)
+    rolled.extend([7])
+    fresh = NgramDrafter(min_n=1, max_n=3).open([*prompt, 3, 7], SP)
+    assert rolled.tokens == fresh.tokens
+    assert rolled.index == fresh.index
+    assert rolled.draft(4)[0].tolist() == fresh.draft(4)[0].tolist()

@@ -120,6 +120,44 @@ def test_lying_proposer_is_ignored_and_counted(cluster, client, plain, mode):
         proc.wait(10)
 
 
+def test_delayed_proposer_through_the_proxy_stays_lossless(cluster, client, plain):
+    """Chunks and commits held 20 ms each way by tools/delay_proxy.py (the proposer advertises
+    the proxy): drafts arrive late and often stale, the output is the same."""
+    from tools.bench_decode_bus import free_port_pair
+    from tools.delay_proxy import Delay, DelayProxy
+
+    port = free_port_pair()
+    with DelayProxy(("127.0.0.1", port), Delay(0.02)) as proxy:
+        p = cluster.start_node("delayed", "--role", "proposer", "--drafter", "ngram",
+                               "--port", str(port), "--advertise", proxy.address, seed=True)
+        try:
+            client.wait_for(lambda ms: any(m.node_id == p.node_id for m in ms), 15)
+            done, _ = timed_generation(client, [p.node_id], force=True)
+        finally:
+            p.signal(signal.SIGKILL)
+    assert done["stats"]["token_ids"] == plain.stats["token_ids"]
+    st = done["stats"]["proposers"][p.node_id]
+    assert st["drafts"] >= 1 and st["bad_replies"] == 0 and not st["dropped"]
+
+
+def test_flooding_proposer_is_dropped_and_counted(cluster, client, plain):
+    seed = cluster.nodes[0].stream.removeprefix("tcp://")
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("liar_proposer.py")), cluster.cluster,
+         "flood", seed], stdout=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parents[2])
+    try:
+        liar_id = proc.stdout.readline().split()[1]
+        client.wait_for(lambda ms: any(m.node_id == liar_id for m in ms), 15)
+        done, _ = timed_generation(client, [liar_id], force=True)
+        assert done["stats"]["token_ids"] == plain.stats["token_ids"]
+        st = done["stats"]["proposers"][liar_id]
+        assert st["flooded"] == 1 and st["dropped"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_sessions_of_a_killed_verifier_expire_on_the_proposer(cluster, client):
     """A second verifier dies mid-generation; its session on the proposer ends with the lease
     (counted as expired: nobody closed it), however long that takes on a loaded machine."""

@@ -43,7 +43,8 @@ def test_verifier_and_proposer_on_different_hosts(lan, tmp_path):
         p = c.start_node("p", "--role", "proposer", "--interface", lan.address(2),
                          prefix=lan.prefix(2))
         assert v.stream.startswith("tcp://10.77.0.1:") and p.stream.startswith("tcp://10.77.0.2:")
-        spec = generate(lan, c.cluster, 3)
+        # pinned: drafts stream in ahead and are not waited for unless forced (protocol 2)
+        spec = generate(lan, c.cluster, 3, "--proposer", p.node_id, "--force-draft")
         plain = generate(lan, c.cluster, 3, "--no-speculate")
     assert spec["token_ids"] == plain["token_ids"]
     assert spec["proposers"][p.node_id]["drafts"] >= 1

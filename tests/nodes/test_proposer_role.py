@@ -1,6 +1,6 @@
-"""The proposer role over a real ROUTER: sessions, idempotent deltas, leases, bad input."""
+"""The proposer role over a real ROUTER (protocol 2): streamed drafts ahead, rollback on a
+disagreeing commit, idempotent commits, leases, bad input."""
 
-import time
 
 import numpy as np
 import pytest
@@ -25,53 +25,83 @@ def ask(host, msg, timeout=5.0):
     return host.client.request(host.server.endpoint, msg, timeout=timeout).result(timeout)
 
 
+def open_stream(host, sid="s1", lease=5.0, prompt=PROMPT, horizon=6):
+    """Open a session; its reply is the stream of draft chunks."""
+    return host.client.request(host.server.endpoint,
+                               make("session_open", session=sid, lease_s=lease,
+                                    horizon=horizon, tensors=[prompt]), timeout=None)
+
+
 def open_session(host, sid="s1", lease=5.0, prompt=PROMPT):
-    return ask(host, make("session_open", session=sid, lease_s=lease, tensors=[prompt]))
+    """Open a session and check the first reply of its stream (not the end of it)."""
+    call = open_stream(host, sid, lease, prompt)
+    first = call.next(5.0)
+    if first.type == "error":
+        raise RemoteError(first["code"], first["message"])
+    return first
 
 
-def draft(host, sid, k, committed, delta=()):
-    return ask(host, make("draft_req", session=sid, k=k, committed=committed,
+def commit(host, sid, committed, delta=()):
+    return ask(host, make("session_extend", session=sid, committed=committed,
                           tensors=[np.asarray(delta, dtype=np.int32)]))
 
 
-def test_open_then_draft_continues_the_ngram(host, proposer):
-    assert open_session(host)["finish_reason"] == "opened"
-    reply = draft(host, "s1", 3, committed=len(PROMPT))
-    assert reply.type == "draft_reply" and reply["committed"] == len(PROMPT)
-    assert reply.tensors[0].tolist() == [7, 8, 5]  # "... 5 6" -> most recent "5 6" -> 7 8 5
-    assert reply.session == "s1"
+def chunk_at(call, base, timeout=5.0):
+    """The next chunk of the stream based on committed length `base` (older ones skipped)."""
+    while True:
+        msg = call.next(timeout)
+        assert msg.type == "draft_chunk", msg.type
+        if msg["base"] == base:
+            return msg
 
 
-def test_deltas_are_idempotent_and_gaps_are_refused(host, proposer):
-    open_session(host)
+def test_open_streams_a_draft_ahead_up_to_the_horizon(host, proposer):
+    call = open_stream(host, horizon=6)
+    chunks = [call.next(5.0)]
+    while len(chunks[-1].tensors[0]) < 6:  # each chunk resends what it assumed, then more
+        chunks.append(call.next(5.0))
+    assert all(c.type == "draft_chunk" and c.session == "s1" for c in chunks)
+    assert all(c["base"] == len(PROMPT) for c in chunks)
+    # "... 5 6" -> most recent "5 6" -> 7 8 5 6, then on its own assumption 7 8
+    assert chunks[0].tensors[0].tolist() == [7, 8, 5, 6]
+    assert chunks[-1].tensors[0].tolist() == [7, 8, 5, 6, 7, 8]
+
+
+def test_commits_confirm_or_roll_back_and_are_idempotent(host, proposer):
+    call = open_stream(host, horizon=4)
     n = len(PROMPT)
-    draft(host, "s1", 2, committed=n + 2, delta=[7, 8])
-    # the same delta again (e.g. its first request timed out on the verifier): applied once
-    reply = draft(host, "s1", 2, committed=n + 2, delta=[7, 8])
-    assert reply["committed"] == n + 2
-    assert reply.tensors[0].tolist() == [5, 6]
-    # overlapping delta: only the new tail is applied
-    reply = draft(host, "s1", 2, committed=n + 3, delta=[8, 5])
-    assert reply["committed"] == n + 3 and reply.tensors[0].tolist() == [6, 7]
+    assert chunk_at(call, n).tensors[0].tolist() == [7, 8, 5, 6]
+    # a commit that agrees with the assumed draft: the draft goes on from there
+    assert commit(host, "s1", n + 2, [7, 8])["finish_reason"] == "extended"
+    assert chunk_at(call, n + 2).tensors[0].tolist() == [5, 6, 7, 8]
+    # the same delta again: applied once
+    commit(host, "s1", n + 2, [7, 8])
+    # a commit that disagrees (9 instead of 5): rolled back, drafting continues from it
+    commit(host, "s1", n + 3, [8, 9])  # overlapping: only 9 is new
+    got = chunk_at(call, n + 3).tensors[0].tolist()
+    assert got == [] or got[0] != 6  # "... 8 9" was never seen before 9: nothing to copy
+    assert proposer.stats.rollbacks == 1
     # a delta starting past what the session has: tokens are missing
     with pytest.raises(RemoteError) as info:
-        draft(host, "s1", 2, committed=n + 10, delta=[1])
+        commit(host, "s1", n + 10, [1])
     assert info.value.code == "out_of_sync"
 
 
-def test_never_pads_and_zero_k_gives_zero_tokens(host, proposer):
-    open_session(host, prompt=np.array([1, 2, 3], np.int32))
-    assert draft(host, "s1", 4, committed=3).tensors[0].tolist() == []
-    open_session(host, sid="s2")
-    assert draft(host, "s2", 0, committed=len(PROMPT)).tensors[0].tolist() == []
+def test_never_pads(host, proposer):
+    call = open_stream(host, prompt=np.array([1, 2, 3], np.int32))
+    assert call.next(5.0).tensors[0].tolist() == []
 
 
 def test_unknown_session_and_bad_input_are_typed_errors(host, proposer):
     with pytest.raises(RemoteError) as info:
-        draft(host, "nope", 2, committed=3)
+        commit(host, "nope", 3)
     assert info.value.code == "unknown_session"
     with pytest.raises(RemoteError) as info:
         ask(host, make("session_open", session="x", lease_s=-1.0, tensors=[PROMPT]))
+    assert info.value.code == "bad_request"
+    with pytest.raises(RemoteError) as info:
+        ask(host, make("session_open", session="x", lease_s=5.0, horizon=10**6,
+                       tensors=[PROMPT]))
     assert info.value.code == "bad_request"
     with pytest.raises(RemoteError) as info:
         ask(host, make("session_open", session="x", lease_s=5.0,
@@ -81,7 +111,7 @@ def test_unknown_session_and_bad_input_are_typed_errors(host, proposer):
         ask(host, make("session_open", lease_s=5.0, tensors=[PROMPT]))  # no session id
     assert info.value.code == "bad_request"
     # still serving
-    assert open_session(host, sid="ok")["finish_reason"] == "opened"
+    assert open_session(host, sid="ok").type == "draft_chunk"
 
 
 def test_tokenizer_mismatch_is_refused(host):
@@ -100,29 +130,22 @@ def test_tokenizer_mismatch_is_refused(host):
 
 
 def test_sessions_expire_after_their_lease(host, proposer):
-    open_session(host, sid="short", lease=0.2)
+    short = open_stream(host, sid="short", lease=0.2)
     open_session(host, sid="long", lease=30.0)
-    assert proposer.open_sessions == 2
-    time.sleep(0.5)
-    assert proposer.open_sessions == 1
+    short.next(5.0)
+    end = short.result(10.0)  # the stream ends when the lease does
+    assert end.type == "done" and end["finish_reason"] == "expired"
     assert proposer.stats.sessions_expired == 1
     with pytest.raises(RemoteError):
-        draft(host, "short", 2, committed=len(PROMPT))
+        commit(host, "short", len(PROMPT))
 
 
-def test_close_ends_a_session(host, proposer):
-    open_session(host)
+def test_close_ends_a_session_and_its_stream(host, proposer):
+    call = open_stream(host)
+    call.next(5.0)
     assert ask(host, make("session_close", session="s1"))["finish_reason"] == "closed"
+    assert call.result(5.0)["finish_reason"] == "closed"
     assert proposer.open_sessions == 0
-
-
-def test_stale_requests_are_skipped_not_drafted(host, proposer):
-    open_session(host)
-    n = len(PROMPT)
-    reply = ask(host, make("draft_req", session="s1", k=3, committed=n, budget_s=0.0,
-                           tensors=[np.zeros(0, np.int32)]))
-    assert reply.tensors[0].tolist() == []
-    assert proposer.stats.stale_skipped == 1
 
 
 @pytest.mark.parametrize("sampling, field", [
@@ -138,7 +161,7 @@ def test_bad_sampling_is_a_bad_request_naming_the_field(host, proposer, sampling
                        tensors=[PROMPT]))
     assert info.value.code == "bad_request" and field in info.value.message
     assert proposer.open_sessions == 0
-    assert open_session(host, sid="ok")["finish_reason"] == "opened"
+    assert open_session(host, sid="ok").type == "draft_chunk"
 
 
 class CountingNgram(NgramDrafter):
@@ -159,11 +182,11 @@ def test_a_million_token_session_is_refused_before_any_work(host):
         assert info.value.code == "too_long" and "1000000" in info.value.message
         assert CountingNgram.opened == 0 and role.open_sessions == 0
         # a session cannot grow past the cap either
-        assert open_session(host, sid="s")["finish_reason"] == "opened"
+        assert open_session(host, sid="s").type == "draft_chunk"
         with pytest.raises(RemoteError) as info:
-            draft(host, "s", 2, committed=5000, delta=np.ones(5000 - len(PROMPT), np.int32))
+            commit(host, "s", 5000, np.ones(5000 - len(PROMPT), np.int32))
         assert info.value.code == "too_long" and "committed" in info.value.message
-        assert draft(host, "s", 2, committed=len(PROMPT)).type == "draft_reply"
+        assert commit(host, "s", len(PROMPT))["finish_reason"] == "extended"
     finally:
         role.close()
 

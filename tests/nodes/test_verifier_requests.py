@@ -18,7 +18,7 @@ from nodes.drafters.ngram import NgramDrafter
 from nodes.engine.core import Engine
 from nodes.roles.assemble import Roles
 from nodes.roles.proposer import ProposerRole
-from nodes.roles.remote_draft import DeadlinePolicy
+from nodes.roles.remote_draft import DraftPolicy
 from nodes.roles.verifier import VerifierRole
 from tests.nodes.conftest import BusHost
 
@@ -76,7 +76,7 @@ def verifier(host, tiny_backend, monkeypatch):
     prefill = Counting(tiny_backend.prefill)
     monkeypatch.setattr(tiny_backend, "prefill", prefill)
     role = VerifierRole(Engine(tiny_backend, None, max_draft=4),
-                        policy=DeadlinePolicy(first_s=5.0, max_s=5.0))
+                        policy=DraftPolicy(forced_s=5.0))
     role.prefills = prefill
     role.attach(host)
     yield role
@@ -198,11 +198,11 @@ def test_forced_drafting_asks_the_named_proposer_every_block(host, verifier, ngr
     stats = forced["stats"]
     assert stats["token_ids"] == plain["stats"]["token_ids"]
     link = stats["proposers"]["ngram-1"]
-    # every block after the prefill asked for a draft, except a last one with no room
-    asked = stats["blocks"] - 1 - (1 if stats["plain_steps"] else 0)
-    assert link["drafts"] + link["timeouts"] + link["errors"] == proposer.stats.drafts_served
-    assert proposer.stats.drafts_served >= asked >= 1
-    assert link["timeouts"] == 0 and link["bad_replies"] == 0
+    # protocol 2: every step waited (bounded) for a chunk extending the prefix (the tiny random
+    # model's text gives the ngram little to copy, so the chunks are mostly "nothing past here")
+    assert 1 <= link["chunks"] <= proposer.stats.drafts_served
+    assert link["timeouts"] == 0 and link["bad_replies"] == 0 and link["errors"] == 0
+    assert not link["dropped"]
     # forcing a proposer the verifier does not know is an error, not silent plain decoding
     err = refused(host, prompt=PROMPT, proposers=["nobody"], draft="force")
     assert err.code == "no_proposer" and "nobody" in str(err)

@@ -1,0 +1,168 @@
+"""The verifier's side of protocol 2 (`ProposerSource`) against a scripted proposer on a real
+ROUTER: stale, reordered, duplicated, lying and flooding chunks; commits pushed, never waited.
+
+The scripted proposer answers `session_open` by keeping the request; the test streams chunks on
+it. The source runs on the test thread (it owns its DirectClient). No verdict depends on timing:
+each check first waits (bounded) until the source has read what was sent.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import numpy as np
+import pytest
+
+from codec.messages import make
+from nodes.engine.sampling import SamplingParams
+from nodes.engine.sources import Feedback
+from nodes.roles.remote_draft import DraftPolicy, ProposerLink, ProposerSource
+
+PROMPT = [1, 2, 3, 4]
+VOCAB = 100
+
+
+class ScriptedProposer:
+    """Keeps each session_open (to stream chunks on) and records every pushed commit."""
+
+    def __init__(self, host):
+        self.host = host
+        self.streams: queue.Queue = queue.Queue()
+        self.commits: queue.Queue = queue.Queue()
+        host.register_request("session_open", self.streams.put)
+        host.register_request("session_extend", self._commit)
+        host.register_request("session_close",
+                              lambda req: req.reply(make("done", finish_reason="closed")))
+
+    def _commit(self, req):
+        self.commits.put((req.message["committed"], req.message.tensors[0].tolist()))
+        req.reply(make("done", finish_reason="extended"))
+
+    def chunk(self, req, base, tokens, session=None):
+        req.reply(make("draft_chunk", session=session or req.message.session, base=base,
+                       tensors=[np.asarray(tokens, dtype=np.int32)]), more=True)
+
+
+@pytest.fixture
+def scripted(host):
+    return ScriptedProposer(host)
+
+
+@pytest.fixture
+def make_source(host, scripted):
+    made = []
+
+    def make_(policy=None, alive=lambda node_id: True, forced=False):
+        policy = policy or DraftPolicy()
+        link = ProposerLink("p1", host.server.endpoint, "scripted")
+        client = link.direct(host.factory, "verifier", policy.max_queued)
+        src = ProposerSource(link, client, PROMPT, SamplingParams(), session_id="s1",
+                             vocab_size=VOCAB, fingerprint="fp", max_draft=8, policy=policy,
+                             is_alive=alive, forced=forced)
+        req = scripted.streams.get(timeout=10)
+        made.append(link)
+        return src, req
+
+    yield make_
+    for link in made:
+        link.close()
+
+
+def read_until(src, cond, limit_s=10.0):
+    """Let the source read replies until `cond()` holds (bounded; a hang fails, not a race)."""
+    end = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < end, ("the source never read what was sent", src.link)
+        src._drain(0.05)
+
+
+def offered(src, committed, budget=8):
+    cands = src.propose(committed, budget)
+    return cands[0].tokens.tolist() if cands else []
+
+
+def test_freshest_chunk_that_extends_the_prefix_is_offered(make_source, scripted):
+    src, req = make_source()
+    scripted.chunk(req, 4, [5, 6, 7])
+    read_until(src, lambda: src.link.chunks == 1)
+    assert offered(src, PROMPT) == [5, 6, 7]
+    assert offered(src, PROMPT, budget=2) == [5, 6]
+    # the verifier committed 5 6 (its own check): the same chunk still extends the prefix
+    assert offered(src, PROMPT + [5, 6]) == [7]
+
+
+def test_stale_reordered_and_duplicated_chunks(make_source, scripted):
+    src, req = make_source()
+    scripted.chunk(req, 4, [5, 6, 7])
+    scripted.chunk(req, 4, [5, 6, 7])  # duplicated
+    scripted.chunk(req, 6, [9, 9])  # based on a commit the verifier has not made... yet
+    read_until(src, lambda: src.link.chunks + src.link.bad_replies == 3)
+    assert src.link.bad_replies == 1  # base 6 > 4 committed: impossible, counted
+    src.failures = 0
+    # the commit disagrees with what the chunk assumed (8, not 5): stale, dropped, counted
+    assert offered(src, PROMPT + [8]) == []
+    assert src.link.stale == 1
+    src.feedback(Feedback(committed=(8,), committed_len=5, offered=0, accepted=0))
+    # a fresher chunk (base 5), then an older one arriving late (reordered): the fresher wins
+    scripted.chunk(req, 5, [3, 3])
+    scripted.chunk(req, 4, [8, 1, 1])
+    read_until(src, lambda: src.link.chunks == 4)
+    assert offered(src, PROMPT + [8]) == [3, 3]
+    assert not src.dropped
+
+
+@pytest.mark.parametrize("lie", ["wrong_session", "other_tokenizer", "wrong_position"])
+def test_lying_chunks_are_counted_and_the_proposer_dropped(make_source, scripted, lie):
+    src, req = make_source()
+    for _ in range(3):
+        if lie == "wrong_session":
+            scripted.chunk(req, 4, [5], session="not-yours")
+        elif lie == "other_tokenizer":
+            scripted.chunk(req, 4, [10**6])
+        else:
+            scripted.chunk(req, 11, [5])
+    read_until(src, lambda: src.link.bad_replies == 3)
+    assert src.dropped and src.link.chunks == 0
+    assert offered(src, PROMPT) == []
+
+
+def test_commits_are_pushed_with_their_delta_and_never_waited_for(make_source, scripted):
+    src, req = make_source()
+    src.propose(PROMPT, 8)
+    src.feedback(Feedback(committed=(5, 6), committed_len=6, offered=0, accepted=0))
+    src.feedback(Feedback(committed=(7,), committed_len=7, offered=0, accepted=0))
+    assert scripted.commits.get(timeout=10) == (6, [5, 6])
+    assert scripted.commits.get(timeout=10) == (7, [7])
+    read_until(src, lambda: not src.commits)  # the replies: round trips, no error
+    assert src.link.errors == 0 and src.link.net_s is not None
+
+
+def test_a_flooding_proposer_is_dropped_and_counted(make_source, scripted):
+    src, req = make_source(DraftPolicy(max_chunks_per_step=16))
+    for i in range(40):
+        scripted.chunk(req, 4, [5] * (i % 5 + 1))
+    read_until(src, lambda: src.dropped)
+    assert src.link.flooded == 1
+    assert offered(src, PROMPT) == []
+
+
+def test_buffered_chunks_are_bounded(make_source, scripted):
+    """Past the client's per-call queue, chunks are dropped and the proposer counted a flood."""
+    src, req = make_source(DraftPolicy(max_queued=8, max_chunks_per_step=10**6))
+    for _ in range(200):
+        scripted.chunk(req, 4, [5])
+    read_until(src, lambda: src.dropped)
+    assert src.link.flooded == 1 and src.stream.overflowed >= 1
+    assert src.link.chunks <= 200
+
+
+def test_forced_waits_for_a_chunk_and_gives_up_on_a_dead_proposer(make_source, scripted):
+    src, req = make_source(forced=True)
+    scripted.chunk(req, 4, [5, 6])
+    assert offered(src, PROMPT) == [5, 6]  # waited (bounded) for it
+    alive = {"p1": True}
+    src2, _ = make_source(forced=True, alive=lambda node_id: alive[node_id])
+    alive["p1"] = False
+    assert offered(src2, PROMPT) == []
+    assert src2.dropped
