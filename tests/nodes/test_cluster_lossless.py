@@ -27,8 +27,10 @@ def cluster(model_cluster):
 
 @pytest.fixture(scope="module")
 def client(cluster):
+    names = {"v1", "v2", "ngram", "int8", "mlx"}
     with ClusterClient(cluster.cluster, peers=(cluster.node("v1").stream,), mdns=False) as cc:
-        cc.wait_for(lambda ms: len([m for m in ms if m.card.is_worker]) >= 5, 30)
+        seen = cc.wait_for(lambda ms: names <= {m.card.name for m in ms}, 120)
+        assert names <= {m.card.name for m in seen}, [m.card.name for m in seen]
         yield cc
 
 
@@ -74,8 +76,14 @@ def test_speculative_output_is_identical(client, cluster, plain, who):
     assert res.text == plain.text
     used = res.stats["proposers"]
     assert set(used) == set(only)
-    # speculation really happened over the bus, with every proposer
-    assert all(p["drafts"] >= 1 for p in used.values()), list(used.values())
+    # speculation really happened over the bus, with every proposer taking part; merged into
+    # one tree, a proposer whose drafts the others already covered may be credited none, so
+    # with several it is "every proposer streamed drafts, and drafts were used"
+    assert all(p["chunks"] >= 1 for p in used.values()), list(used.values())
+    if len(names) == 1:
+        assert used[only[0]]["drafts"] >= 1, used
+    else:
+        assert sum(p["drafts"] for p in used.values()) >= 1, list(used.values())
     assert all(p["bad_replies"] == 0 for p in used.values())
 
 
