@@ -1,17 +1,21 @@
 """The one place that creates ZeroMQ sockets.
 
 Every socket in specbus comes from `SocketFactory`, so linger, high-water marks, the maximum
-message size, TCP keepalive and ZMTP heartbeats are set once, here; switching on CURVE
-encryption later means changing this module only.
+message size, TCP keepalive and ZMTP heartbeats are set once, here. With a `Security` (the
+cluster secret, `bus.security`) every server socket (ROUTER, PUB) is a CURVE server and every
+client socket (DEALER, SUB) a CURVE client, and a ZAP authenticator on the factory's own context
+admits only cluster members.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 from dataclasses import dataclass
 
 import zmq
 
+from bus.security import ZAP_DOMAIN, ClusterGate, Security
 from codec.messages import DEFAULT_LIMITS
 
 
@@ -40,9 +44,39 @@ class SocketFactory:
     that is the I/O thread (see `bus.loop.IOLoop`) except in benchmarks and tests.
     """
 
-    def __init__(self, context: zmq.Context | None = None, options: SocketOptions | None = None):
-        self.context = context or zmq.Context.instance()
+    def __init__(self, context: zmq.Context | None = None, options: SocketOptions | None = None,
+                 security: Security | None = None):
         self.options = options or SocketOptions()
+        self.security = security
+        self.gate: ClusterGate | None = None
+        self._auth = None
+        self._own_context = security is not None and context is None
+        if security is None:
+            self.context = context or zmq.Context.instance()
+            return
+        # A ZAP handler serves one context: a secured factory gets its own, so two nodes in
+        # one process (tests, tools) never share or fight over an authenticator.
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.context = context or zmq.Context()
+        self.gate = ClusterGate(security)
+        self._auth = ThreadAuthenticator(self.context, log=logging.getLogger("bus.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self.gate)
+
+    @property
+    def secure(self) -> bool:
+        return self.security is not None
+
+    def close(self) -> None:
+        """Stop the authenticator and end a context this factory made (after its sockets
+        are closed: call once the I/O loop has stopped)."""
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_context:
+            self.context.destroy(linger=0)
+            self._own_context = False
 
     def socket(self, kind: int) -> zmq.Socket:
         o = self.options
@@ -61,23 +95,33 @@ class SocketFactory:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, o.reconnect_max_ms)
         return sock
 
+    def _server(self, sock: zmq.Socket) -> zmq.Socket:
+        if self.security is not None:
+            self.security.apply_server(sock)
+        return sock
+
+    def _client(self, sock: zmq.Socket) -> zmq.Socket:
+        if self.security is not None:
+            self.security.apply_client(sock)
+        return sock
+
     def pub(self) -> zmq.Socket:
-        return self.socket(zmq.PUB)
+        return self._server(self.socket(zmq.PUB))
 
     def sub(self) -> zmq.Socket:
-        return self.socket(zmq.SUB)
+        return self._client(self.socket(zmq.SUB))
 
     def router(self) -> zmq.Socket:
         sock = self.socket(zmq.ROUTER)
         # replies to vanished peers are dropped, never raised into the I/O loop
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        return sock
+        return self._server(sock)
 
     def dealer(self) -> zmq.Socket:
         # No IMMEDIATE: connect is asynchronous and the first request to a new peer must queue
         # until the handshake completes. Requests to dead peers are bounded by their deadlines,
         # and discovery closes the DEALER of a peer it declares dead.
-        return self.socket(zmq.DEALER)
+        return self._client(self.socket(zmq.DEALER))
 
 
 def bind(sock: zmq.Socket, endpoint: str) -> str:

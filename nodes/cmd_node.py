@@ -19,6 +19,7 @@ from pathlib import Path
 
 import zmq
 
+from bus.security import read_secret_file, resolve_secret_path
 from discovery.table import Event, Timeouts
 from nodes.cluster_args import add_cluster_arguments, cpu_list, peer_arg, positive_float
 from nodes.logs import set_node_id
@@ -112,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         advertise=args.advertise or "",
         backend=args.backend, model=args.model, drafter=args.drafter, mdns=not args.no_mdns,
         state_dir=args.state_dir, timeouts=timeouts,
+        secret_file=resolve_secret_path(args.secret_file), insecure=args.insecure,
     )
 
 
@@ -154,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         pin_cpus(args)
         config = config_from_args(args)
+        if config.secret_file:  # refuse a bad secret before spending seconds on models
+            read_secret_file(config.secret_file)
         roles = _assemble_roles(args, config)
         node = Node(config)
     except ValueError as exc:  # includes GenerationError: unknown model, drafter, mismatch
@@ -185,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
         printer({"event": "ready", "node_id": node.node_id, "name": card.name,
                  "incarnation": card.incarnation, "endpoints": card.endpoints,
                  "t": time.monotonic()})
-    telemetry = Telemetry(node, providers=[roles.telemetry] if roles else [])
+    telemetry = Telemetry(node, providers=[node.security_stats,
+                                           *([roles.telemetry] if roles else [])])
     telemetry.start()
     try:
         while not stop.wait(0.2):

@@ -43,7 +43,8 @@ class Attached:
         self.node = Node(NodeConfig(cluster=args.cluster, observer=True,
                                     interface=args.interface,
                                     peers=tuple(parse_peer(p) for p in args.peer),
-                                    mdns=not args.no_mdns))
+                                    mdns=not args.no_mdns,
+                                    secret_file=args.secret_file, insecure=args.insecure))
 
     def start(self) -> Attached:
         self.node.register_gossip("stats", self._on_stats)

@@ -14,9 +14,9 @@ is queued. The proposer links belong to the compute thread; telemetry reads the 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Mapping
@@ -32,6 +32,7 @@ from nodes.drafters.base import DraftSession
 from nodes.engine.core import Engine, Stats
 from nodes.engine.errors import BUSY, GenerationError, NoProposerError, error_code
 from nodes.roles import requests
+from nodes.roles.admission import AdmissionLimits, PeerSlots
 from nodes.roles.remote_draft import DeadlinePolicy, ProposerLink, RemoteDraftSession
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class VerifierRole:
 
     def __init__(self, engine: Engine, max_queue: int = 16,
                  policy: DeadlinePolicy | None = None, lease_s: float = 30.0,
-                 max_context: int = 0) -> None:
+                 max_context: int = 0, admission: AdmissionLimits | None = None) -> None:
         self.engine = engine
         self.policy = policy or DeadlinePolicy()
         self.lease_s = lease_s
@@ -68,7 +69,8 @@ class VerifierRole:
         self.proposer_snapshot: Mapping[str, dict] = MappingProxyType({})
         self._forced_engine: Engine | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._sids = itertools.count(1)
+        #: queued + running generations per connection (admission.py)
+        self.slots = PeerSlots((admission or AdmissionLimits()).generations_per_peer)
         self._node = None
         self.active = 0
         self._worker = threading.Thread(target=self._run, name="verifier-compute", daemon=True)
@@ -98,9 +100,15 @@ class VerifierRole:
         except requests.INPUT_ERRORS as exc:
             req.fail(*requests.wire_error(exc))
             return
+        if not self.slots.acquire(req.peer):
+            self.stats.rejected_busy += 1
+            req.fail(BUSY, f"this connection has {self.slots.per_peer} generations queued or "
+                           "running; wait for one to finish")
+            return
         try:
             self._queue.put_nowait((req, parsed))
         except queue.Full:
+            self.slots.release(req.peer)
             self.stats.rejected_busy += 1
             req.fail(BUSY, f"verifier queue is full ({self._queue.maxsize} waiting)")
 
@@ -112,6 +120,7 @@ class VerifierRole:
                 return
             req, parsed = item
             if req.cancelled.is_set():
+                self.slots.release(req.peer)
                 continue
             self.active = 1
             try:
@@ -124,6 +133,7 @@ class VerifierRole:
                 if not req.finished:
                     req.fail("internal", f"{type(exc).__name__}: {exc}"[:300])
             finally:
+                self.slots.release(req.peer)
                 self.active = 0
                 self._publish()
 
@@ -233,7 +243,7 @@ class VerifierRole:
             node = self._node
             return RemoteDraftSession(
                 node.client, links, prompt_ids, sampling,
-                session_id=f"{node.node_id}-{next(self._sids)}",
+                session_id=f"{node.node_id}-{secrets.token_hex(8)}",  # unguessable
                 vocab_size=self.engine.backend.vocab_size,
                 fingerprint=self.engine.backend.fingerprint,
                 lease_s=self.lease_s, policy=self.policy,
