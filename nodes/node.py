@@ -197,10 +197,13 @@ class Node:
             self.identity.release()
 
     def security_counters(self) -> dict[str, int]:
-        """Refusals of strangers and abusers: CURVE handshakes denied by ZAP, gossip with a
+        """Refusals of strangers and abusers: CURVE handshakes that failed (no key, wrong key)
+        or were denied by ZAP (a client key outside the cluster), gossip with a
         wrong MAC (`forged`) or an old (epoch, seq) (`replayed`), requests over the rate."""
         g, gate = self.gossip, self.factory.gate
-        return {"handshakes_denied": gate.denied if gate else 0,
+        watch = self.factory.handshakes
+        return {"handshakes_failed": watch.failed if watch else 0,
+                "handshakes_denied": gate.denied if gate else 0,
                 "forged": g.forged if g else 0, "replayed": g.replayed if g else 0,
                 "rate_limited": self.rate.refused}
 

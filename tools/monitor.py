@@ -44,7 +44,9 @@ class Attached:
                                     interface=args.interface,
                                     peers=tuple(parse_peer(p) for p in args.peer),
                                     mdns=not args.no_mdns,
-                                    secret_file=args.secret_file, insecure=args.insecure))
+                                    # tools build args by hand (demo): absent = no secret
+                                    secret_file=getattr(args, "secret_file", None),
+                                    insecure=getattr(args, "insecure", False)))
 
     def start(self) -> Attached:
         self.node.register_gossip("stats", self._on_stats)
