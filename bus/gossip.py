@@ -47,6 +47,12 @@ def gossip_mac(key: bytes, prefix: bytes, frames: Sequence) -> bytes:
     return mac.digest()
 
 
+def auth_frame(key: bytes, epoch: int, seq: int, frames: Sequence) -> bytes:
+    """The authenticator frame for `frames` (topic, header, tensors) from (epoch, seq)."""
+    prefix = _AUTH.pack(epoch, seq)
+    return prefix + gossip_mac(key, prefix, frames)
+
+
 class ReplayGuard:
     """Per-sender last (epoch, seq): accept a message only if it moves strictly forward."""
 
@@ -142,8 +148,8 @@ class GossipChannel:
     def _send(self, frames: list) -> None:
         if self._key is not None:
             self._seq += 1
-            prefix = _AUTH.pack(self._epoch, self._seq)
-            frames = [frames[0], prefix + gossip_mac(self._key, prefix, frames), *frames[1:]]
+            frames = [frames[0], auth_frame(self._key, self._epoch, self._seq, frames),
+                      *frames[1:]]
         try:
             send_frames(self._pub, frames)
         except zmq.Again:
