@@ -114,7 +114,8 @@ class SocketFactory:
     """Creates configured sockets on one shared context.
 
     Sockets are not thread-safe: whoever asks the factory for a socket owns it, and in specbus
-    that is the I/O thread (see `bus.loop.IOLoop`) except in benchmarks and tests.
+    that is the I/O thread (see `bus.loop.IOLoop`), except the DEALERs of a
+    `bus.direct.DirectClient` (owned by the thread that made the client), benchmarks and tests.
     """
 
     def __init__(self, context: zmq.Context | None = None, options: SocketOptions | None = None,

@@ -30,7 +30,7 @@ from discovery.limits import (
 
 CLUSTER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-KNOWN_ROLES = ("verifier", "proposer")
+KNOWN_ROLES = ("verifier", "proposer", "gateway")
 MAX_ROLES = 8
 MAX_TEXT = 200
 

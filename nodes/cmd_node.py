@@ -28,6 +28,9 @@ from nodes.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
+DEFAULT_HTTP = "127.0.0.1:8000"  # a gateway's HTTP address: this machine only
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Run a specbus node until SIGINT/SIGTERM: it discovers its cluster (mDNS on the "
@@ -37,8 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "draft sessions with its --drafter."
     )
     parser.add_argument("--role", required=True, type=parse_roles,
-                        metavar="verifier|proposer|verifier,proposer|observer",
-                        help="what this node does (observer: listens, never offered work)")
+                        metavar="verifier|proposer|gateway|ROLE,ROLE|observer",
+                        help="what this node does, roles combine with commas (gateway: "
+                             "OpenAI-compatible HTTP API; observer: listens, never offered "
+                             "work)")
     add_cluster_arguments(parser)
     parser.add_argument("--port", type=int, default=0,
                         help="fixed request port (gossip uses port + 1), handy as a --peer "
@@ -83,6 +88,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="silence before a member is suspect (default: %(default)s)")
     parser.add_argument("--dead-after", type=positive_float, default=Timeouts.dead_after,
                         help="silence before a member is dead (default: %(default)s)")
+    parser.add_argument("--http", default=None, metavar="HOST:PORT",
+                        help=f"where a gateway serves HTTP (default {DEFAULT_HTTP}, this "
+                             "machine only; another address only when given here; port 0: "
+                             "any free port)")
+    parser.add_argument("--gateway-max-inflight", type=int, default=8, metavar="N",
+                        help="requests a gateway keeps in flight per verifier (running + "
+                             "queued) before it answers 429 (default 8)")
+    parser.add_argument("--gateway-stall", type=positive_float, default=15.0,
+                        metavar="SECONDS",
+                        help="a streaming verifier silent this long is taken for stalled and "
+                             "the generation resumes elsewhere (default 15)")
+    parser.add_argument("--gateway-no-tokenizer", action="store_true",
+                        help="never tokenize in the gateway: send text/messages to verifiers "
+                             "(no exact failover)")
     parser.add_argument("--print-events", action="store_true",
                         help="print one JSON line per membership event on stdout "
                              "(for scripts, tests and benchmarks)")
@@ -96,8 +115,29 @@ def parse_roles(text: str) -> tuple[str, ...]:
     if not roles or bad:
         raise argparse.ArgumentTypeError(
             f"unknown role {', '.join(bad) or text!r}: use verifier, proposer, "
-            "verifier,proposer or observer")
+            "gateway, a comma-separated combination, or observer")
     return tuple(dict.fromkeys(roles))
+
+
+def _make_gateway(args: argparse.Namespace, config: NodeConfig):
+    """Bind the gateway's HTTP socket before the node joins (its URL goes on the card)."""
+    if "gateway" not in config.roles:
+        if args.http is not None:
+            raise ValueError("--http needs the gateway role (--role gateway or ROLE,gateway)")
+        return None
+    from nodes.gateway.role import GatewayRole, parse_http
+
+    if args.gateway_max_inflight < 1:
+        raise ValueError(f"--gateway-max-inflight must be >= 1, got {args.gateway_max_inflight}")
+    host, port = parse_http(args.http or DEFAULT_HTTP)
+    try:
+        gateway = GatewayRole(host, port, max_inflight=args.gateway_max_inflight,
+                              stall_s=args.gateway_stall, tokenize=not args.gateway_no_tokenizer)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port} for HTTP: {exc}") from None
+    extras = {**(config.card_fields.get("extras") or {}), **gateway.card_extras}
+    config.card_fields = {**config.card_fields, "extras": extras}
+    return gateway
 
 
 def config_from_args(args: argparse.Namespace) -> NodeConfig:
@@ -159,12 +199,15 @@ def run(args: argparse.Namespace) -> int:
         if config.secret_file:  # refuse a bad secret before spending seconds on models
             read_secret_file(config.secret_file)
         roles = _assemble_roles(args, config)
+        gateway = _make_gateway(args, config)
         node = Node(config)
     except ValueError as exc:  # includes GenerationError: unknown model, drafter, mismatch
         print(f"specbus node: {exc}", file=sys.stderr)
         return 2
     if roles is not None:
         roles.attach(node)  # handlers are in place before the node can receive a request
+    if gateway is not None:
+        gateway.attach(node)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -178,7 +221,17 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, zmq.ZMQError) as exc:
         print(f"specbus node: cannot start: {exc}", file=sys.stderr)
         node.stop(leave=False)
+        if gateway is not None:
+            gateway.close()
         return 1
+    if gateway is not None:
+        try:
+            gateway.start()
+        except OSError as exc:
+            print(f"specbus node: {exc}", file=sys.stderr)
+            node.stop(leave=True)
+            return 1
+        print(f"specbus gateway: OpenAI-compatible API on {gateway.url}/v1", file=sys.stderr)
     for handler in logging.getLogger().handlers:
         set_node_id(handler, node.node_id)
     card = node.membership.card
@@ -188,15 +241,20 @@ def run(args: argparse.Namespace) -> int:
     if printer is not None:
         printer({"event": "ready", "node_id": node.node_id, "name": card.name,
                  "incarnation": card.incarnation, "endpoints": card.endpoints,
+                 **({"http": gateway.url} if gateway is not None else {}),
                  "t": time.monotonic()})
-    telemetry = Telemetry(node, providers=[node.security_stats,
-                                           *([roles.telemetry] if roles else [])])
+    providers = [node.security_stats, *([roles.telemetry] if roles else [])]
+    if gateway is not None:
+        providers.append(gateway.telemetry)
+    telemetry = Telemetry(node, providers=providers)
     telemetry.start()
     try:
         while not stop.wait(0.2):
             pass
     finally:
         telemetry.stop()
+        if gateway is not None:
+            gateway.close()
         node.stop(leave=True)
         if roles is not None:
             roles.close()

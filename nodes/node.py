@@ -33,7 +33,7 @@ from nodes.secret import security_for
 
 log = logging.getLogger(__name__)
 
-ROLES = ("verifier", "proposer")
+ROLES = ("verifier", "proposer", "gateway")
 
 
 @dataclass

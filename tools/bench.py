@@ -7,4 +7,5 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bus": ("tools.bench_bus", "bus latency, throughput and zero-copy between two processes"),
     "membership": ("tools.bench_membership", "join, failure detection, leave, convergence"),
     "decode": ("tools.bench_decode", "plain vs speculative decoding, tok/s and acceptance"),
+    "serve": ("tools.bench_serve", "TTFT and tok/s through the gateway vs the bus client"),
 }

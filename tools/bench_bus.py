@@ -3,12 +3,15 @@
 One run measures, all against the same idle-or-loaded machine so the figures compare:
   * the raw floor: a bare pyzmq DEALER in this process and a bare pyzmq ROUTER echo in a
     separate process (no specbus code on either end), tcp and ipc;
-  * the full bus path: `StreamClient.request(...).result()` from the caller thread through
-    both I/O threads and a real `StreamServer` in another process, tcp and ipc, and its ratio
-    to the raw floor;
+  * the full bus path on the hot path: `DirectClient.request(...).result()`, the calling
+    thread owning its DEALER (as the verifier's compute thread does), to a real `StreamServer`
+    (behind its I/O thread) in another process, tcp and ipc, and its ratio to the raw floor;
+  * the same through the I/O-thread client, `StreamClient.request(...).result()` from a
+    caller thread (two thread hand-offs per round trip), and its ratio;
   * a per-stage breakdown of where the bus spends its time: encode, decode + validate, the
     caller <-> I/O thread hand-off, and the bus server's path (raw DEALER -> real server);
-  * throughput of tensor frames of 4 KiB .. 16 MiB, pipelined (many requests in flight);
+  * throughput of tensor frames of 4 KiB .. 16 MiB, pipelined (many requests in flight),
+    through both clients;
   * whether received tensors are views over the ZeroMQ frame (checked on the server by walking
     the array's base chain to the `zmq.Frame`, not assumed).
 Figures are medians / percentiles of this run only.
@@ -145,6 +148,13 @@ def _bus_rtt(client, endpoint: str):
     return lambda: client.request(endpoint, make("ping"), timeout=5).result()
 
 
+def _direct_rtt(client, endpoint: str):
+    """A round trip on a DirectClient: the calling thread owns the DEALER, no hand-off."""
+    from codec.messages import make
+
+    return lambda: client.request(endpoint, make("ping"), timeout=5).result()
+
+
 def _bus_rtt_in_loop(client, endpoint: str):
     """A round trip issued and completed on the I/O thread (request from a loop callback,
     reply to an `on_reply` callback): the bus client's own cost without any thread hand-off.
@@ -215,37 +225,85 @@ def _stages(loop, count: int, on_tcp: dict) -> dict[str, float]:
         "client_loop_us": round(in_loop - raw, 1),
         # a caller thread instead of the loop thread: the hand-offs and GIL switches in situ
         "client_handoff_us": round(caller - in_loop, 1),
+        # DirectClient (the calling thread owns the DEALER) vs the bare echo, minus the floor:
+        # the direct client's whole cost, with no hand-off to remove
+        "client_direct_us": round(on_tcp["direct_to_raw"]["p50"] - raw, 1),
         # bare DEALER against the real bus server, minus the floor: the server's share
         "server_us": round(on_tcp["raw_to_bus_server"]["p50"] - raw, 1),
     }
 
 
-def _cpu_per_rtt(client, endpoint: str, raw, count: int) -> dict[str, float]:
-    """CPU time (all threads, user + system) per round trip, in this process and in the bus
-    server's: unlike wall-clock latency, barely moved by other processes on the machine."""
+def _server_cpu(client, endpoint: str) -> float:
+    """The bus server process's CPU time so far (all threads), asked over the bus."""
     from codec.messages import make
 
-    def server_cpu() -> float:
-        reply = client.request(endpoint, make("snapshot_req", cluster="bench"), timeout=10)
-        return reply.result()["stats"]["cpu_s"]
+    reply = client.request(endpoint, make("snapshot_req", cluster="bench"), timeout=10)
+    return reply.result()["stats"]["cpu_s"]
 
-    bus = _bus_rtt(client, endpoint)
-    c0, s0 = time.process_time(), server_cpu()
-    for _ in range(count):
-        bus()
-    c1, s1 = time.process_time(), server_cpu()
+
+def _cpu_per_rtt(client, direct, endpoint: str, raw, count: int) -> dict[str, float]:
+    """CPU time (all threads, user + system) per round trip, in this process and in the bus
+    server's: unlike wall-clock latency, barely moved by other processes on the machine."""
+    out = {}
+    paths = (("bus", _bus_rtt(client, endpoint)), ("direct", _direct_rtt(direct, endpoint)))
+    for name, fn in paths:
+        c0, s0 = time.process_time(), _server_cpu(client, endpoint)
+        for _ in range(count):
+            fn()
+        c1, s1 = time.process_time(), _server_cpu(client, endpoint)
+        out[f"{name}_client_cpu_us"] = round((c1 - c0) / count * 1e6, 1)
+        out[f"{name}_server_cpu_us"] = round((s1 - s0) / count * 1e6, 1)
+    c0 = time.process_time()
     for _ in range(count):
         raw()
-    c2 = time.process_time()
-    return {
-        "bus_client_cpu_us": round((c1 - c0) / count * 1e6, 1),
-        "bus_server_cpu_us": round((s1 - s0) / count * 1e6, 1),
-        "raw_client_cpu_us": round((c2 - c1) / count * 1e6, 1),
-    }
+    out["raw_client_cpu_us"] = round((time.process_time() - c0) / count * 1e6, 1)
+    return out
+
+
+def _mib_ab(client, direct, endpoint: str, seconds: float, rounds: int = 3) -> dict:
+    """1 MiB frames through both clients in alternating slices (paired A/B on a loaded
+    machine): GB/s and CPU per MiB in this process and in the server (all threads), medians."""
+    samples: dict[str, dict[str, list[float]]] = {}
+    for _ in range(rounds):
+        for name, c in (("StreamClient", client), ("DirectClient", direct)):
+            c0, s0 = time.process_time(), _server_cpu(client, endpoint)
+            sent, elapsed = _pipelined(c, endpoint, 1 << 20, seconds / rounds)
+            gbps = sent * (1 << 20) / elapsed / 1e9
+            mib = sent + 1  # and the warm-up request
+            c1, s1 = time.process_time(), _server_cpu(client, endpoint)
+            row = samples.setdefault(name, {"gbps": [], "client_cpu_us_per_mib": [],
+                                            "server_cpu_us_per_mib": []})
+            row["gbps"].append(gbps)
+            row["client_cpu_us_per_mib"].append((c1 - c0) / mib * 1e6)
+            row["server_cpu_us_per_mib"].append((s1 - s0) / mib * 1e6)
+    return {name: {k: round(statistics.median(v), 2 if k == "gbps" else 1) for k, v in row.items()}
+            for name, row in samples.items()}
 
 
 def _throughput(client, endpoint: str, nbytes: int, seconds: float) -> float:
     """GB/s of tensor payload, pipelined with a window of requests in flight."""
+    sent, elapsed = _pipelined(client, endpoint, nbytes, seconds)
+    return round(sent * nbytes / elapsed / 1e9, 3)
+
+
+def _throughputs(client, direct, tcp: str, ipc: str, seconds: float) -> dict:
+    """GB/s per size and transport for both clients, each size measured in two alternating
+    slices per client (so load changes hit both alike), the mean of the two."""
+    out: dict[str, dict[str, float]] = {}
+    for transport, endpoint in (("tcp", tcp), ("ipc", ipc)):
+        for k, n in SIZES.items():
+            runs: dict[str, list[float]] = {transport: [], f"{transport}_direct": []}
+            for _ in range(2):
+                runs[transport].append(_throughput(client, endpoint, n, seconds / 2))
+                runs[f"{transport}_direct"].append(_throughput(direct, endpoint, n, seconds / 2))
+            for key, xs in runs.items():
+                out.setdefault(key, {})[k] = round(statistics.fmean(xs), 3)
+    return out
+
+
+def _pipelined(client, endpoint: str, nbytes: int, seconds: float) -> tuple[int, float]:
+    """Send `nbytes` tensors for about `seconds`, a window of requests in flight; returns
+    (requests sent, seconds taken), after one warm-up request."""
     from codec.messages import make
 
     payload = np.ones(nbytes, dtype=np.uint8)  # never mutated while sends are in flight
@@ -261,8 +319,7 @@ def _throughput(client, endpoint: str, nbytes: int, seconds: float) -> float:
         inflight.pop(0).result()
     for call in inflight:
         call.result()
-    elapsed = time.perf_counter() - t0
-    return round(sent * nbytes / elapsed / 1e9, 3)
+    return sent, time.perf_counter() - t0
 
 
 def _start(target, endpoints: list[str], ctx):
@@ -284,6 +341,7 @@ def _stop(proc, conn) -> None:
 
 
 def measure(rtt_count: int = 3000, seconds: float = 1.5) -> dict:
+    from bus.direct import DirectClient
     from bus.loop import IOLoop
     from bus.sockets import SocketFactory
     from bus.streams import StreamClient
@@ -292,7 +350,7 @@ def measure(rtt_count: int = 3000, seconds: float = 1.5) -> dict:
     tmp = tempfile.mkdtemp(prefix="specbus-bench-")
     ctx = mp.get_context("spawn")
     procs = []
-    loop = None
+    loop = direct = None
     try:
         raw = _start(_serve_raw, ["tcp://127.0.0.1:0", f"ipc://{tmp}/raw.ipc"], ctx)
         procs.append(raw[:2])
@@ -303,40 +361,47 @@ def measure(rtt_count: int = 3000, seconds: float = 1.5) -> dict:
         ping = encode(make("ping", sender="bench", rid=1))  # same bytes the bus sends
         loop = IOLoop(name="bench-client-io").start()
         client = StreamClient(loop, SocketFactory(), sender="bench")
+        direct = DirectClient(SocketFactory(), sender="bench")  # owned by this thread
         dealers = [_RawDealer(ep, ping) for ep in (raw_tcp, raw_ipc, tcp)]
         try:
             # tcp: the floor, the full path, and each side of the bus against a bare peer
             on_tcp = _interleaved({
                 "raw": dealers[0], "bus": _bus_rtt(client, tcp),
+                "direct": _direct_rtt(direct, tcp),
                 "raw_to_bus_server": dealers[2],
+                "direct_to_raw": _direct_rtt(direct, raw_tcp),
                 "bus_client_to_raw": _bus_rtt(client, raw_tcp),  # the echo returns our ping
                 "bus_client_in_loop_to_raw": _bus_rtt_in_loop(client, raw_tcp),
             }, rtt_count)
-            on_ipc = _interleaved({"raw": dealers[1], "bus": _bus_rtt(client, ipc)}, rtt_count)
-            cpu = _cpu_per_rtt(client, tcp, dealers[0], rtt_count)
+            on_ipc = _interleaved({"raw": dealers[1], "bus": _bus_rtt(client, ipc),
+                                   "direct": _direct_rtt(direct, ipc)}, rtt_count)
+            cpu = _cpu_per_rtt(client, direct, tcp, dealers[0], rtt_count)
         finally:
             for d in dealers:
                 d.close()
         result: dict = {
             "raw_floor_us": {"tcp": on_tcp["raw"], "ipc": on_ipc["raw"]},
+            "direct_us": {"tcp": on_tcp["direct"], "ipc": on_ipc["direct"]},
             "bus_us": {"tcp": on_tcp["bus"], "ipc": on_ipc["bus"]},
         }
-        result["ratio_bus_over_raw_p50"] = {
-            t: round(result["bus_us"][t]["p50"] / result["raw_floor_us"][t]["p50"], 2)
-            for t in ("tcp", "ipc")
-        }
+        for key, path in (("ratio_direct_over_raw_p50", "direct_us"),
+                          ("ratio_bus_over_raw_p50", "bus_us")):
+            result[key] = {
+                t: round(result[path][t]["p50"] / result["raw_floor_us"][t]["p50"], 2)
+                for t in ("tcp", "ipc")
+            }
         result["stages_us"] = _stages(loop, rtt_count, on_tcp)
         result["cpu_per_rtt_us"] = cpu
-        result["throughput_gbps"] = {
-            "tcp": {k: _throughput(client, tcp, n, seconds) for k, n in SIZES.items()},
-            "ipc": {k: _throughput(client, ipc, n, seconds) for k, n in SIZES.items()},
-        }
+        result["throughput_gbps"] = _throughputs(client, direct, tcp, ipc, seconds)
+        result["mib_ipc_ab"] = _mib_ab(client, direct, ipc, 3 * seconds)
         report = client.request(tcp, make("snapshot_req", cluster="bench"), timeout=10).result()
         by_size = report["stats"]["zero_copy"]
         result["zero_copy_by_size"] = {k: by_size.get(str(n)) for k, n in SIZES.items()}
         result["zero_copy"] = all(by_size.get(str(n)) for n in SIZES.values() if n >= 64 << 10)
         return result
     finally:
+        if direct is not None:
+            direct.close()
         if loop is not None:
             loop.stop()
         for proc, conn in procs:
@@ -347,28 +412,37 @@ def measure(rtt_count: int = 3000, seconds: float = 1.5) -> dict:
 
 
 def render(result: dict) -> str:
-    raw, bus, ratio = result["raw_floor_us"], result["bus_us"], result["ratio_bus_over_raw_p50"]
+    raw = result["raw_floor_us"]
     lines = [
         "specbus bench bus (two processes per pair, loopback)",
-        f"{'measure':40} {'tcp':>10} {'ipc':>10}",
+        f"{'measure':52} {'tcp':>10} {'ipc':>10}",
     ]
-    for label, rows in (("raw floor, bare pyzmq", raw), ("full bus path", bus)):
+    paths = (("raw floor, bare pyzmq", raw),
+             ("full bus path (hot path, DirectClient)", result["direct_us"]),
+             ("bus via I/O-thread client (StreamClient)", result["bus_us"]))
+    for label, rows in paths:
         for p in ("p50", "p99"):
-            lines.append(f"{f'RTT {p} {label} (us)':40} {rows['tcp'][p]:>10} {rows['ipc'][p]:>10}")
-    lines += [
-        f"{'ratio bus / raw (p50)':40} {ratio['tcp']:>10} {ratio['ipc']:>10}",
-    ]
+            lines.append(f"{f'RTT {p} {label} (us)':52} {rows['tcp'][p]:>10} {rows['ipc'][p]:>10}")
+    for label, key in (("ratio DirectClient / raw (p50)", "ratio_direct_over_raw_p50"),
+                       ("ratio StreamClient / raw (p50)", "ratio_bus_over_raw_p50")):
+        lines.append(f"{label:52} {result[key]['tcp']:>10} {result[key]['ipc']:>10}")
+    tp = result["throughput_gbps"]
     for k in SIZES:
-        tp = result["throughput_gbps"]
-        lines.append(f"{'throughput ' + k + ' (GB/s)':40} {tp['tcp'][k]:>10} {tp['ipc'][k]:>10}")
+        for label, t, i in (("StreamClient", "tcp", "ipc"),
+                            ("DirectClient", "tcp_direct", "ipc_direct")):
+            lines.append(f"{f'throughput {k} {label} (GB/s)':52} {tp[t][k]:>10} {tp[i][k]:>10}")
     zc = ", ".join(f"{k}={v}" for k, v in result["zero_copy_by_size"].items())
     lines.append(f"zero-copy receive: {result['zero_copy']} ({zc})")
     lines.append("per-stage breakdown (p50, us; tcp):")
     for k, v in result["stages_us"].items():
-        lines.append(f"  {k:38} {v:>10}")
+        lines.append(f"  {k:50} {v:>10}")
+    lines.append("1 MiB over ipc, the two clients in alternating slices (medians):")
+    for name, row in result["mib_ipc_ab"].items():
+        lines.append(f"  {name:14} {row['gbps']:>6} GB/s, CPU per MiB: client "
+                     f"{row['client_cpu_us_per_mib']} us, server {row['server_cpu_us_per_mib']} us")
     lines.append("CPU per round trip (us, all threads of the process; tcp):")
     for k, v in result["cpu_per_rtt_us"].items():
-        lines.append(f"  {k:38} {v:>10}")
+        lines.append(f"  {k:50} {v:>10}")
     return "\n".join(lines)
 
 

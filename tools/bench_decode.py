@@ -2,9 +2,10 @@
 
 One process, same prompts for every configuration: input-grounded (code edit, extraction and
 quoting), where prompt lookup should shine, and open-ended chat, where speculation must not
-hurt. Compares our engine (plain, ngram, int8) with Hugging Face generate (plain, prompt lookup,
-assisted with the same int8 drafter) and the MLX backend (plain, ngram). Reports medians over
-prompts per class; greedy outputs are also checked against each backend's plain output.
+hurt. Compares our engine (plain; ngram and int8 drafts verified as one chain and as token
+trees) with Hugging Face generate (plain, prompt lookup, assisted with the same int8 drafter)
+and the MLX backend (plain, ngram). Reports medians over prompts per class; greedy outputs are
+also checked against each backend's plain output.
 """
 
 from __future__ import annotations
@@ -123,6 +124,9 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
             cache["int8"] = Int8Drafter.from_verifier(torch_backend())
         return cache["int8"]
 
+    def int8_chain():
+        return Int8Drafter(int8().backend, name="int8", tree_width=1)
+
     def mlx_backend():
         if "mlx" not in cache:
             cache["mlx"] = load_backend("mlx", args.model)
@@ -130,14 +134,28 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
 
     configs = [
         ("engine-plain", "torch", lambda: _engine_runner(Engine(torch_backend()))),
-        ("engine-ngram", "torch", lambda: _engine_runner(Engine(torch_backend(), NgramDrafter()))),
+        (
+            "engine-ngram-chain",
+            "torch",
+            lambda: _engine_runner(Engine(torch_backend(), NgramDrafter(), tree=False)),
+        ),
+        (
+            "engine-ngram-tree",
+            "torch",
+            lambda: _engine_runner(Engine(torch_backend(), NgramDrafter(branches=4))),
+        ),
         ("hf-plain", "torch", lambda: _hf_runner(torch_backend())),
         (
             "hf-prompt-lookup",
             "torch",
             lambda: _hf_runner(torch_backend(), prompt_lookup_num_tokens=10),
         ),
-        ("engine-int8", "torch", lambda: _engine_runner(Engine(torch_backend(), int8()))),
+        (
+            "engine-int8-chain",
+            "torch",
+            lambda: _engine_runner(Engine(torch_backend(), int8_chain())),
+        ),
+        ("engine-int8-tree", "torch", lambda: _engine_runner(Engine(torch_backend(), int8()))),
         (
             "hf-assisted-int8",
             "torch",
@@ -150,7 +168,8 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
             ("mlx-ngram", "mlx", lambda: _engine_runner(Engine(mlx_backend(), NgramDrafter()))),
         ]
     if args.quick:
-        keep = {"engine-plain", "engine-ngram", "hf-prompt-lookup", "engine-int8"}
+        keep = {"engine-plain", "engine-ngram-chain", "engine-ngram-tree", "hf-prompt-lookup",
+                "engine-int8-chain", "engine-int8-tree"}
         configs = [c for c in configs if c[0] in keep or (c[1] == "mlx" and not args.no_mlx)]
     return configs
 

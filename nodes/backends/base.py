@@ -53,6 +53,28 @@ class Backend(ABC):
         """
         return self.forward_last(cache, token_ids)
 
+    #: whether `forward_tree` works; without it the engine verifies one path per step
+    supports_tree: bool = False
+
+    def forward_tree(
+        self, cache: Any, token_ids: Sequence[int], parents: Sequence[int]
+    ) -> np.ndarray:
+        """Append a token tree to the cache in one forward; logits float32 [n, vocab].
+
+        `parents[i] < i` is node i's parent in this batch (-1: the cached prefix). Node i sees
+        the cached prefix, its ancestors and itself, at position prefix + depth. Afterwards the
+        cache holds all n nodes in feed order until `compact` keeps one path.
+        """
+        raise NotImplementedError(f"backend {self.name!r} cannot verify token trees")
+
+    def compact(self, cache: Any, base: int, keep: Sequence[int]) -> None:
+        """After a tree forward at cache length `base`: keep the fed nodes `keep` (ascending
+        feed indices, one root-to-node path), moved to positions base.., and drop the rest."""
+        keep = list(keep)
+        if keep != list(range(len(keep))):
+            raise NotImplementedError(f"backend {self.name!r} cannot compact a token tree")
+        self.crop(cache, base + len(keep))
+
     @abstractmethod
     def cache_length(self, cache: Any) -> int:
         """Number of positions held in the cache."""

@@ -29,6 +29,7 @@ class TorchBackend(Backend):
     """A transformers causal LM with a `DynamicCache` per session."""
 
     name = "torch"
+    supports_tree = True
 
     def __init__(self, model: Any, tokenizer: Tokenizer, model_name: str, device: str) -> None:
         self.model = model
@@ -80,6 +81,40 @@ class TorchBackend(Backend):
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float().cpu().numpy()
+
+    @torch.inference_mode()
+    def forward_tree(
+        self, cache: Any, token_ids: Sequence[int], parents: Sequence[int]
+    ) -> np.ndarray:
+        n, past = len(token_ids), self.cache_length(cache)
+        visible = np.eye(n, dtype=bool)  # row i: the batch nodes node i may attend to
+        depth = np.zeros(n, dtype=np.int64)
+        for i, p in enumerate(parents):
+            if p >= 0:
+                visible[i] |= visible[p]
+                depth[i] = depth[p] + 1
+        dtype = self.model.dtype
+        mask = torch.zeros((1, 1, n, past + n), dtype=dtype, device=self.device)
+        mask[0, 0, :, past:].masked_fill_(
+            torch.from_numpy(~visible).to(self.device), torch.finfo(dtype).min
+        )
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        pos = torch.from_numpy(past + depth)[None].to(self.device)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                         past_key_values=cache, use_cache=True)
+        return out.logits[0].float().cpu().numpy()
+
+    def compact(self, cache: Any, base: int, keep: Sequence[int]) -> None:
+        keep = list(keep)
+        if keep == list(range(len(keep))):
+            self.crop(cache, base + len(keep))
+            return
+        idx = torch.tensor([base + i for i in keep], dtype=torch.long, device=self.device)
+        for layer in cache.layers:
+            layer.keys = torch.cat([layer.keys[..., :base, :], layer.keys[..., idx, :]], dim=-2)
+            layer.values = torch.cat(
+                [layer.values[..., :base, :], layer.values[..., idx, :]], dim=-2
+            )
 
     def cache_length(self, cache: Any) -> int:
         return int(cache.get_seq_length())

@@ -2,10 +2,19 @@
 
 The session remembers which ids its cache holds; on `draft` it crops back to the longest prefix
 shared with the committed tokens (accepted drafts stay cached) and feeds only the new ones.
+
+As a tree source (`ModelTreeSource`, torch drafters) it drafts EAGLE-2 style: each level is one
+tree forward of the draft model over the tree so far; every expanded node offers its top-`width`
+children scored by cumulative draft probability, and the best-scoring candidates anywhere in
+the tree (not only under the best node) are added until the node budget is spent. Where the
+drafter is sure the tree is nearly a chain; where it is unsure it branches. Tree tokens are
+deterministic proposals (point masses), which multi-candidate rejection sampling accepts
+losslessly.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +23,14 @@ import numpy as np
 from nodes.backends.base import Backend
 from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession
 from nodes.engine.sampling import SamplingParams, probs_from_logits, sample
+from nodes.engine.sources import DraftSource
+from nodes.engine.tree import Candidate
+
+#: children offered per expanded node; 1 drafts a plain chain
+TREE_WIDTH = 3
+#: a level adds a further node only if its cumulative probability is at least this fraction of
+#: the level's best one
+BRANCH_RATIO = 0.2
 
 
 class ModelSession(DraftSession):
@@ -75,14 +92,93 @@ class ModelSession(DraftSession):
         self.cache = None
         self.cached = []
 
+    def draft_tree(self, budget: int, width: int) -> list[Candidate]:
+        """Up to `budget` tree nodes as root-to-leaf candidates, likeliest leaf first."""
+        keep = self._common_prefix()
+        self.backend.crop(self.cache, keep)
+        if len(self.tokens) - 1 > keep:
+            self.backend.forward_last(self.cache, self.tokens[keep:-1])
+        self.cached = self.tokens[:-1]
+        base = len(self.cached)
+        toks, parents, score = [self.tokens[-1]], [-1], [0.0]
+        frontier = [0]
+        heap: list[tuple[float, int, int]] = []  # (-cumulative log prob, parent, token)
+        while len(toks) - 1 < budget:
+            logits = self.backend.forward_tree(self.cache, toks, parents)
+            self.backend.crop(self.cache, base)
+            for node in frontier:
+                q = self._probs(logits[node])
+                top = np.argsort(-q, kind="stable")[:width]
+                for t in top:
+                    if q[t] > 0:
+                        heapq.heappush(heap, (-(score[node] + np.log(q[t])), node, int(t)))
+            frontier = []
+            floor = -heap[0][0] + np.log(BRANCH_RATIO) if heap else 0.0
+            while heap and len(frontier) < width and len(toks) - 1 < budget:
+                if frontier and -heap[0][0] < floor:
+                    break  # the drafter is sure here: spend the budget on depth, not breadth
+                neg, parent, tok = heapq.heappop(heap)
+                toks.append(tok)
+                parents.append(parent)
+                score.append(-neg)
+                frontier.append(len(toks) - 1)
+            if not frontier:
+                break
+        children = {p for p in parents[1:]}
+        leaves = sorted((i for i in range(1, len(toks)) if i not in children),
+                        key=lambda i: -score[i])
+        out = []
+        for leaf in leaves:
+            path = []
+            while leaf > 0:
+                path.append(toks[leaf])
+                leaf = parents[leaf]
+            out.append(Candidate(np.asarray(path[::-1], dtype=np.int64)))
+        return out
+
+    def _probs(self, row: np.ndarray) -> np.ndarray:
+        if self.params.greedy:
+            x = np.asarray(row, dtype=np.float64)
+            e = np.exp(x - x.max())
+            return e / e.sum()
+        return probs_from_logits(row, self.params)[0]
+
+
+class ModelTreeSource(DraftSource):
+    """A model session as a tree source; a chain where the backend has no tree forward."""
+
+    def __init__(self, session: ModelSession, told: int, width: int, name: str) -> None:
+        self.session, self.told, self.width, self.name = session, told, width, name
+
+    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
+        s = self.session
+        s.extend(committed[self.told :])
+        self.told = len(committed)
+        if budget <= 0:
+            return []
+        if self.width <= 1 or not s.backend.supports_tree:
+            ids, probs = s.draft(budget)
+            return [Candidate(ids, probs)]
+        return s.draft_tree(budget, self.width)
+
+    def close(self) -> None:
+        self.session.close()
+
 
 class ModelDrafter(Drafter):
     """Drafts with a (smaller or cheaper) model sharing the verifier's tokenizer."""
 
-    def __init__(self, backend: Backend, name: str | None = None) -> None:
+    def __init__(
+        self, backend: Backend, name: str | None = None, tree_width: int = TREE_WIDTH
+    ) -> None:
         self.backend = backend
         self.name = name or f"model:{backend.model_name}"
         self.fingerprint = backend.fingerprint
+        self.tree_width = tree_width
 
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> ModelSession:
         return ModelSession(self.backend, prompt_ids, params)
+
+    def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> ModelTreeSource:
+        return ModelTreeSource(self.open(prompt_ids, params), len(prompt_ids), self.tree_width,
+                               self.name)

@@ -1,7 +1,10 @@
-"""Prompt-lookup drafting: continue the longest recent n-gram match in prompt + generated text.
+"""Prompt-lookup drafting: continue the longest n-gram match in prompt + generated text.
 
 Model-free and nearly free to run, so it pays off whenever the output copies the input (code
-edits, extraction, quoting). Longest suffix first (max_n down to min_n), most recent occurrence.
+edits, extraction, quoting). Longest suffix first (max_n down to min_n). As a chain (`draft`) it
+follows the most recent occurrence; as a tree source (`NgramSource`) it proposes the distinct
+continuations of every earlier occurrence of the matched suffix, most recent first, so the
+verifier picks the one the text actually takes.
 """
 
 from __future__ import annotations
@@ -13,15 +16,24 @@ import numpy as np
 from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
+from nodes.engine.sources import DraftSource
+from nodes.engine.tree import Candidate
+
+#: earlier occurrences looked at per tree proposal (most recent first): bounds the work per step
+MAX_OCCURRENCES = 16
+#: the shortest suffix whose occurrences may add alternatives to a longer match's
+ALT_MIN_N = 2
 
 
 class NgramSession(DraftSession):
-    """Index of n-gram -> most recent end position, excluding the n-gram ending at the tip."""
+    """Index of n-gram -> end positions (oldest first), excluding the n-gram ending at the tip."""
 
-    def __init__(self, prompt_ids: Sequence[int], min_n: int, max_n: int) -> None:
-        self.min_n, self.max_n = min_n, max_n
+    def __init__(
+        self, prompt_ids: Sequence[int], min_n: int, max_n: int, branches: int = 1
+    ) -> None:
+        self.min_n, self.max_n, self.branches = min_n, max_n, branches
         self.tokens: list[int] = []
-        self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self.index: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_n + 1)]
         self.extend(prompt_ids)
 
     def extend(self, delta: Sequence[int]) -> None:
@@ -30,7 +42,7 @@ class NgramSession(DraftSession):
             # the n-grams ending at the old tip are no longer the suffix: index them now
             end = len(toks)
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.index[n][tuple(toks[end - n : end])] = end
+                self.index[n].setdefault(tuple(toks[end - n : end]), []).append(end)
             toks.append(int(t))
 
     def draft(self, k: int) -> tuple[np.ndarray, None]:
@@ -38,10 +50,48 @@ class NgramSession(DraftSession):
         if k <= 0:
             return EMPTY_DRAFT, None
         for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
-            end = self.index[n].get(tuple(toks[len(toks) - n :]))
-            if end is not None:
-                return np.asarray(toks[end : end + k], dtype=np.int32), None
+            ends = self.index[n].get(tuple(toks[len(toks) - n :]))
+            if ends:
+                return np.asarray(toks[ends[-1] : ends[-1] + k], dtype=np.int32), None
         return EMPTY_DRAFT, None
+
+    def continuations(self, k: int) -> list[list[int]]:
+        """Distinct continuations (up to k tokens) of the earlier occurrences of the longest
+        matched suffix, most recent first, then of shorter suffixes (down to ALT_MIN_N) as
+        alternatives; at most `branches`, none a prefix of an earlier one."""
+        toks = self.tokens
+        if k <= 0:
+            return []
+        out: list[list[int]] = []
+        for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
+            ends = self.index[n].get(tuple(toks[len(toks) - n :]))
+            if not ends:
+                continue
+            if out and n < ALT_MIN_N:
+                break
+            for end in reversed(ends[-MAX_OCCURRENCES:]):
+                cont = toks[end : end + k]
+                if cont and not any(c[: len(cont)] == cont for c in out):
+                    out.append(cont)
+                if len(out) >= self.branches:
+                    return out
+        return out
+
+
+class NgramSource(DraftSource):
+    """The n-gram index as a tree source: several continuations per step, deterministic."""
+
+    name = "ngram"
+
+    def __init__(self, session: NgramSession, told: int) -> None:
+        self.session = session
+        self.told = told
+
+    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
+        self.session.extend(committed[self.told :])
+        self.told = len(committed)
+        return [Candidate(np.asarray(c, dtype=np.int64)) for c in
+                self.session.continuations(budget)]
 
 
 class NgramDrafter(Drafter):
@@ -49,16 +99,24 @@ class NgramDrafter(Drafter):
 
     Defaults (n from 8 down to 1) were picked by replaying the decode benchmark's greedy outputs
     through the adaptive engine: long n-grams pick the right place in repetitive code, and the
-    engine's acceptance tracking already turns junk single-token matches down.
+    engine's acceptance tracking already turns junk single-token matches down. `branches` > 1
+    proposes a tree of that many distinct continuations; off by default because on the
+    benchmark prompts it committed no more tokens per forward than the chain (the longest
+    matched suffix occurs once) while feeding more nodes (see docs/engine.md).
     """
 
     name = "ngram"
     fingerprint = None
 
-    def __init__(self, min_n: int = 1, max_n: int = 8) -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 8, branches: int = 1) -> None:
         if not (1 <= min_n <= max_n):
             raise BadRequestError(f"ngram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        self.min_n, self.max_n = min_n, max_n
+        if not 1 <= branches <= MAX_OCCURRENCES:
+            raise BadRequestError(f"ngram branches must be in 1..{MAX_OCCURRENCES}, got {branches}")
+        self.min_n, self.max_n, self.branches = min_n, max_n, branches
 
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> NgramSession:
-        return NgramSession(prompt_ids, self.min_n, self.max_n)
+        return NgramSession(prompt_ids, self.min_n, self.max_n, self.branches)
+
+    def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> NgramSource:
+        return NgramSource(self.open(prompt_ids, params), len(prompt_ids))

@@ -3,9 +3,19 @@
 from nodes.engine import Engine, GenerationParams, SamplingParams
 engine = Engine(load_backend("torch"), make_drafter("ngram"))
 for block in engine.stream(prompt_ids, GenerationParams(max_tokens=64)): ...
+# or step by step: seq = engine.start(prompt_ids, params); engine.step(seq) until
+# seq.finish_reason is set; seq.close()
 """
 
-from nodes.engine.core import Block, Engine, Generation, GenerationParams, Stats
+from nodes.engine.core import (
+    Block,
+    Engine,
+    Generation,
+    GenerationParams,
+    SequenceState,
+    Stats,
+)
+from nodes.engine.cost import CostModel
 from nodes.engine.errors import (
     BadRequestError,
     GenerationError,
@@ -13,16 +23,25 @@ from nodes.engine.errors import (
     TokenizerMismatchError,
 )
 from nodes.engine.sampling import SamplingParams
+from nodes.engine.sources import DraftSource, Feedback, SessionSource
+from nodes.engine.tree import Candidate, TokenTree
 
 __all__ = [
     "BadRequestError",
     "Block",
+    "Candidate",
+    "CostModel",
+    "DraftSource",
     "Engine",
+    "Feedback",
     "Generation",
     "GenerationError",
     "GenerationParams",
     "ModelNotFoundError",
     "SamplingParams",
+    "SequenceState",
+    "SessionSource",
     "Stats",
+    "TokenTree",
     "TokenizerMismatchError",
 ]

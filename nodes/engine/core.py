@@ -1,11 +1,16 @@
-"""The speculative-decoding loop: one verifier forward per block, exact acceptance, KV rollback.
+"""The speculative-decoding engine as a step machine: plan -> one forward -> commit.
 
-Invariant between blocks: the verifier cache holds every committed token except the last one
-(the *pending* token, whose logits are not computed yet). A block feeds `[pending, d1..dk]`,
-reads k+1 logits rows, accepts the longest correct draft prefix, takes the correction (or bonus)
-token from the first non-accepted row, and crops the cache back so the invariant holds again.
-No second forward is ever needed. k = 0 (or an empty draft) is a plain decode step, which is
-how a slow, absent or unhelpful drafter degrades to decoding alone.
+Invariant between steps: the verifier cache holds every committed token except the last one
+(the *pending* token, whose logits are not computed yet). A step asks every draft source for
+candidates, merges them into one token tree rooted at the pending token, feeds the whole tree
+in one forward (a chain is a tree with one branch), accepts the deepest correct path, takes the
+correction (or bonus) token from the last accepted node's row, moves the accepted path's K/V
+into place and crops the rest. No second forward is ever needed. An empty tree is a plain
+decode step, which is how a slow, absent or unhelpful drafter degrades to decoding alone.
+
+All per-sequence state lives in one `Sequence` object (committed ids, cache, RNG, sources,
+acceptance and cost estimates), never in generator locals, so a scheduler can later step
+several sequences per forward; `Engine.stream` is a thin loop over `Engine.step`.
 """
 
 from __future__ import annotations
@@ -14,19 +19,21 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nodes.engine.adaptive import DraftLengthController
+from nodes.engine.cost import CostModel
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import (
     SamplingParams,
-    accept_greedy,
-    accept_sampling,
+    accept_tree_greedy,
+    accept_tree_sampling,
     probs_from_logits,
     sample,
 )
+from nodes.engine.sources import DraftSource, Feedback, SessionSource
+from nodes.engine.tree import Candidate, TokenTree
 
 if TYPE_CHECKING:
     from nodes.backends.base import Backend
@@ -74,6 +81,7 @@ class Stats:
     verify_s: float = 0.0
     draft_s: float = 0.0
     drafter_errors: int = 0
+    tree_blocks: int = 0  # speculative blocks whose draft was a branching tree
     k_hist: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -98,6 +106,7 @@ class Stats:
             "verify_s": self.verify_s,
             "draft_s": self.draft_s,
             "drafter_errors": self.drafter_errors,
+            "tree_blocks": self.tree_blocks,
         }
 
 
@@ -115,12 +124,54 @@ class Generation:
         return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-class Engine:
-    """Verifier backend + optional drafter. One generation at a time per engine instance.
 
-    `fixed_k` disables adaptation (tests); otherwise the engine's `DraftLengthController` picks
-    each block's draft length; the costs it learnt carry over to the next generation on this
-    engine, acceptance starts afresh with each prompt.
+@dataclass
+class _Slot:
+    source: DraftSource
+    name: str
+    asked: bool = False  # proposed this step (gets feedback on its offer)
+    offered: int = 0
+    tag: int = -1  # this step's source index in the tree's owner sets
+
+
+@dataclass
+class SequenceState:
+    """Everything one generation needs between steps (see the module docstring)."""
+
+    prompt: list[int]
+    params: GenerationParams
+    eos: frozenset[int]
+    rng: np.random.Generator
+    cache: Any
+    cost: CostModel
+    stats: Stats
+    slots: list[_Slot]
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def committed(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def started(self) -> bool:
+        return bool(self.generated)
+
+    def close(self) -> None:
+        """Release the sources; safe to call twice."""
+        slots, self.slots = self.slots, []
+        for slot in slots:
+            _close_quietly(slot.source)
+
+
+class Engine:
+    """Verifier backend + optional drafter (or caller-given sources). Stepping one sequence at a
+    time per engine; the verify costs it learns carry over between sequences, acceptance
+    starts afresh with each.
+
+    `fixed_k` pins the draft node budget (tests); otherwise the cost model picks it per step.
+    `tree=False` verifies only the first candidate's single path (what a backend without tree
+    attention does anyway).
     """
 
     def __init__(
@@ -130,6 +181,7 @@ class Engine:
         *,
         max_draft: int = 16,
         fixed_k: int | None = None,
+        tree: bool = True,
     ) -> None:
         if drafter is not None:
             drafter.check_compatible(backend.fingerprint)
@@ -139,7 +191,9 @@ class Engine:
         self.drafter = drafter
         self.max_draft = max_draft
         self.fixed_k = fixed_k
-        self.controller = DraftLengthController(max_k=max_draft)
+        self.tree = tree and getattr(backend, "supports_tree", False)
+        self.cost = CostModel(max_k=max_draft)
+        self.controller = self.cost  # old name
 
     # ---- public API -------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: GenerationParams) -> Generation:
@@ -155,95 +209,203 @@ class Engine:
         *,
         stats: Stats | None = None,
         draft_session: DraftSession | None = None,
+        sources: Sequence[DraftSource] | None = None,
     ) -> Iterator[Block]:
         """Yield committed tokens block by block, so callers can stream them as they land.
 
         `draft_session` lets a caller plug in its own session (e.g. a remote proposer with a
-        deadline) instead of opening one on `self.drafter`.
+        deadline) instead of opening one on `self.drafter`; `sources` replaces both. Sources
+        the engine opened are closed at the end; caller-given ones are left to the caller.
         """
+        seq = self.start(prompt_ids, params, stats=stats, draft_session=draft_session,
+                         sources=sources)
+        try:
+            while seq.finish_reason is None:
+                yield self.step(seq)
+        finally:
+            seq.close()
+
+    def start(
+        self,
+        prompt_ids: Sequence[int],
+        params: GenerationParams,
+        *,
+        stats: Stats | None = None,
+        draft_session: DraftSession | None = None,
+        sources: Sequence[DraftSource] | None = None,
+    ) -> SequenceState:
+        """A new sequence, validated, ready for its first step (the prefill)."""
         prompt = self._check_prompt(prompt_ids)
         params.validate()
-        stats = stats if stats is not None else Stats()
+        sp = params.sampling
         eos = (
             self.backend.tokenizer.eos_token_ids
             if params.eos_token_ids is None
             else frozenset(params.eos_token_ids)
         )
-        sp = params.sampling
-        rng = np.random.default_rng(sp.seed)
-        backend = self.backend
-        cache = backend.new_cache()
-        generated: list[int] = []
+        if sources is not None:
+            slots = [_Slot(_Borrowed(s), getattr(s, "name", "source")) for s in sources]
+        elif draft_session is not None:
+            slots = [_Slot(SessionSource(draft_session, len(prompt), owned=False), "session")]
+        elif self.drafter is not None:
+            slots = [_Slot(_open_source(self.drafter, prompt, sp), self.drafter.name)]
+        else:
+            slots = []
+        return SequenceState(
+            prompt=prompt,
+            params=params,
+            eos=eos,
+            rng=np.random.default_rng(sp.seed),
+            cache=self.backend.new_cache(),
+            cost=self.cost.fork(),
+            stats=stats if stats is not None else Stats(),
+            slots=slots,
+        )
 
-        session = draft_session
-        if session is None and self.drafter is not None:
-            session = self.drafter.open(prompt, sp)
-        told = len(prompt)  # tokens the drafter knows about
-        if self.fixed_k is None:
-            self.controller.start_generation()
-
-        try:
+    def step(self, seq: SequenceState) -> Block:
+        """One verifier forward for `seq`: plan the tree, forward it, commit what it proved."""
+        if seq.finish_reason is not None:
+            raise RuntimeError("step on a finished sequence")
+        backend, stats, sp = self.backend, seq.stats, seq.params.sampling
+        if not seq.started:
             t0 = time.perf_counter()
-            row = backend.prefill(cache, prompt)
+            row = backend.prefill(seq.cache, seq.prompt)
             stats.verify_s += time.perf_counter() - t0
-            first = int(np.argmax(row)) if sp.greedy else sample(probs_from_logits(row, sp)[0], rng)
-            new = [first]
-            drafted = accepted = 0
-            while True:
-                new, finish, text = self._finish(generated, new, params, eos)
-                generated.extend(new)
-                stats.blocks += 1
-                committed = len(prompt) + len(generated)
-                # roll back rejected (or cut-off) drafts: keep all committed but the pending one
-                backend.crop(cache, committed - 1)
-                yield Block(
-                    token_ids=new,
-                    drafted=drafted,
-                    accepted=accepted,
-                    committed_len=committed,
-                    cache_len=backend.cache_length(cache),
-                    finish_reason=finish,
-                    text=text,
-                )
-                if finish is not None:
-                    return
-                pending = generated[-1]
-                remaining = params.max_tokens - len(generated)
-                delta = generated[told - len(prompt) :]
-                try:
-                    drafts, probs = self._ask(session, delta, remaining, stats)
-                except Exception as exc:  # noqa: BLE001 - a broken drafter must not end generation
-                    log.warning("drafter failed, decoding alone from here on: %r", exc)
-                    stats.drafter_errors += 1
-                    if draft_session is None and session is not None:
-                        _close_quietly(session)
-                    session = draft_session = None
-                    drafts, probs = np.zeros(0, dtype=np.int64), None
-                told = len(prompt) + len(generated)
-                drafted = len(drafts)
+            first = int(np.argmax(row)) if sp.greedy else sample(probs_from_logits(row, sp)[0],
+                                                                 seq.rng)
+            return self._commit(seq, [first], drafted=0, accepted=0)
 
-                t0 = time.perf_counter()
-                logits = backend.forward(cache, [pending, *drafts.tolist()])
-                dt = time.perf_counter() - t0
-                stats.verify_s += dt
-                if self.fixed_k is None:
-                    self.controller.record_verify(drafted + 1, dt)
-                if sp.greedy:
-                    accepted, nxt = accept_greedy(logits, drafts)
-                else:
-                    accepted, nxt = accept_sampling(logits, drafts, probs, sp, rng)
-                new = [*drafts[:accepted].tolist(), nxt]
-                if drafted:
-                    stats.spec_blocks += 1
-                    stats.drafted += drafted
-                    stats.accepted += accepted
-                    if self.fixed_k is None:
-                        self.controller.record_acceptance(drafted, accepted)
-                else:
-                    stats.plain_steps += 1
-        finally:
-            if session is not None and draft_session is None:
-                session.close()
+        tree = self._plan(seq)
+        base = backend.cache_length(seq.cache)
+        t0 = time.perf_counter()
+        if tree.is_chain():
+            logits = backend.forward(seq.cache, tree.tokens)
+        else:
+            logits = backend.forward_tree(seq.cache, tree.tokens, tree.parents)
+        dt = time.perf_counter() - t0
+        stats.verify_s += dt
+        if self.fixed_k is None:
+            seq.cost.record_verify(len(tree), dt)
+        if sp.greedy:
+            path, nxt = accept_tree_greedy(logits, tree)
+        else:
+            path, nxt = accept_tree_sampling(logits, tree, sp, seq.rng)
+        if not tree.is_chain():
+            backend.compact(seq.cache, base, [0, *path])
+            stats.tree_blocks += 1
+        new = [*(tree.tokens[i] for i in path), nxt]
+        if tree.drafted:
+            stats.spec_blocks += 1
+            stats.drafted += tree.drafted
+            stats.accepted += len(path)
+            if self.fixed_k is None:
+                seq.cost.record_acceptance(tree.depth, len(path))
+        else:
+            stats.plain_steps += 1
+        return self._commit(seq, new, drafted=tree.drafted, accepted=len(path), tree=tree,
+                            path=path)
+
+    # ---- the step's parts -------------------------------------------------------------------
+    def _plan(self, seq: SequenceState) -> TokenTree:
+        """Ask every source for candidates and merge them into one tree within the budget."""
+        pending = seq.generated[-1]
+        remaining = seq.params.max_tokens - len(seq.generated)
+        if not seq.slots:
+            budget = 0
+        elif self.fixed_k is not None:
+            budget = self.fixed_k
+        else:
+            budget = seq.cost.choose_k()
+        budget = max(0, min(budget, self.max_draft, remaining - 1))
+        committed = seq.committed
+        tree = TokenTree(pending)
+        found: list[tuple[int, Candidate]] = []
+        t0 = time.perf_counter()
+        for i, slot in enumerate(list(seq.slots)):
+            slot.asked, slot.offered, slot.tag = False, 0, i
+            try:
+                cands = slot.source.propose(committed, budget)
+            except Exception as exc:  # noqa: BLE001 - a broken source must not end generation
+                log.warning("draft source %s failed, going on without it: %r", slot.name, exc)
+                seq.stats.drafter_errors += 1
+                seq.slots.remove(slot)
+                _close_quietly(slot.source)
+                continue
+            slot.asked = True
+            found += [(i, c) for c in (self._clean(c) for c in cands) if len(c.tokens)]
+        if found and not self.tree:
+            found = found[:1]  # single-path verification: the first source's first candidate
+        offered = tree.add(found, budget, max_depth=max(remaining - 1, 0))
+        for slot in seq.slots:
+            slot.offered = offered.get(slot.tag, 0)
+        dt = time.perf_counter() - t0
+        if budget > 0:
+            seq.stats.draft_s += dt
+            if self.fixed_k is None:
+                seq.cost.record_draft(tree.drafted, dt)
+            seq.stats.k_hist[tree.drafted] = seq.stats.k_hist.get(tree.drafted, 0) + 1
+        return tree
+
+    def _clean(self, cand: Candidate) -> Candidate:
+        """A hostile or buggy source must not break the verifier: cut at the first bad id,
+        ignore probabilities of the wrong shape (the draft is then deterministic)."""
+        vocab = self.backend.vocab_size
+        ids = np.asarray(cand.tokens, dtype=np.int64).reshape(-1)[: self.max_draft]
+        bad = np.nonzero((ids < 0) | (ids >= vocab))[0]
+        if bad.size:
+            ids = ids[: bad[0]]
+        probs = cand.probs
+        if probs is not None:
+            probs = np.asarray(probs)
+            if probs.ndim != 2 or probs.shape[0] < len(ids) or probs.shape[1] < vocab:
+                probs = None
+            else:
+                probs = probs[: len(ids), :vocab]
+        return Candidate(ids, probs)
+
+    def _commit(
+        self,
+        seq: SequenceState,
+        new: list[int],
+        *,
+        drafted: int,
+        accepted: int,
+        tree: TokenTree | None = None,
+        path: list[int] | None = None,
+    ) -> Block:
+        new, finish, text = self._finish(seq.generated, new, seq.params, seq.eos)
+        seq.generated.extend(new)
+        seq.finish_reason = finish
+        seq.stats.blocks += 1
+        committed = len(seq.prompt) + len(seq.generated)
+        # roll back rejected (or cut-off) drafts: keep all committed but the pending one
+        self.backend.crop(seq.cache, committed - 1)
+        for slot in list(seq.slots):
+            asked = slot.asked and tree is not None and path is not None
+            fb = Feedback(
+                committed=tuple(new),
+                committed_len=committed,
+                offered=slot.offered if asked else 0,
+                accepted=tree.accepted_by(slot.tag, path) if asked else 0,
+            )
+            if fb.offered and self.fixed_k is None:
+                seq.cost.record_source(slot.name, fb.offered, fb.accepted)
+            try:
+                slot.source.feedback(fb)
+            except Exception as exc:  # noqa: BLE001 - same policy as propose
+                log.warning("draft source %s failed on feedback: %r", slot.name, exc)
+                seq.stats.drafter_errors += 1
+                seq.slots.remove(slot)
+                _close_quietly(slot.source)
+        return Block(
+            token_ids=new,
+            drafted=drafted,
+            accepted=accepted,
+            committed_len=committed,
+            cache_len=self.backend.cache_length(seq.cache),
+            finish_reason=finish,
+            text=text,
+        )
 
     # ---- helpers ----------------------------------------------------------------------------
     def _check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
@@ -254,46 +416,6 @@ class Engine:
         if bad:
             raise BadRequestError(f"prompt token id {bad[0]} outside vocabulary")
         return prompt
-
-    def _ask(
-        self,
-        session: DraftSession | None,
-        delta: list[int],
-        remaining: int,
-        stats: Stats,
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """Tell the drafter what was committed and ask for drafts; never more than fit."""
-        empty = np.zeros(0, dtype=np.int64)
-        if session is None:
-            return empty, None
-        k = self.fixed_k if self.fixed_k is not None else self.controller.choose_k()
-        k = min(k, self.max_draft, remaining - 1)
-        t0 = time.perf_counter()
-        session.extend(delta)
-        if k <= 0:
-            return empty, None
-        ids, probs = session.draft(k)
-        dt = time.perf_counter() - t0
-        stats.draft_s += dt
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)[:k]
-        # a hostile or buggy drafter must not break the verifier: cut at the first bad id
-        bad = np.nonzero((ids < 0) | (ids >= self.backend.vocab_size))[0]
-        if bad.size:
-            ids = ids[: bad[0]]
-        if probs is not None:
-            probs = np.asarray(probs)
-            if (
-                probs.ndim != 2
-                or probs.shape[0] < len(ids)
-                or probs.shape[1] < self.backend.vocab_size
-            ):
-                probs = None  # unusable: treat drafts as deterministic
-            else:
-                probs = probs[: len(ids), : self.backend.vocab_size]
-        if self.fixed_k is None:
-            self.controller.record_draft(len(ids), dt)
-        stats.k_hist[len(ids)] = stats.k_hist.get(len(ids), 0) + 1
-        return ids, probs
 
     def _finish(
         self,
@@ -324,8 +446,30 @@ class Engine:
         return new, finish, decode(generated + new) if finish else None
 
 
-def _close_quietly(session: DraftSession) -> None:
+class _Borrowed(DraftSource):
+    """A caller's source: used, never closed by the engine."""
+
+    def __init__(self, inner: DraftSource) -> None:
+        self.inner = inner
+        self.name = getattr(inner, "name", "source")
+
+    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
+        return self.inner.propose(committed, budget)
+
+    def feedback(self, fb: Feedback) -> None:
+        self.inner.feedback(fb)
+
+
+def _open_source(drafter: Drafter, prompt: list[int], sp: SamplingParams) -> DraftSource:
+    """The drafter's native source when it has one (trees), else its session adapted."""
+    opener = getattr(drafter, "open_source", None)
+    if opener is not None:
+        return opener(prompt, sp)
+    return SessionSource(drafter.open(prompt, sp), len(prompt), owned=True, name=drafter.name)
+
+
+def _close_quietly(source: DraftSource) -> None:
     try:
-        session.close()
-    except Exception as exc:  # noqa: BLE001 - already failing; closing is best effort
-        log.debug("closing a failed draft session: %r", exc)
+        source.close()
+    except Exception as exc:  # noqa: BLE001 - already failing or finished; best effort
+        log.debug("closing a draft source: %r", exc)

@@ -9,10 +9,14 @@ committed tokens are then distributed exactly as if the verifier sampled alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from nodes.engine.errors import BadRequestError
+
+if TYPE_CHECKING:
+    from nodes.engine.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -105,3 +109,57 @@ def accept_sampling(
             residual = p
         return i, sample(residual / residual.sum(), rng)
     return len(drafts), sample(p_rows[len(drafts)], rng)
+
+
+def accept_tree_greedy(logits: np.ndarray, tree: TokenTree) -> tuple[list[int], int]:
+    """(accepted path nodes, next token): follow the child equal to the argmax at its parent.
+
+    Siblings are distinct tokens, so at most one child matches: this is the deepest path whose
+    every token is the verifier's greedy choice, as a chain would find it.
+    """
+    targets = np.argmax(logits, axis=-1)
+    node, path = 0, []
+    while True:
+        child = tree.children[node].get(int(targets[node]))
+        if child is None:
+            return path, int(targets[node])
+        path.append(child)
+        node = child
+
+
+def accept_tree_sampling(
+    logits: np.ndarray,
+    tree: TokenTree,
+    params: SamplingParams,
+    rng: np.random.Generator,
+) -> tuple[list[int], int]:
+    """(accepted path nodes, next token) by recursive rejection over siblings (SpecInfer).
+
+    At a node with target p, each proposal (x, q) in turn is accepted with min(1, p(x)/q(x));
+    on rejection p becomes norm(max(0, p - q)) (a point mass q removes x) and the next proposal
+    is tried against that residual. When all fail, the next token is drawn from the residual.
+    Each proposal was drawn independently of the earlier ones' fate, so by the single-draft
+    argument applied step by step the output is distributed exactly as p. A chain (one trial
+    per node) is exactly `accept_sampling`, random draws included.
+    """
+    rows = probs_from_logits(logits, params)
+    node, path = 0, []
+    while True:
+        p = rows[node]
+        for child, q_row in tree.trials[node]:
+            x = tree.tokens[child]
+            q_x = 1.0 if q_row is None else float(q_row[x])
+            if q_x > 0 and rng.random() < min(1.0, p[x] / q_x):
+                path.append(child)
+                node = child
+                break
+            if q_row is None:
+                residual = p.copy()
+                residual[x] = 0.0
+            else:
+                q = np.asarray(q_row, dtype=np.float64)
+                residual = np.maximum(p - q / max(q.sum(), 1e-30), 0.0)
+            if residual.sum() > 0:  # else p == q up to rounding: keep p
+                p = residual / residual.sum()
+        else:
+            return path, sample(p, rng)

@@ -1,34 +1,43 @@
 """Real processes: a server whose main thread is busy still answers from its I/O thread."""
 
+import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from bus.streams import StreamClient
 from codec.messages import make
 
 ROOT = Path(__file__).resolve().parents[2]
+BOUND = 10.0  # generous "it happens" bound on a loaded machine; never a performance verdict
+
+
+def read_line(proc, bound=BOUND):
+    """The server's next stdout line, or "" if none comes within `bound` (no hang)."""
+    ready, _, _ = select.select([proc.stdout], [], [], bound)
+    return proc.stdout.readline().strip() if ready else ""
 
 
 def test_busy_main_thread_does_not_block_replies(loop, factory):
     proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("busy_server.py")), "6"],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        [sys.executable, str(Path(__file__).with_name("busy_server.py"))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
     )
     try:
-        endpoint = proc.stdout.readline().strip()
+        endpoint = read_line(proc)
         assert endpoint.startswith("tcp://127.0.0.1:")
         client = StreamClient(loop, factory)
-        worst = 0.0
         for _ in range(40):
-            t0 = time.monotonic()
-            assert client.request(endpoint, make("ping"), timeout=1.0).result().type == "pong"
-            worst = max(worst, time.monotonic() - t0)
-            time.sleep(0.05)
-        # every ping answered within its 1 s deadline while the server's main thread spun
-        assert worst < 1.0
-        assert proc.poll() is None, "server should still be spinning"
+            assert client.request(endpoint, make("ping"), timeout=BOUND).result().type == "pong"
+        # the main thread spins until told to stop: every ping above was answered while it
+        # held the GIL in pure Python, and it is still spinning now
+        assert proc.poll() is None
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        line = read_line(proc).split() or ["(nothing)"]
+        assert line[0] == "spun" and int(line[1]) > 0
+        assert proc.wait(BOUND) == 0
     finally:
-        proc.kill()
-        proc.wait()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -17,6 +17,8 @@ from bus.streams import (
 )
 from codec.messages import decode, make
 
+BOUND = 10.0  # generous "it happens" bound on a loaded machine; never a performance verdict
+
 
 def streaming_handler(req):
     """ping -> pong; generate_req -> 3 token chunks then done; anything else -> error."""
@@ -41,28 +43,28 @@ def client(loop, factory):
 
 
 def test_request_reply_carries_ids_and_sender(server, client):
-    reply = client.request(server.endpoint, make("ping", payload="x"), timeout=2).result()
+    reply = client.request(server.endpoint, make("ping", payload="x"), timeout=BOUND).result()
     assert reply.type == "pong" and reply.get("payload") == "x" and reply.sender == "srv"
 
 
 def test_streamed_replies_arrive_in_order_then_final(server, client):
-    call = client.request(server.endpoint, make("generate_req", prompt="p"), timeout=2)
-    got = [(m.type, m.get("index"), m.more) for m in call.replies(timeout=2)]
+    call = client.request(server.endpoint, make("generate_req", prompt="p"), timeout=BOUND)
+    got = [(m.type, m.get("index"), m.more) for m in call.replies(timeout=BOUND)]
     assert got == [("token_chunk", 0, True), ("token_chunk", 1, True),
                    ("token_chunk", 2, True), ("done", None, False)]
     assert call.done
 
 
 def test_many_requests_in_flight_to_one_peer(server, client):
-    calls = [client.request(server.endpoint, make("ping", payload=str(i)), timeout=5)
+    calls = [client.request(server.endpoint, make("ping", payload=str(i)), timeout=BOUND)
              for i in range(50)]
-    assert [c.result(5).get("payload") for c in calls] == [str(i) for i in range(50)]
+    assert [c.result(BOUND).get("payload") for c in calls] == [str(i) for i in range(50)]
     assert len({c.rid for c in calls}) == 50
 
 
 def test_error_reply_raises_remote_error(server, client):
     with pytest.raises(RemoteError) as info:
-        client.request(server.endpoint, make("session_close"), timeout=2).result()
+        client.request(server.endpoint, make("session_close"), timeout=BOUND).result()
     assert info.value.code == "unsupported"
 
 
@@ -70,12 +72,14 @@ def test_deadline_expires_when_the_server_never_answers(loop, factory, client):
     held = []
     silent = StreamServer(loop, factory, held.append)
     t0 = time.monotonic()
+    call = client.request(silent.endpoint, make("ping"), timeout=0.2)
     with pytest.raises(RequestTimeout):
-        client.request(silent.endpoint, make("ping"), timeout=0.2).result()
-    assert 0.19 <= time.monotonic() - t0 < 1.0
+        call.result(BOUND)
+    assert time.monotonic() - t0 >= 0.2  # a deadline never fires early
+    assert call.done  # ended by its deadline, not by the wait bound
     # the late answer is counted, not delivered to anyone
     held[0].reply(make("pong"))
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + BOUND
     while client.late == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert client.late == 1
@@ -83,9 +87,11 @@ def test_deadline_expires_when_the_server_never_answers(loop, factory, client):
 
 def test_deadline_to_a_dead_endpoint_is_bounded(client):
     t0 = time.monotonic()
+    call = client.request("tcp://127.0.0.1:1", make("ping"), timeout=0.3)
     with pytest.raises(RequestTimeout):
-        client.request("tcp://127.0.0.1:1", make("ping"), timeout=0.3).result()
-    assert time.monotonic() - t0 < 1.0
+        call.result(BOUND)
+    assert call.done  # the request's own deadline ended it, not the wait bound
+    assert time.monotonic() - t0 >= 0.3
 
 
 def test_cancel_reaches_the_server_handler(loop, factory, client):
@@ -97,14 +103,14 @@ def test_cancel_reaches_the_server_handler(loop, factory, client):
         req.on_cancel(cancelled.set)
 
     srv = StreamServer(loop, factory, handler)
-    call = client.request(srv.endpoint, make("generate_req", prompt="long"), timeout=5)
-    deadline = time.monotonic() + 2
+    call = client.request(srv.endpoint, make("generate_req", prompt="long"), timeout=BOUND)
+    deadline = time.monotonic() + BOUND
     while not held and time.monotonic() < deadline:
         time.sleep(0.01)
     call.cancel()
     with pytest.raises(RequestCancelled):
-        call.result(2)
-    assert cancelled.wait(2)
+        call.result(BOUND)
+    assert cancelled.wait(BOUND)
     assert held[0].cancelled.is_set()
     assert srv.in_flight == 0
 
@@ -115,7 +121,7 @@ def test_forget_fails_pending_calls_at_once(loop, factory, client):
     time.sleep(0.1)
     client.forget(srv.endpoint)
     with pytest.raises(PeerUnavailable):
-        call.result(2)
+        call.result(BOUND)
 
 
 def test_replies_from_a_worker_thread(loop, factory, client):
@@ -123,7 +129,7 @@ def test_replies_from_a_worker_thread(loop, factory, client):
         threading.Thread(target=lambda: (time.sleep(0.05), req.reply(make("pong")))).start()
 
     srv = StreamServer(loop, factory, handler)
-    assert client.request(srv.endpoint, make("ping"), timeout=2).result().type == "pong"
+    assert client.request(srv.endpoint, make("ping"), timeout=BOUND).result().type == "pong"
 
 
 def test_handler_exception_answers_internal_error_and_keeps_serving(loop, factory, client):
@@ -134,9 +140,9 @@ def test_handler_exception_answers_internal_error_and_keeps_serving(loop, factor
 
     srv = StreamServer(loop, factory, handler)
     with pytest.raises(RemoteError) as info:
-        client.request(srv.endpoint, make("ping"), timeout=2).result()
+        client.request(srv.endpoint, make("ping"), timeout=BOUND).result()
     assert info.value.code == "internal"
-    assert client.request(srv.endpoint, make("generate_req"), timeout=2).result().type == "done"
+    assert client.request(srv.endpoint, make("generate_req"), timeout=BOUND).result().type == "done"
     assert srv.handler_errors == 1
 
 
@@ -155,7 +161,7 @@ def test_garbage_gets_a_typed_error_and_the_server_keeps_serving(server, client,
         codes = []
         for frames in bad:
             raw.send_multipart(frames)
-            assert raw.poll(2000)
+            assert raw.poll(int(BOUND * 1000))
             reply = decode(raw.recv_multipart())
             assert reply.type == "error"
             codes.append((reply["code"], reply.rid))
@@ -163,7 +169,7 @@ def test_garbage_gets_a_typed_error_and_the_server_keeps_serving(server, client,
                          ("oversize", 5)]
         assert server.dropped == 4
         # a real client is still served
-        assert client.request(server.endpoint, make("ping"), timeout=2).result().type == "pong"
+        assert client.request(server.endpoint, make("ping"), timeout=BOUND).result().type == "pong"
     finally:
         raw.close(linger=0)
 
@@ -172,7 +178,7 @@ def test_ipc_transport(loop, factory, client, tmp_path):
     srv = StreamServer(loop, factory, streaming_handler,
                        bind_endpoint=f"ipc://{tmp_path}/s.ipc")
     assert srv.endpoint.startswith("ipc://")
-    assert client.request(srv.endpoint, make("ping"), timeout=2).result().type == "pong"
+    assert client.request(srv.endpoint, make("ping"), timeout=BOUND).result().type == "pong"
 
 
 def test_zero_copy_large_tensor_through_the_bus(loop, factory, client):
@@ -185,7 +191,7 @@ def test_zero_copy_large_tensor_through_the_bus(loop, factory, client):
     srv = StreamServer(loop, factory, handler)
     probs = np.arange(2 * 65536, dtype=np.float32).reshape(2, 65536)
     msg = make("draft_reply", committed=0, tensors=[np.array([1, 2], np.int32), probs])
-    client.request(srv.endpoint, msg, timeout=5).result()
+    client.request(srv.endpoint, msg, timeout=BOUND).result()
     assert np.array_equal(got["arr"], probs)
     assert not got["arr"].flags.owndata  # a view over the received frame
 
@@ -209,12 +215,12 @@ def test_request_from_the_loop_thread_sends_directly_and_calls_back(server, clie
         done.set()
 
     def start():
-        client.request(server.endpoint, make("ping", payload="in-loop"), timeout=2,
+        client.request(server.endpoint, make("ping", payload="in-loop"), timeout=BOUND,
                        on_reply=on_reply)
         queued_before.append(len(loop._calls))  # nothing handed over: the send happened here
 
     loop.call_soon(start)
-    assert done.wait(2)
+    assert done.wait(BOUND)
     assert got == [("test-io", "pong", "in-loop")]
     assert queued_before == [0]
     assert client.sent == 1
@@ -228,12 +234,12 @@ def test_server_sees_cancel_through_lazily_made_event(loop, factory, client):
         seen.append(req)  # never answered: the client cancels
 
     srv = StreamServer(loop, factory, slow)
-    call = client.request(srv.endpoint, make("ping"), timeout=5)
-    deadline = time.monotonic() + 2
+    call = client.request(srv.endpoint, make("ping"), timeout=BOUND)
+    deadline = time.monotonic() + BOUND
     while not seen and time.monotonic() < deadline:
         time.sleep(0.01)
     assert seen and not seen[0].cancelled.is_set()
     call.cancel()
-    assert seen[0].cancelled.wait(2)
+    assert seen[0].cancelled.wait(BOUND)
     with pytest.raises(RequestCancelled):
-        call.result(1)
+        call.result(BOUND)

@@ -101,7 +101,8 @@ def test_ngram_and_model_drafters_match_hf(tiny_torch, tiny_draft_folder, prompt
     from nodes.drafters.ngram import NgramDrafter
 
     params = GenerationParams(max_tokens=N, eos_token_ids=frozenset({49151}))
-    same_model = ModelDrafter(tiny_torch)  # the verifier itself: every draft must be accepted
+    # the verifier itself as a chain drafter: every draft must be accepted (trees: test_tree)
+    same_model = ModelDrafter(tiny_torch, tree_width=1)
     other = ModelDrafter(TorchBackend.load(str(tiny_draft_folder), device="cpu"))
     for drafter in (NgramDrafter(), same_model, other):
         for k in (4, None):

@@ -168,3 +168,106 @@ def test_logits_processing_matches_hf(temperature, top_k, top_p):
     expected = torch.softmax(x, dim=-1).numpy()
     got = probs_from_logits(logits, SamplingParams(temperature, top_p, top_k))
     np.testing.assert_allclose(got, expected, atol=1e-9)
+
+
+# ---- token trees: multi-candidate rejection sampling ---------------------------------------------
+class IidChainsDrafter:
+    """SpecInfer-style: three chains drawn independently from the same q != p per step; equal
+    prefixes merge in the tree, so duplicate proposals of one token are exercised."""
+
+    name = "iid-chains"
+    fingerprint = None
+
+    def __init__(self, backend, chains=3):
+        from nodes.drafters.model import ModelDrafter
+
+        self.inner, self.chains = ModelDrafter(backend), chains
+
+    def check_compatible(self, fingerprint):
+        return None
+
+    def open_source(self, prompt_ids, params):
+        from nodes.engine.sources import DraftSource
+        from nodes.engine.tree import Candidate
+
+        session = self.inner.open(prompt_ids, SamplingParams(1.5, 1.0, 3, params.seed))
+        chains, told = self.chains, [len(prompt_ids)]
+
+        class Source(DraftSource):
+            def propose(self, committed, budget):
+                session.extend(committed[told[0] :])
+                told[0] = len(committed)
+                if budget <= 0:
+                    return []
+                k = max(1, budget // chains)
+                return [Candidate(*session.draft(k)) for _ in range(chains)]
+
+        return Source()
+
+
+class TopKTreeDrafter:
+    """The real model tree source (EAGLE-2-style top-k, point masses), on the verifier's model."""
+
+    name = "topk-tree"
+    fingerprint = None
+
+    def __init__(self, backend, width=2):
+        from nodes.drafters.model import ModelDrafter
+
+        self.inner = ModelDrafter(backend, tree_width=width)
+
+    def check_compatible(self, fingerprint):
+        return None
+
+    def open_source(self, prompt_ids, params):
+        return self.inner.open_source(prompt_ids, params)
+
+
+def wrong_tree_rule(logits, tree, params, rng):
+    """Deliberately wrong: every sibling is tested against the untouched p (no residual
+    update between siblings), and the fallback draws from p itself."""
+    from nodes.engine.sampling import sample
+
+    rows = probs_from_logits(logits, params)
+    node, path = 0, []
+    while True:
+        p = rows[node]
+        for child, q_row in tree.trials[node]:
+            x = tree.tokens[child]
+            q_x = 1.0 if q_row is None else float(q_row[x])
+            if q_x > 0 and rng.random() < min(1.0, p[x] / q_x):
+                path.append(child)
+                node = child
+                break
+        else:
+            return path, sample(p, rng)
+
+
+@pytest.mark.parametrize("which", ["iid_chains", "topk_tree"])
+def test_tree_sampling_matches_exact(tiny_torch, prompt_ids, exact, which):
+    drafter = IidChainsDrafter(tiny_torch) if which == "iid_chains" else TopKTreeDrafter(tiny_torch)
+    engine = Engine(tiny_torch, drafter, fixed_k=6 if which == "iid_chains" else 3)
+    counts, acceptance = sample_counts(engine, prompt_ids)
+    assert acceptance is not None and 0.2 < acceptance
+    assert chi_square(counts, exact, SAMPLES) < CHI2_CRIT_DF15_ALPHA1E3
+
+
+def test_tree_sampling_catches_a_wrong_rule(tiny_torch, prompt_ids, exact, monkeypatch):
+    import nodes.engine.core as core
+
+    monkeypatch.setattr(core, "accept_tree_sampling", wrong_tree_rule)
+    engine = Engine(tiny_torch, TopKTreeDrafter(tiny_torch), fixed_k=3)
+    counts, _ = sample_counts(engine, prompt_ids)
+    assert chi_square(counts, exact, SAMPLES) > CHI2_CRIT_DF15_ALPHA1E3
+
+
+def test_tree_blocks_really_branch(tiny_torch, prompt_ids):
+    """The trees above are trees: several candidates per step, verified in one forward."""
+    from nodes.engine.core import Stats
+
+    for drafter in (IidChainsDrafter(tiny_torch), TopKTreeDrafter(tiny_torch)):
+        stats = Stats()
+        params = GenerationParams(max_tokens=8, sampling=SamplingParams(3.0, 1.0, 2, seed=1),
+                                  eos_token_ids=frozenset())
+        list(Engine(tiny_torch, drafter, fixed_k=6).stream(prompt_ids, params, stats=stats))
+        assert stats.tree_blocks > 0, drafter.name

@@ -69,3 +69,45 @@ def test_smollm2_mlx_matches_mlx_lm(smollm2_folder):
     gen = Engine(backend, NgramDrafter()).generate(ids, GenerationParams(max_tokens=32))
     assert gen.token_ids == expected
     assert gen.stats.accepted > 0
+
+
+@pytest.mark.parametrize("drafter_name", ["ngram", "int8"])
+def test_smollm2_trees_match_hf(smol_torch, smol_prompt, hf_reference, drafter_name):
+    """Pinned node budget, so branching trees are really verified (not left to the cost model)."""
+    from nodes.drafters.base import make_drafter
+    from nodes.drafters.ngram import NgramDrafter
+
+    if drafter_name == "ngram":
+        drafter = NgramDrafter(branches=4)
+    else:
+        drafter = make_drafter("int8", smol_torch)
+    engine = Engine(smol_torch, drafter, fixed_k=8)
+    stats = Stats()
+    out = []
+    for block in engine.stream(smol_prompt, GenerationParams(max_tokens=N), stats=stats):
+        assert block.cache_len == block.committed_len - 1
+        out.extend(block.token_ids)
+    assert out == hf_reference
+    assert stats.tree_blocks > 0 and stats.accepted > 0
+
+
+def test_smollm2_tree_logits_equal_chain(smol_torch, smol_prompt):
+    """A 16-node tree in one forward: along every path, the chain forward's logits."""
+    import numpy as np
+
+    from tests.engine.test_engine_tree import path_to, random_tree
+
+    b = smol_torch
+    tree = random_tree(np.random.default_rng(0), smol_prompt[-1], 15, 2000)
+    cache = b.new_cache()
+    b.forward(cache, smol_prompt[:-1])
+    got = b.forward_tree(cache, tree.tokens, tree.parents)
+    worst = 0.0
+    for leaf in range(len(tree)):
+        nodes = [0, *path_to(tree, leaf)]
+        ref = b.new_cache()
+        b.forward(ref, smol_prompt[:-1])
+        chain = b.forward(ref, [tree.tokens[i] for i in nodes])
+        worst = max(worst, float(np.abs(got[nodes] - chain).max()))
+        assert (got[nodes].argmax(-1) == chain.argmax(-1)).all()
+    assert worst < 1e-3, worst

@@ -26,7 +26,11 @@ PROMPT = ("Copy the following text exactly, word for word: The committee will me
           "committee will then approve the hiring plan and publish the minutes of the meeting "
           "on the website for everyone to read before the end of the month.")
 MAX = 96
-GAP_BOUND_S = 3.0  # a deadline (<= 0.5 s) plus a few verifier steps on a busy 2-core machine
+LONG_OPEN_ENDED = "Write a long story about a lighthouse keeper and the sea."
+# What this bound separates: a verifier that gives up on a dead proposer as soon as membership
+# says so (well under a second on an idle machine) from one that waits out a forced draft's
+# 30 s or the 120 s reply timeout. It is deliberately 15 s so a loaded CI machine never fails it.
+GAP_BOUND_S = 15.0
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +122,12 @@ def test_lying_proposer_is_ignored_and_counted(cluster, client, plain, mode):
 
 
 def test_sessions_of_a_killed_verifier_expire_on_the_proposer(cluster, client):
-    """A second verifier dies mid-generation; its session on the proposer ends with the lease."""
+    """A second verifier dies mid-generation; its session on the proposer ends with the lease
+    (counted as expired: nobody closed it), however long that takes on a loaded machine."""
     p = start_proposer(cluster, client, "lease-proposer")
     v2 = cluster.start_node("v-doomed", "--role", "verifier", "--session-lease", "2",
                             seed=True)
+    client.wait_for(lambda ms: any(m.node_id == v2.node_id for m in ms), 60)
     view = ClusterView()
     client.node.register_gossip("stats", lambda topic, msg: view.on_stats(msg.sender,
                                                                          msg["stats"]))
@@ -129,33 +135,40 @@ def test_sessions_of_a_killed_verifier_expire_on_the_proposer(cluster, client):
 
     client.node.gossip.subscribe(stats_topic(cluster.cluster))
 
-    def sessions_open():
+    def proposer_stats() -> dict:
         ns = view.stats(p.node_id)
-        return None if ns is None else ns.latest.get("proposer", {}).get("sessions_open")
+        return {} if ns is None else ns.latest.get("proposer", {})
 
     # v2 is ready, but the client may not have heard of it yet (a join takes a round trip)
     client.wait_for(lambda ms: any(m.node_id == v2.node_id for m in ms), 20)
     verifier = next(m for m in client.verifiers() if m.node_id == v2.node_id)
-    call_thread = threading.Thread(target=lambda: _drain(client, verifier, p.node_id))
+    # open-ended text: ngram drafts rarely match, so the generation outlasts the kill
+    req = GenerateRequest(LONG_OPEN_ENDED, max_tokens=512, proposers=[p.node_id],
+                          force_draft=True)
+    call_thread = threading.Thread(target=lambda: _drain(client, verifier, req))
     call_thread.start()
-    deadline = time.monotonic() + 60
-    while sessions_open() != 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert sessions_open() == 1
+    assert wait_until(lambda: proposer_stats().get("sessions_open") == 1, 120), proposer_stats()
+    expired = proposer_stats()["sessions_expired"]
     v2.signal(signal.SIGKILL)
-    killed = time.monotonic()
-    while sessions_open() != 0 and time.monotonic() < killed + 10:
-        time.sleep(0.1)
-    assert sessions_open() == 0
-    assert time.monotonic() - killed < 2 + 1 + 1.5  # lease + stats interval + slack
-    call_thread.join(30)
+    assert wait_until(lambda: proposer_stats().get("sessions_expired") == expired + 1
+                      and proposer_stats().get("sessions_open") == 0, 60), proposer_stats()
+    call_thread.join(60)
     p.signal(signal.SIGTERM)
 
 
-def _drain(client, verifier, proposer_id):
+def wait_until(pred, timeout: float) -> bool:
+    """Poll `pred`: a generous bound for "it happens", never a speed verdict."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return pred()
+
+
+def _drain(client, verifier, req):
     try:
-        for _ in client.stream(GenerateRequest(PROMPT, max_tokens=MAX, proposers=[proposer_id]),
-                               verifier, idle_timeout=5):
+        for _ in client.stream(req, verifier, idle_timeout=5):
             pass
     except Exception:  # noqa: BLE001 - the verifier is killed on purpose
         pass

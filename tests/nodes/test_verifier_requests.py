@@ -132,7 +132,8 @@ def test_a_two_dimensional_token_tensor_is_a_typed_error_naming_tokens(host, ver
     """The schema says 1-D: the ROUTER's decode answers before the role sees it."""
     import zmq
 
-    ok = encode(make("generate_req", rid=7, tensors=[np.array([1, 2, 3, 4], np.int32)]))
+    ok = encode(make("generate_req", rid=7, tensors=[np.array([1, 2, 3, 4], np.int32)]),
+                inline_max_bytes=0)  # a real tensor frame, so its shape can be forged
     header = ok[0].replace(b"\x91\x04", b"\x92\x02\x02")  # shape [4] -> [2, 2] in msgpack
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)

@@ -1,0 +1,75 @@
+"""Draft sources: where a step's candidates come from, and how they are told what happened.
+
+The engine asks every source, once per step, "what do you have that extends this committed
+prefix?" with `propose(committed, budget)`, and takes whatever comes back at once (possibly
+nothing): a source must not block waiting for drafts that have not arrived. After the verify
+forward it tells every source, asked or not, what was committed and how its own proposals
+fared with `feedback(Feedback)`: explicit, never inferred from the next prefix.
+
+`SessionSource` adapts the older `DraftSession` interface (extend(delta)/draft(k)), so remote
+sessions and third-party drafters keep working unchanged.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nodes.engine.tree import Candidate
+
+if TYPE_CHECKING:
+    from nodes.drafters.base import DraftSession
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """What one step did, as seen by one source."""
+
+    committed: tuple[int, ...]  # tokens committed by this step (after any stop cut)
+    committed_len: int  # prompt + generated after this step
+    offered: int  # this source's draft tokens that went into the verified tree
+    accepted: int  # leading tokens of the accepted path this source had proposed
+
+
+class DraftSource(ABC):
+    """Per-sequence proposer of candidate continuations."""
+
+    name: str = "?"
+
+    @abstractmethod
+    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
+        """Candidates continuing `committed` (prompt + generated, read-only), at most `budget`
+        tokens each; whatever is available now, possibly none. Called every step, also with
+        budget 0 (a plain step), so a source can keep its own state in sync."""
+
+    def feedback(self, fb: Feedback) -> None:
+        """Called after every step, whether or not this source's candidates were used."""
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class SessionSource(DraftSource):
+    """A `DraftSession` as a source: extend(delta) then draft(k) on each step, as before."""
+
+    def __init__(self, session: DraftSession, told: int, *, owned: bool, name: str = "session"):
+        self.session = session
+        self.told = told  # committed tokens the session has been told about
+        self.owned = owned  # close the session with the source
+        self.name = name
+
+    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
+        delta = list(committed[self.told :])
+        self.told = len(committed)
+        self.session.extend(delta)
+        if budget <= 0:
+            return []
+        ids, probs = self.session.draft(budget)
+        return [Candidate(ids, probs)]
+
+    def close(self) -> None:
+        if self.owned:
+            self.session.close()

@@ -1,0 +1,135 @@
+"""A prefix tree of draft tokens, verified in one forward.
+
+Node 0 is the *pending* token (committed, its logits not computed yet); every other node is a
+draft token whose parent is the token before it. Candidates from all sources are merged into
+one tree: identical prefixes share nodes, so a token is fed once however many sources propose
+it. Each parent also keeps its *trials*: every (child, q row) proposal in the order it was
+made, duplicates included, because lossless multi-candidate rejection sampling must apply each
+proposal's residual update even when the token is the same (see `sampling.accept_tree_sampling`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: nodes a source's first chain leaves free for each of its alternative candidates
+ALT_RESERVE = 2
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One proposed continuation: ids int64 [n], and the distribution each was drawn from
+    (float [n, vocab]) or None for deterministic proposals (point masses)."""
+
+    tokens: np.ndarray
+    probs: np.ndarray | None = None
+
+
+class TokenTree:
+    def __init__(self, root_token: int) -> None:
+        self.tokens: list[int] = [int(root_token)]
+        self.parents: list[int] = [-1]
+        self.depths: list[int] = [0]
+        self.children: list[dict[int, int]] = [{}]
+        #: per node, (child node, q row or None) in proposal order, duplicates included
+        self.trials: list[list[tuple[int, np.ndarray | None]]] = [[]]
+        #: per node, the indices of the sources that proposed it
+        self.owners: list[set[int]] = [set()]
+
+    def __len__(self) -> int:
+        """Nodes including the root: the number of tokens a verify forward feeds."""
+        return len(self.tokens)
+
+    @property
+    def drafted(self) -> int:
+        return len(self.tokens) - 1
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def add(
+        self,
+        candidates: Sequence[tuple[int, Candidate]],
+        budget: int,
+        max_depth: int,
+    ) -> dict[int, int]:
+        """Merge (source index, candidate) pairs; return draft tokens placed per source.
+
+        Each source's first candidate (its best chain) goes in, in source order, leaving
+        ALT_RESERVE nodes per alternative of that source (but taking at least half of what is
+        left); then the other candidates (alternatives) depth by depth, so the rest of the
+        budget covers the first tokens of every alternative before deep tails. A token already
+        in the tree costs nothing.
+        """
+        offered: dict[int, int] = {}
+        firsts, seen = [], set()
+        for ci, (src, _) in enumerate(candidates):
+            if src not in seen:
+                seen.add(src)
+                firsts.append(ci)
+        rest = [ci for ci in range(len(candidates)) if ci not in set(firsts)]
+        for ci in firsts:
+            src, cand = candidates[ci]
+            # hold back room for this source's alternatives: their divergent token and one more
+            alts = sum(1 for s, _ in candidates if s == src) - 1
+            left = budget - self.drafted
+            room = max(left - ALT_RESERVE * alts, (left + 1) // 2)
+            self._place([(src, Candidate(cand.tokens[:room], None if cand.probs is None
+                                          else cand.probs[:room]))],
+                        budget, max_depth, offered)
+        self._place([candidates[ci] for ci in rest], budget, max_depth, offered)
+        return offered
+
+    def _place(self, candidates, budget, max_depth, offered) -> None:
+        """Add candidates depth by depth (candidate order breaks ties) within the budget."""
+        cur = [0] * len(candidates)
+        alive = [True] * len(candidates)
+        for d in range(max_depth):
+            for ci, (src, cand) in enumerate(candidates):
+                if not alive[ci] or d >= len(cand.tokens):
+                    continue
+                tok, parent = int(cand.tokens[d]), cur[ci]
+                child = self.children[parent].get(tok)
+                if child is None:
+                    if self.drafted >= budget:
+                        alive[ci] = False
+                        continue
+                    child = self._new(tok, parent)
+                q = None if cand.probs is None else cand.probs[d]
+                if q is not None or (child, None) not in _ids(self.trials[parent]):
+                    self.trials[parent].append((child, q))
+                self.owners[child].add(src)
+                offered[src] = offered.get(src, 0) + 1
+                cur[ci] = child
+
+    def _new(self, tok: int, parent: int) -> int:
+        node = len(self.tokens)
+        self.tokens.append(tok)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.children.append({})
+        self.trials.append([])
+        self.owners.append(set())
+        self.children[parent][tok] = node
+        return node
+
+    def accepted_by(self, source: int, path: Sequence[int]) -> int:
+        """How many leading nodes of an accepted path `source` had proposed."""
+        n = 0
+        for node in path:
+            if source not in self.owners[node]:
+                break
+            n += 1
+        return n
+
+
+def _ids(trials: list[tuple[int, np.ndarray | None]]) -> list[tuple[int, None]]:
+    """The point-mass trials of a parent (a repeated point mass adds nothing: skip it)."""
+    return [(c, None) for c, q in trials if q is None]

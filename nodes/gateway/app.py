@@ -1,0 +1,244 @@
+"""The HTTP routes (aiohttp): OpenAI chat/completions/models, health and Prometheus metrics.
+
+Handlers run on the gateway's asyncio thread. A client that disconnects cancels its handler
+(`handler_cancellation=True` on the runner), whose `finally` cancels the generation on the
+verifier. Errors are OpenAI error objects with the matching status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from nodes.gateway.balancer import Balancer, verifiers_of
+from nodes.gateway.generation import Final, Generation, Piece, Plan, Started, StreamFailed
+from nodes.gateway.metrics import GatewayMetrics
+from nodes.gateway.openai_schema import ApiError, ApiRequest, parse_json, parse_request
+from nodes.gateway.tokens import TokenizerCache, encode_messages, encode_prompt
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 1024 * 1024  # 1 MiB: a longer body is refused with 413
+
+
+class GatewayApp:
+    """Routes plus the state they share (all on the asyncio thread)."""
+
+    def __init__(self, node, balancer: Balancer, metrics: GatewayMetrics,
+                 tokenizers: TokenizerCache, stall_s: float = 15.0) -> None:
+        self.node = node
+        self.balancer = balancer
+        self.metrics = metrics
+        self.tokenizers = tokenizers
+        self.stall_s = stall_s
+
+    def build(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        return app
+
+    # -- plain endpoints ------------------------------------------------------------------------
+    def verifiers(self):
+        return verifiers_of(self.node.membership.members(include_self=True))
+
+    def served_models(self) -> dict[str, list]:
+        out: dict[str, list] = {}
+        for v in self.verifiers():
+            out.setdefault(v.model, []).append(v)
+        return out
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [{"id": model, "object": "model", "created": 0, "owned_by": "specbus",
+                 "specbus": {"verifiers": [v.node_id for v in vs],
+                             "tokenizer": vs[0].tokenizer}}
+                for model, vs in sorted(self.served_models().items())]
+        return self._json(request, 200, {"object": "list", "data": data})
+
+    async def health(self, request: web.Request) -> web.Response:
+        models = self.served_models()
+        status = 200 if models else 503
+        return self._json(request, status, {
+            "status": "ok" if models else "no_verifier", "node_id": self.node.node_id,
+            "models": sorted(models), "verifiers": sum(len(v) for v in models.values()),
+            "inflight": sum(self.balancer.inflight.values())})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        self.metrics.count_request("/metrics", 200)
+        text = self.metrics.render(self.verifiers(), dict(self.balancer.inflight))
+        return web.Response(body=text.encode(), headers={
+            "Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # -- generation endpoints -------------------------------------------------------------------
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        if request.content_length is not None and request.content_length > MAX_BODY:
+            raise ApiError(413, f"request body over {MAX_BODY} bytes", code="body_too_large")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"request body over {MAX_BODY} bytes",
+                           code="body_too_large") from None
+        api = parse_request(kind, parse_json(raw))
+        plan = await self._plan(api)
+        gen = Generation(self.node, self.balancer, self.metrics, plan, self.stall_s,
+                         asyncio.get_running_loop())
+        events = gen.events()
+        try:
+            first = await anext(events)  # picks the verifier: 429/503 before any byte is sent
+        except StreamFailed as exc:
+            raise exc.error from None
+        try:
+            if api.stream:
+                return await self._stream(request, api, events, first)
+            return await self._collect(request, api, events)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.cancelled += 1  # the client went away
+            raise
+        finally:
+            await events.aclose()  # its `finally` cancels the verifier's work
+
+    async def _plan(self, api: ApiRequest) -> Plan:
+        models = self.served_models()
+        vs = models.get(api.model)
+        if not vs:
+            listing = ", ".join(sorted(models)) or "none: no verifier is up"
+            raise ApiError(404, f"model {api.model!r} is not served by this cluster "
+                           f"(models: {listing})", param="model", code="model_not_found")
+        tok = await asyncio.to_thread(self.tokenizers.get, api.model, vs[0].tokenizer)
+        ids: tuple[int, ...] | None = api.prompt_ids
+        if tok is not None and ids is None:
+            try:
+                ids = tuple(await asyncio.to_thread(
+                    encode_messages if api.kind == "chat" else encode_prompt, tok,
+                    api.messages if api.kind == "chat" else api.prompt))
+            except (ValueError, TypeError) as exc:
+                raise ApiError(400, f"cannot render the prompt: {exc}",
+                               param="messages" if api.kind == "chat" else "prompt") from None
+            if not ids:
+                raise ApiError(400, "the prompt is empty once tokenized", param="prompt")
+        return Plan(api, ids, tok)
+
+    async def _collect(self, request: web.Request, api: ApiRequest, events) -> web.Response:
+        final = None
+        async for ev in events:
+            if isinstance(ev, Final):
+                final = ev
+        if final is None:  # pragma: no cover - events() always ends with Final or raises
+            raise ApiError(502, "the generation ended without a result", type_="server_error")
+        rid, created = _ids(api.kind)
+        if api.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": final.text},
+                      "logprobs": None, "finish_reason": final.finish_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": final.text, "logprobs": None,
+                      "finish_reason": final.finish_reason}
+            obj = "text_completion"
+        return self._json(request, 200, {
+            "id": rid, "object": obj, "created": created, "model": api.model,
+            "choices": [choice], "usage": _usage(final), "specbus": final.specbus})
+
+    async def _stream(self, request: web.Request, api: ApiRequest, events,
+                      first: Started) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        self.metrics.count_request(request.path, 200)
+        rid, created = _ids(api.kind)
+        chat = api.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        usage_null = {"usage": None} if api.include_usage else {}
+
+        def chunk(text: str | None, finish: str | None, extra: dict | None = None) -> dict:
+            if chat:
+                delta: dict[str, Any] = {} if text is None else {"content": text}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None,
+                          "finish_reason": finish}
+            return {"id": rid, "object": obj, "created": created, "model": api.model,
+                    "choices": [choice], **usage_null, **(extra or {})}
+
+        async def send(obj_: dict | str) -> None:
+            data = obj_ if isinstance(obj_, str) else json.dumps(obj_, separators=(",", ":"))
+            await resp.write(f"data: {data}\n\n".encode())
+
+        verifier = {"specbus": {"verifier": first.verifier}}
+        if chat:
+            first_chunk = chunk(None, None, verifier)
+            first_chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            await send(first_chunk)
+            verifier = None
+        try:
+            async for ev in events:
+                if isinstance(ev, Started):
+                    verifier = {"specbus": {"verifier": ev.verifier}}
+                elif isinstance(ev, Piece):
+                    await send(chunk(ev.text, None, verifier))
+                    verifier = None
+                elif isinstance(ev, Final):
+                    await send(chunk(None if chat else "", ev.finish_reason,
+                                     {"specbus": ev.specbus}))
+                    if api.include_usage:
+                        await send({"id": rid, "object": obj, "created": created,
+                                    "model": api.model, "choices": [], "usage": _usage(ev),
+                                    "specbus": ev.specbus})
+        except StreamFailed as exc:
+            self.metrics.stream_errors += 1
+            log.warning("gateway: stream %s ended by an error: %s", rid, exc.error.message)
+            await send(exc.error.body())
+        await send("[DONE]")
+        await resp.write_eof()
+        return resp
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _json(self, request: web.Request, status: int, body: dict,
+              headers: dict[str, str] | None = None) -> web.Response:
+        if request.path != "/metrics":
+            self.metrics.count_request(request.path, status)
+        return web.json_response(body, status=status, headers=headers,
+                                 dumps=lambda o: json.dumps(o, separators=(",", ":")))
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return self._json(request, exc.status, exc.body(), exc.headers)
+        except StreamFailed as exc:
+            return self._json(request, exc.error.status, exc.error.body(), exc.error.headers)
+        except web.HTTPException as exc:  # routing: 404 unknown path, 405 wrong method
+            err = ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}",
+                           code="not_found" if exc.status == 404 else "bad_request")
+            return self._json(request, exc.status, err.body(), None)
+        except Exception as exc:  # noqa: BLE001 - a bug answers one request, not the server
+            log.exception("gateway: %s %s failed", request.method, request.path)
+            err = ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error",
+                           code="internal")
+            return self._json(request, 500, err.body(), None)
+
+
+def _ids(kind: str) -> tuple[str, int]:
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    return f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
+
+
+def _usage(final: Final) -> dict[str, int]:
+    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+            "total_tokens": final.prompt_tokens + final.completion_tokens}

@@ -1,0 +1,155 @@
+"""Gateway figures and their Prometheus text rendering (`GET /metrics`).
+
+Two sources: what the gateway counts itself (requests by endpoint and status, tokens, failovers,
+cancellations, speculation figures from each `done`), and what the cluster's nodes publish in
+their telemetry (verifier active/queued/tok/s/acceptance, proposer drafts). Owned by the
+gateway's asyncio thread; telemetry arrives there as messages, never as a shared dict.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def _label(v: str) -> str:
+    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')[:100]
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.failovers = 0
+        self.cancelled = 0
+        self.stream_errors = 0
+        self.per_verifier: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.per_proposer: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.proposer_names: dict[str, str] = {}
+        self.telemetry: dict[str, dict[str, Any]] = {}  # node id -> its last `stats` payload
+
+    # -- counting (asyncio thread) ------------------------------------------------------------
+    def count_request(self, endpoint: str, status: int) -> None:
+        self.requests[(endpoint, status)] += 1
+
+    def count_done(self, verifier: str, prompt_tokens: int, completion_tokens: int,
+                   stats: dict[str, Any]) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        v = self.per_verifier[verifier]
+        v["generations"] += 1
+        v["tokens"] += completion_tokens
+        for key in ("drafted", "accepted"):
+            n = _num(stats.get(key))
+            if n is not None and n >= 0:
+                v[key] += n
+        proposers = stats.get("proposers")
+        if isinstance(proposers, dict):
+            for pid, figures in list(proposers.items())[:64]:
+                if not isinstance(figures, dict):
+                    continue
+                p = self.per_proposer[str(pid)]
+                for key in ("drafted", "accepted", "verified", "timeouts"):
+                    n = _num(figures.get(key))
+                    if n is not None and n >= 0:
+                        p[key] += n
+                if isinstance(figures.get("name"), str):
+                    self.proposer_names[str(pid)] = figures["name"]
+
+    def on_stats(self, node_id: str, stats: dict[str, Any]) -> None:
+        self.telemetry[node_id] = stats
+
+    def forget(self, node_id: str) -> None:
+        self.telemetry.pop(node_id, None)
+
+    # -- rendering ------------------------------------------------------------------------------
+    def render(self, verifiers: list, inflight: dict[str, int]) -> str:
+        """Prometheus text exposition format 0.0.4."""
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[dict, float]]) -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+                lines.append(f"{name}{{{lab}}} {value:g}" if lab else f"{name} {value:g}")
+
+        metric("specbus_gateway_requests_total", "counter",
+               "HTTP requests by endpoint and status",
+               [({"endpoint": e, "status": str(s)}, n)
+                for (e, s), n in sorted(self.requests.items())])
+        metric("specbus_gateway_tokens_total", "counter", "Tokens served",
+               [({"kind": "prompt"}, self.prompt_tokens),
+                ({"kind": "completion"}, self.completion_tokens)])
+        metric("specbus_gateway_failovers_total", "counter",
+               "Generations resumed on another verifier", [({}, self.failovers)])
+        metric("specbus_gateway_cancelled_total", "counter",
+               "Generations cancelled because the client went away", [({}, self.cancelled)])
+        metric("specbus_gateway_stream_errors_total", "counter",
+               "Streams ended by an error event", [({}, self.stream_errors)])
+        drafted = sum(v["drafted"] for v in self.per_verifier.values())
+        accepted = sum(v["accepted"] for v in self.per_verifier.values())
+        metric("specbus_gateway_acceptance", "gauge",
+               "Accepted / drafted tokens over all generations served",
+               [({}, accepted / drafted if drafted else 0.0)])
+
+        names = {v.node_id: v for v in verifiers}
+        ids = sorted(set(names) | set(self.per_verifier))
+
+        def vl(node_id: str) -> dict:
+            info = names.get(node_id)
+            return {"verifier": node_id, "name": info.name if info else "",
+                    "model": info.model if info else ""}
+
+        metric("specbus_verifier_up", "gauge", "1 for an alive verifier the gateway can use",
+               [(vl(i), 1.0 if i in names else 0.0) for i in ids])
+        metric("specbus_verifier_gateway_inflight", "gauge",
+               "Requests this gateway has in flight on the verifier",
+               [(vl(i), inflight.get(i, 0)) for i in ids])
+        for key, kind, help_ in (("generations", "counter", "Generations served via this gateway"),
+                                 ("tokens", "counter", "Completion tokens served"),
+                                 ("drafted", "counter", "Draft tokens verified"),
+                                 ("accepted", "counter", "Draft tokens accepted")):
+            metric(f"specbus_verifier_{key}_total", kind, help_,
+                   [(vl(i), self.per_verifier[i][key]) for i in ids if i in self.per_verifier])
+        for name, key, help_ in (
+                ("active", "active", "Generations running (verifier telemetry)"),
+                ("queued", "queued", "Generations queued (verifier telemetry)"),
+                ("completed", "generations", "Generations completed, all clients (telemetry)"),
+                ("tok_s", "tok_s", "Tokens/s of its last generation (verifier telemetry)"),
+                ("acceptance", "acceptance", "Acceptance of its last generation (telemetry)")):
+            samples = []
+            for i in names:  # alive ones only: a dead verifier's last report is stale
+                v = (self.telemetry.get(i) or {}).get("verifier")
+                n = _num(v.get(key)) if isinstance(v, dict) else None
+                if n is not None:
+                    samples.append((vl(i), n))
+            metric(f"specbus_verifier_{name}", "gauge", help_, samples)
+
+        pids = sorted(self.per_proposer)
+        for key in ("drafted", "accepted", "verified", "timeouts"):
+            metric(f"specbus_proposer_{key}_total", "counter",
+                   f"Per-proposer {key} tokens/replies in generations served via this gateway",
+                   [({"proposer": p, "name": self.proposer_names.get(p, "")},
+                     self.per_proposer[p][key]) for p in pids])
+        samples = []
+        for node_id, stats in sorted(self.telemetry.items()):
+            p = stats.get("proposer")
+            if not isinstance(p, dict):
+                continue
+            for key in ("draft_tokens", "drafts_served", "sessions_open"):
+                n = _num(p.get(key))
+                if n is not None:
+                    samples.append(({"proposer": node_id, "figure": key}, n))
+        metric("specbus_proposer_telemetry", "gauge",
+               "Proposer figures from its telemetry (draft_tokens, drafts_served, sessions_open)",
+               samples)
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,298 @@
+"""OpenAI request bodies parsed, in one place, into typed `ApiRequest` objects.
+
+Every field is type- and range-checked here; a field we cannot honour is refused with a 400
+naming it (never silently ignored), so a client learns at once that e.g. `n=2` or `tools` is not
+served. Responses use the OpenAI error object: `{"error": {message, type, param, code}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_TOKENS_LIMIT = 4096  # the verifier's own limit (nodes/roles/verifier.py)
+DEFAULT_MAX_TOKENS_COMPLETION = 16  # OpenAI's default for /v1/completions
+DEFAULT_MAX_TOKENS_CHAT = 256  # OpenAI has none; ours keeps an unbounded chat bounded
+MAX_STOP = 4
+MAX_STOP_LEN = 200
+MAX_MESSAGES = 256
+MAX_SEED = 2**63 - 1
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+class ApiError(Exception):
+    """An HTTP error answered with an OpenAI error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(param: str | None, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def unsupported(param: str, why: str = "") -> ApiError:
+    return ApiError(400, f"parameter {param!r} is not supported by specbus{why}", param=param,
+                    code="unsupported_parameter")
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """One validated generation request, chat or completion."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    prompt: str | None = None  # completion text
+    prompt_ids: tuple[int, ...] | None = None  # completion given as token ids
+    messages: tuple[dict[str, str], ...] = ()  # chat turns, content flattened to text
+    max_tokens: int = DEFAULT_MAX_TOKENS_COMPLETION
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # specbus extension: speculate, ...
+
+
+# fields accepted only at their neutral value; anything else is refused by name
+_NEUTRAL: dict[str, Any] = {
+    "n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None,
+    "suffix": None, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
+    "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+    "parallel_tool_calls": None, "response_format": None, "audio": None, "modalities": None,
+    "prediction": None, "reasoning_effort": None, "service_tier": None, "web_search_options": None,
+}
+_IGNORED = ("user", "store", "metadata")  # bookkeeping fields with no effect on the output
+_COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
+           "stream_options", "specbus")
+_CHAT_ONLY = ("messages", "max_completion_tokens")
+_COMPLETION_ONLY = ("prompt",)
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad(None, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad(None, f"request body must be a JSON object, got {type(body).__name__}",
+                  code="invalid_json")
+    return body
+
+
+def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
+    """Validate a chat (`kind="chat"`) or completion body; raises ApiError(400)."""
+    allowed = set(_COMMON) | set(_NEUTRAL) | set(_IGNORED)
+    allowed |= set(_CHAT_ONLY) if kind == "chat" else set(_COMPLETION_ONLY)
+    if kind != "chat":
+        allowed |= {"best_of", "echo", "suffix"}
+    for key in body:
+        if key not in allowed:
+            raise unsupported(key)
+    for key, neutral in _NEUTRAL.items():
+        if body.get(key) is not None and not _is_neutral(key, body[key], neutral):
+            raise unsupported(key, f" (only {neutral!r} is served)" if neutral is not None
+                              else "")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "'model' is required and must be a non-empty string",
+                  code="missing_required_parameter" if model is None else "invalid_type")
+    default = DEFAULT_MAX_TOKENS_CHAT if kind == "chat" else DEFAULT_MAX_TOKENS_COMPLETION
+    max_tokens = _max_tokens(body, default, kind)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p <= 0.0:
+        raise bad("top_p", "'top_p' must be in (0, 1]")
+    seed = _int(body, "seed", None, 0, MAX_SEED)
+    stream = _bool(body, "stream", False)
+    include_usage = _stream_options(body.get("stream_options"), stream)
+    common = dict(model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                  seed=seed, stop=_stop(body.get("stop")), stream=stream,
+                  include_usage=include_usage, extra=_extension(body.get("specbus")))
+    if kind == "chat":
+        return ApiRequest(kind="chat", messages=_messages(body.get("messages")), **common)
+    text, ids = _prompt(body.get("prompt"))
+    return ApiRequest(kind="completion", prompt=text, prompt_ids=ids, **common)
+
+
+def _is_neutral(key: str, value: Any, neutral: Any) -> bool:
+    """True when a field we do not serve holds the value that changes nothing."""
+    if key in ("logit_bias", "tools", "functions") and value in ({}, []):
+        return True
+    if key == "tool_choice" and value == "none":
+        return True
+    if key == "response_format":
+        return value == {"type": "text"}
+    if key in ("echo", "logprobs"):
+        return value is False
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return value == neutral
+
+
+def _int(body: dict, key: str, default: int | None, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise bad(key, f"{key!r} must be an integer, got {json.dumps(v)[:40]}",
+                  code="invalid_type")
+    if not lo <= v <= hi:
+        raise bad(key, f"{key!r} must be between {lo} and {hi}, got {v}")
+    return v
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+        raise bad(key, f"{key!r} must be a number, got {json.dumps(v)[:40]}",
+                  code="invalid_type")
+    if not lo <= v <= hi:
+        raise bad(key, f"{key!r} must be between {lo:g} and {hi:g}, got {v}")
+    return float(v)
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(key, f"{key!r} must be a boolean, got {json.dumps(v)[:40]}",
+                  code="invalid_type")
+    return v
+
+
+def _max_tokens(body: dict, default: int, kind: str) -> int:
+    a = _int(body, "max_tokens", None, 1, MAX_TOKENS_LIMIT)
+    b = _int(body, "max_completion_tokens", None, 1, MAX_TOKENS_LIMIT) if kind == "chat" else None
+    if a is not None and b is not None and a != b:
+        raise bad("max_completion_tokens",
+                  "'max_tokens' and 'max_completion_tokens' disagree; send one of them")
+    return b if b is not None else a if a is not None else default
+
+
+def _stream_options(v: Any, stream: bool) -> bool:
+    if v is None:
+        return False
+    if not isinstance(v, dict):
+        raise bad("stream_options", "'stream_options' must be an object", code="invalid_type")
+    if not stream:
+        raise bad("stream_options", "'stream_options' is only allowed with 'stream': true")
+    for key in v:
+        if key not in ("include_usage", "include_obfuscation"):
+            raise unsupported(f"stream_options.{key}")
+    usage = v.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise bad("stream_options.include_usage", "'include_usage' must be a boolean",
+                  code="invalid_type")
+    return usage
+
+
+def _stop(v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad("stop", "'stop' must be a string or a list of strings", code="invalid_type")
+    if len(items) > MAX_STOP:
+        raise bad("stop", f"'stop' takes at most {MAX_STOP} sequences, got {len(items)}")
+    if any(not s or len(s) > MAX_STOP_LEN for s in items):
+        raise bad("stop", f"stop sequences must be 1-{MAX_STOP_LEN} characters")
+    return tuple(dict.fromkeys(items))
+
+
+def _prompt(v: Any) -> tuple[str | None, tuple[int, ...] | None]:
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
+        v = v[0]  # a batch of one
+    if isinstance(v, str):
+        if not v:
+            raise bad("prompt", "'prompt' must not be empty")
+        return v, None
+    if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool)
+                                         for t in v):
+        if any(t < 0 or t >= 2**31 for t in v):
+            raise bad("prompt", "token ids in 'prompt' must be non-negative 32-bit integers")
+        return None, tuple(v)
+    if isinstance(v, list) and len(v) > 1:
+        raise unsupported("prompt", " as a batch of several prompts (send one per request)")
+    raise bad("prompt", "'prompt' is required: a string or a list of token ids",
+              code="missing_required_parameter" if v is None else "invalid_type")
+
+
+def _messages(v: Any) -> tuple[dict[str, str], ...]:
+    if not isinstance(v, list) or not v:
+        raise bad("messages", "'messages' is required: a non-empty list of messages",
+                  code="missing_required_parameter" if v is None else "invalid_type")
+    if len(v) > MAX_MESSAGES:
+        raise bad("messages", f"at most {MAX_MESSAGES} messages, got {len(v)}")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(where, f"{where} must be an object", code="invalid_type")
+        for key in m:
+            if key not in ("role", "content", "name"):
+                raise unsupported(f"{where}.{key}")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(CHAT_ROLES)}, "
+                      f"got {json.dumps(role)[:40]}")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _content(m.get("content"), where)})
+    return tuple(out)
+
+
+def _content(v: Any, where: str) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        parts = []
+        for j, p in enumerate(v):
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(
+                    p.get("text"), str):
+                raise unsupported(f"{where}.content[{j}]", " (only text parts are served)")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise bad(f"{where}.content", f"{where}.content must be a string or a list of text parts",
+              code="invalid_type")
+
+
+def _extension(v: Any) -> dict[str, Any]:
+    """`specbus: {speculate: bool, proposers: [ids or names]}`: our own request options."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad("specbus", "'specbus' must be an object", code="invalid_type")
+    out: dict[str, Any] = {}
+    for key, val in v.items():
+        if key == "speculate":
+            if not isinstance(val, bool):
+                raise bad("specbus.speculate", "'specbus.speculate' must be a boolean",
+                          code="invalid_type")
+            out[key] = val
+        elif key == "proposers":
+            if not isinstance(val, list) or len(val) > 32 or not all(
+                    isinstance(s, str) and 0 < len(s) <= 64 for s in val):
+                raise bad("specbus.proposers", "'specbus.proposers' must be a list of names",
+                          code="invalid_type")
+            out[key] = list(val)
+        else:
+            raise unsupported(f"specbus.{key}")
+    return out

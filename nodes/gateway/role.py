@@ -1,0 +1,144 @@
+"""The gateway role: an aiohttp server on its own asyncio thread, beside the node's I/O thread.
+
+The listening socket is bound before the node joins (a taken port fails the start, and the
+card can carry the URL); the server starts once the node is up. Telemetry from the cluster
+(`stats` gossip, I/O thread) is handed to the asyncio thread with `call_soon_threadsafe`: the
+balancer's and metrics' state has a single owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+import threading
+from typing import Any
+
+from aiohttp import web
+
+from nodes.gateway.app import GatewayApp
+from nodes.gateway.balancer import Balancer
+from nodes.gateway.metrics import GatewayMetrics
+from nodes.gateway.tokens import TokenizerCache
+
+log = logging.getLogger(__name__)
+
+
+
+def parse_http(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (port 0: any free port) -> (host, port); ValueError otherwise."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--http must be HOST:PORT, got {text!r}")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if host != "localhost":
+            raise ValueError(f"--http host must be an IP address, got {host!r}") from None
+        host = "127.0.0.1"
+    return host, int(port)
+
+
+class GatewayRole:
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, max_inflight: int = 8,
+                 stall_s: float = 15.0, tokenize: bool = True) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError:
+            self._sock.close()
+            raise
+        self._sock.listen(128)
+        bound = self._sock.getsockname()
+        self.url = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{bound[1]}"
+        self.balancer = Balancer(max_inflight)
+        self.metrics = GatewayMetrics()
+        self.tokenizers = TokenizerCache(enabled=tokenize)
+        self.stall_s = stall_s
+        self._node = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gateway-http", daemon=True)
+
+    @property
+    def card_extras(self) -> dict[str, Any]:
+        return {"http": self.url}
+
+    def attach(self, node) -> None:
+        """Before the node starts: listen to the cluster's telemetry (loads, acceptance)."""
+        from nodes.telemetry import stats_topic
+
+        self._node = node
+        node.register_gossip("stats", self._on_stats)
+        self._stats_topic = stats_topic(node.config.cluster)
+
+    def start(self) -> None:
+        """After the node has joined: subscribe to telemetry and serve HTTP."""
+        self._node.gossip.subscribe(self._stats_topic)
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise OSError(f"gateway HTTP server did not start: {self._error}")
+        log.info("gateway serving %s", self.url)
+
+    def close(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.stop)
+        if self._thread.is_alive():
+            self._thread.join(10)
+        if self._loop is None:
+            self._sock.close()
+
+    def telemetry(self) -> dict[str, Any]:
+        m = self.metrics
+        return {"gateway": {"http": self.url, "inflight": sum(self.balancer.inflight.values()),
+                            "requests": sum(m.requests.values()), "failovers": m.failovers,
+                            "cancelled": m.cancelled, "completion_tokens": m.completion_tokens}}
+
+    # -- gateway thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        try:
+            app = GatewayApp(self._node, self.balancer, self.metrics, self.tokenizers,
+                             self.stall_s).build()
+            self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            loop.run_until_complete(self._runner.setup())
+            # on close, streams still open get a second to end, then their handlers are
+            # cancelled (which cancels their verifier work)
+            loop.run_until_complete(web.SockSite(self._runner, self._sock,
+                                                 shutdown_timeout=1.0).start())
+        except Exception as exc:  # noqa: BLE001 - reported to start() in the main thread
+            self._error = exc
+            self._ready.set()
+            loop.close()
+            return
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+    # -- I/O thread ---------------------------------------------------------------------------
+    def _on_stats(self, topic: str, msg) -> None:
+        stats = msg.get("stats")
+        loop = self._loop
+        if isinstance(stats, dict) and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._take_stats, msg.sender, stats)
+
+    def _take_stats(self, node_id: str, stats: dict) -> None:
+        self.metrics.on_stats(node_id, stats)
+        v = stats.get("verifier")
+        if isinstance(v, dict):
+            active, queued = v.get("active"), v.get("queued")
+            if all(isinstance(x, int) and not isinstance(x, bool) for x in (active, queued)):
+                self.balancer.report(node_id, active, queued)

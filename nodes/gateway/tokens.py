@@ -1,0 +1,81 @@
+"""The gateway's own tokenizers: prompt token ids it knows, so a failover can resume exactly.
+
+A verifier that dies mid-generation takes the prompt's token ids with it; to resume on another
+verifier from "prompt + tokens streamed so far" the gateway must know those ids itself. It loads
+the tokenizer (only the tokenizer, never the weights) of each model its verifiers serve, when the
+model resolves locally (nodes/models.py, offline) and its fingerprint equals the one on the
+verifiers' cards; then it sends token ids instead of text. Without one it sends the text (or chat
+messages) as is, and a failed verifier ends the stream with an error instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerCache:
+    """Model name -> local tokenizer (or None when it cannot be had); thread-safe, loads once."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._loaded: dict[tuple[str, str], object | None] = {}
+
+    def get(self, model: str, fingerprint: str):
+        """The tokenizer of `model` if it matches `fingerprint`, else None (slow the first
+        time: call it from a worker thread)."""
+        if not self.enabled or not model or not fingerprint:
+            return None
+        key = (model, fingerprint)
+        with self._lock:
+            if key in self._loaded:
+                return self._loaded[key]
+            tok = self._load(model, fingerprint)
+            self._loaded[key] = tok
+            return tok
+
+    @staticmethod
+    def _load(model: str, fingerprint: str):
+        from nodes import models
+        from nodes.backends.tokenizer import Tokenizer
+
+        models.set_offline()
+        try:
+            tok = Tokenizer(models.resolve(model).path)
+        except Exception as exc:  # noqa: BLE001 - any failure means "no local tokenizer"
+            log.warning("gateway: no local tokenizer for %s (%s: %s); requests go as text and "
+                        "cannot fail over", model, type(exc).__name__, exc)
+            return None
+        if tok.fingerprint != fingerprint:
+            log.warning("gateway: local tokenizer of %s has fingerprint %s, verifiers say %s; "
+                        "not used", model, tok.fingerprint, fingerprint)
+            return None
+        log.info("gateway: tokenizing %s locally (fingerprint %s)", model, fingerprint)
+        return tok
+
+
+def encode_prompt(tok, text: str) -> list[int]:
+    """A completion prompt as the verifier would encode it (`chat: false`)."""
+    return [int(i) for i in tok.encode(text, chat=False)]
+
+
+def encode_messages(tok, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Chat turns through the model's chat template, ready for the assistant's answer.
+
+    Uses `Tokenizer.encode_messages` where it exists (the verifier's own rendering); until then
+    the same call on the Hugging Face tokenizer (add_generation_prompt=True).
+    """
+    own = getattr(tok, "encode_messages", None)
+    if own is not None:
+        return [int(i) for i in own([dict(m) for m in messages])]
+    if not tok.has_chat_template:
+        raise ValueError("this model has no chat template; use /v1/completions")
+    ids = tok.hf.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]

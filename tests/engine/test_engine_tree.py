@@ -1,0 +1,256 @@
+"""Token trees: one forward over a tree equals chain forwards along its paths; the accepted
+path's K/V is compacted into exactly what a chain forward would have cached; greedy tree
+decoding stays identical to Hugging Face greedy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nodes.engine import Engine, GenerationParams
+from nodes.engine.core import Stats
+from nodes.engine.sources import DraftSource
+from nodes.engine.tree import Candidate, TokenTree
+from tests.engine.conftest import hf_greedy
+
+N = 24
+EOS_NONE = frozenset({49151})
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_torch, prompt_ids):
+    return hf_greedy(tiny_torch, prompt_ids, N + 12, eos_id=49151)
+
+
+def random_tree(rng, root, size, vocab):
+    tree = TokenTree(root)
+    while tree.drafted < size:
+        parent = int(rng.integers(len(tree)))
+        tree._new(int(rng.integers(vocab)), parent)
+    return tree
+
+
+def path_to(tree, node):
+    path = []
+    while node > 0:
+        path.append(node)
+        node = tree.parents[node]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_logits_equal_chain_logits(tiny_torch, prompt_ids, seed):
+    b = tiny_torch
+    rng = np.random.default_rng(seed)
+    prefix, root = prompt_ids[:-1], prompt_ids[-1]
+    tree = random_tree(rng, root, 15, 1000)
+    assert not tree.is_chain()
+    cache = b.new_cache()
+    b.forward(cache, prefix)
+    tree_logits = b.forward_tree(cache, tree.tokens, tree.parents)
+    assert tree_logits.shape == (len(tree), b.vocab_size)
+    for leaf in range(len(tree)):
+        nodes = [0, *path_to(tree, leaf)]
+        chain_cache = b.new_cache()
+        b.forward(chain_cache, prefix)
+        chain = b.forward(chain_cache, [tree.tokens[i] for i in nodes])
+        np.testing.assert_allclose(tree_logits[nodes], chain, atol=1e-4, rtol=0)
+        assert (tree_logits[nodes].argmax(-1) == chain.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_compaction_leaves_the_chain_cache(tiny_torch, prompt_ids, seed):
+    import torch
+
+    b = tiny_torch
+    rng = np.random.default_rng(seed)
+    prefix, root = prompt_ids[:-1], prompt_ids[-1]
+    tree = random_tree(rng, root, 12, 1000)
+    leaf = max(range(len(tree)), key=lambda i: (tree.depths[i], i))  # a deep, late node
+    nodes = [0, *path_to(tree, leaf)]
+    assert nodes != list(range(len(nodes)))  # really needs moving
+
+    cache = b.new_cache()
+    b.forward(cache, prefix)
+    base = b.cache_length(cache)
+    b.forward_tree(cache, tree.tokens, tree.parents)
+    b.compact(cache, base, nodes)
+
+    ref = b.new_cache()
+    b.forward(ref, prefix)
+    b.forward(ref, [tree.tokens[i] for i in nodes])
+    assert b.cache_length(cache) == b.cache_length(ref) == base + len(nodes)
+    for got, want in zip(cache.layers, ref.layers, strict=True):
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=0)
+    # and decoding goes on from it as from the chain
+    nxt = [5, 6, 7]
+    np.testing.assert_allclose(b.forward(cache, nxt), b.forward(ref, nxt), atol=1e-4, rtol=0)
+
+
+class ScriptedTree(DraftSource):
+    """Proposes the true continuation among decoys: wrong siblings at every depth, a wrong
+    first branch, and the truth cut short; the verifier must find the true path in one go."""
+
+    name = "scripted-tree"
+
+    def __init__(self, reference, vocab, seed=0):
+        self.reference, self.vocab = list(reference), vocab
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, committed, budget):
+        pos = len(committed)
+        assert list(committed) == self.reference[:pos], "desync"
+        truth = self.reference[pos : pos + budget]
+        wrong = [(t + 1) % self.vocab for t in truth]
+        out = [Candidate(np.asarray(wrong[:2]))]  # the decoy comes first
+        for cut in range(1, len(truth)):  # at each depth, a wrong turn after the true prefix
+            out.append(Candidate(np.asarray([*truth[:cut], int(self.rng.integers(self.vocab))])))
+        out.append(Candidate(np.asarray(truth[: max(1, len(truth) - 1)])))
+        return out
+
+
+def run(engine, prompt_ids, params, **kw):
+    out, stats = [], Stats()
+    for block in engine.stream(prompt_ids, params, stats=stats, **kw):
+        assert block.cache_len == block.committed_len - 1
+        out.extend(block.token_ids)
+    assert stats.drafter_errors == 0
+    return out, stats
+
+
+@pytest.mark.parametrize("k", [3, 8, 16])
+def test_scripted_tree_greedy_matches_hf(tiny_torch, prompt_ids, reference, k):
+    source = ScriptedTree(prompt_ids + reference, tiny_torch.vocab_size, seed=k)
+    engine = Engine(tiny_torch, fixed_k=k)
+    params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
+    out, stats = run(engine, prompt_ids, params, sources=[source])
+    assert out == reference[:N]
+    assert stats.tree_blocks > 0 and stats.accepted > 0
+
+
+def test_tree_with_eos_inside(tiny_torch, prompt_ids, reference):
+    eos = reference[5]
+    expected = hf_greedy(tiny_torch, prompt_ids, N, eos_id=eos)
+    source = ScriptedTree(prompt_ids + reference, tiny_torch.vocab_size)
+    params = GenerationParams(max_tokens=N, eos_token_ids=frozenset({eos}))
+    out, _ = run(Engine(tiny_torch, fixed_k=8), prompt_ids, params, sources=[source])
+    assert out == expected
+
+
+@pytest.mark.parametrize("k", [4, None])
+def test_model_and_ngram_trees_match_hf(tiny_torch, tiny_draft_folder, prompt_ids, reference, k):
+    from nodes.backends.torch_backend import TorchBackend
+    from nodes.drafters.model import ModelDrafter
+    from nodes.drafters.ngram import NgramDrafter
+
+    params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
+    other = TorchBackend.load(str(tiny_draft_folder), device="cpu")
+    for drafter in (NgramDrafter(branches=4), ModelDrafter(other, tree_width=3),
+                    ModelDrafter(tiny_torch, tree_width=2)):
+        out, _ = run(Engine(tiny_torch, drafter, fixed_k=k), prompt_ids, params)
+        assert out == reference[:N], drafter.name
+
+
+def test_two_sources_merge_into_one_tree(tiny_torch, tiny_draft_folder, prompt_ids, reference):
+    """ngram + a model tree + the scripted truth, deduplicated into one forward per step."""
+    from nodes.backends.torch_backend import TorchBackend
+    from nodes.drafters.model import ModelDrafter
+    from nodes.drafters.ngram import NgramDrafter
+    from nodes.engine import SamplingParams
+
+    other = ModelDrafter(TorchBackend.load(str(tiny_draft_folder), device="cpu"), tree_width=2)
+    sp = SamplingParams()
+    sources = [
+        ScriptedTree(prompt_ids + reference, tiny_torch.vocab_size),
+        NgramDrafter(branches=4).open_source(prompt_ids, sp),
+        other.open_source(prompt_ids, sp),
+    ]
+    params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
+    out, stats = run(Engine(tiny_torch, fixed_k=12), prompt_ids, params, sources=sources)
+    assert out == reference[:N]
+    assert stats.blocks < N // 2  # the truth is in every tree: long blocks
+
+
+def test_tree_dedups_and_respects_budget():
+    a = Candidate(np.asarray([5, 6, 7]))
+    b = Candidate(np.asarray([5, 6, 8, 8]))
+    c = Candidate(np.asarray([9]))
+    d = Candidate(np.asarray([4, 4, 4]))
+    tree = TokenTree(1)
+    offered = tree.add([(0, a), (1, b), (1, c), (1, d)], budget=9, max_depth=8)
+    # source 0's chain whole; source 1's chain leaves 2 nodes per alternative (9 - 3 - 4 = 2
+    # tokens, but at least half of the 6 left: 3), then the alternatives breadth-first
+    assert tree.tokens == [1, 5, 6, 7, 8, 9, 4, 4, 4]
+    assert tree.parents == [-1, 0, 1, 2, 2, 0, 0, 6, 7]
+    assert offered == {0: 3, 1: 7}
+    assert tree.accepted_by(0, [1, 2, 3]) == 3 and tree.accepted_by(1, [1, 2, 3]) == 2
+    assert tree.accepted_by(1, [1, 2, 4]) == 3
+    small = TokenTree(1)
+    small.add([(0, a), (1, b)], budget=2, max_depth=8)
+    assert small.tokens == [1, 5, 6]
+    depth_cap = TokenTree(1)
+    depth_cap.add([(0, a)], budget=9, max_depth=2)
+    assert depth_cap.tokens == [1, 5, 6]
+
+
+def test_ngram_tree_offers_every_continuation():
+    from nodes.drafters.ngram import NgramDrafter
+    from nodes.engine import SamplingParams
+
+    tokens = [1, 2, 9, 9, 4, 1, 2, 5, 5, 1, 2, 9, 3, 1, 2]
+    src = NgramDrafter(branches=4).open_source(tokens, SamplingParams())
+    got = [c.tokens.tolist() for c in src.propose(tokens, 3)]
+    assert got == [[9, 3, 1], [5, 5, 1], [9, 9, 4]]  # most recent first, all distinct
+    # a longer matched suffix first, then shorter suffixes' continuations as alternatives
+    tokens = [7, 1, 2, 5, 0, 3, 1, 2, 6, 0, 7, 1, 2]
+    got = [c.tokens.tolist() for c in NgramDrafter(branches=4).open_source(tokens, SamplingParams())
+           .propose(tokens, 2)]
+    assert got == [[5, 0], [6, 0]]
+    assert [c.tokens.tolist() for c in NgramDrafter().open_source(tokens, SamplingParams())
+            .propose(tokens, 2)] == [[5, 0]]  # default: one chain
+
+
+class Recorder(DraftSource):
+    """Passes proposals through and keeps every feedback it gets."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.got = inner, "recorder", []
+
+    def propose(self, committed, budget):
+        return self.inner.propose(committed, budget)
+
+    def feedback(self, fb):
+        self.got.append(fb)
+
+
+class FailsOnSecondCall(DraftSource):
+    name = "flaky"
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, committed, budget):
+        self.calls += 1
+        if self.calls == 2:
+            raise ConnectionError("gone")
+        return [Candidate(np.asarray([3, 3]))]
+
+
+def test_feedback_is_explicit_and_survives_a_failing_source(tiny_torch, prompt_ids, reference):
+    rec = Recorder(ScriptedTree(prompt_ids + reference, tiny_torch.vocab_size))
+    flaky = FailsOnSecondCall()
+    params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
+    blocks, stats = [], Stats()
+    for block in Engine(tiny_torch, fixed_k=6).stream(prompt_ids, params, stats=stats,
+                                                      sources=[flaky, rec]):
+        blocks.append(block)
+    assert [t for b in blocks for t in b.token_ids] == reference[:N]
+    assert stats.drafter_errors == 1 and flaky.calls == 2  # dropped, never asked again
+    assert len(rec.got) == len(blocks)  # one feedback per step, the prefill included
+    for fb, block in zip(rec.got, blocks, strict=True):
+        assert list(fb.committed) == block.token_ids
+        assert fb.committed_len == block.committed_len
+        # the truth is among the recorder's candidates: every accepted token was its proposal
+        assert fb.accepted == block.accepted
+        assert fb.offered >= fb.accepted and (fb.offered > 0) == (block.drafted > 0)

@@ -1,0 +1,205 @@
+"""Fast units of the gateway: request validation, stop-safe text, verifier choice, metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from discovery.cards import Card
+from discovery.table import Member, State
+from nodes.gateway.balancer import Balancer, NoCapacity, VerifierInfo, verifiers_of
+from nodes.gateway.metrics import GatewayMetrics
+from nodes.gateway.openai_schema import ApiError, parse_json, parse_request
+from nodes.gateway.text import TextAssembler
+
+
+# -- request parsing ----------------------------------------------------------------------------
+def test_chat_request_is_typed():
+    r = parse_request("chat", {
+        "model": "m", "messages": [{"role": "developer", "content": "be brief"},
+                                   {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                {"type": "text", "text": "b"}]}],
+        "max_completion_tokens": 7, "temperature": 0, "stop": "x", "stream": True,
+        "stream_options": {"include_usage": True}, "n": 1, "logprobs": False, "user": "u"})
+    assert r.kind == "chat" and r.max_tokens == 7 and r.stop == ("x",)
+    assert r.messages == ({"role": "system", "content": "be brief"},
+                          {"role": "user", "content": "ab"})
+    assert r.stream and r.include_usage and r.temperature == 0.0
+
+
+def test_completion_prompt_forms():
+    assert parse_request("completion", {"model": "m", "prompt": "hi"}).prompt == "hi"
+    assert parse_request("completion", {"model": "m", "prompt": ["hi"]}).prompt == "hi"
+    r = parse_request("completion", {"model": "m", "prompt": [1, 2, 3]})
+    assert r.prompt_ids == (1, 2, 3) and r.max_tokens == 16
+
+
+@pytest.mark.parametrize("kind, body, param", [
+    ("completion", {"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ("completion", {"model": "m", "prompt": "a", "echo": True}, "echo"),
+    ("completion", {"model": "m", "prompt": "a", "seed": -1}, "seed"),
+    ("completion", {"model": "m", "prompt": "a", "top_p": 0}, "top_p"),
+    ("completion", {"model": "m", "prompt": "a", "stop": ["a"] * 5}, "stop"),
+    ("completion", {"model": "m", "prompt": "a", "stop": [""]}, "stop"),
+    ("completion", {"model": "m", "prompt": "a", "max_tokens": True}, "max_tokens"),
+    ("completion", {"model": "m", "prompt": "a", "temperature": float("nan")}, "temperature"),
+    ("completion", {"model": "m", "prompt": "a", "messages": []}, "messages"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "a"}],
+              "max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "a",
+                                          "tool_calls": []}]}, "messages[0].tool_calls"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "a"}],
+              "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "a"}],
+              "specbus": {"turbo": True}}, "specbus.turbo"),
+])
+def test_refused_with_the_parameter_named(kind, body, param):
+    with pytest.raises(ApiError) as exc:
+        parse_request(kind, body)
+    assert exc.value.status == 400 and exc.value.param == param
+    assert exc.value.body()["error"]["param"] == param
+
+
+def test_bad_json_is_typed():
+    for raw in (b"{", b"\xff", b"3", b'"x"'):
+        with pytest.raises(ApiError) as exc:
+            parse_json(raw)
+        assert exc.value.code == "invalid_json"
+
+
+# -- text assembly -----------------------------------------------------------------------------
+def feed(asm: TextAssembler, pieces: list[str]) -> str:
+    text, out = "", ""
+    for p in pieces:
+        text += p
+        out += asm.update(text)
+    return out
+
+
+def test_stop_string_across_chunks_is_never_emitted():
+    asm = TextAssembler(("\n\n",))
+    out = feed(asm, ["Hello", "\n", "\nWorld"])
+    assert out == "Hello" and asm.stopped and asm.text == "Hello"
+
+
+def test_partial_stop_is_released_when_it_does_not_complete():
+    asm = TextAssembler(("STOP",))
+    assert feed(asm, ["a ST", "ART"]) == "a START" and not asm.stopped
+    asm = TextAssembler(("STOP",))
+    assert asm.update("a ST") == "a "
+    assert asm.update("a START") == "START"
+    assert asm.finish() == ""
+
+
+def test_half_character_waits_for_the_rest():
+    asm = TextAssembler()
+    assert asm.update("caf\ufffd") == "caf"
+    assert asm.update("café") == "é"
+
+
+def test_finish_uses_the_final_text_and_cuts_at_stop():
+    asm = TextAssembler(("END",))
+    assert asm.update("abc E") == "abc "
+    assert asm.finish("abc ENDxyz") == "" and asm.text == "abc " and asm.stopped
+    asm = TextAssembler()
+    asm.update("abc")
+    assert asm.finish("abcdef") == "def"
+
+
+# -- balancer ----------------------------------------------------------------------------------
+def info(node_id: str, tok_s: float = 10.0) -> VerifierInfo:
+    return VerifierInfo(node_id, node_id, f"tcp://127.0.0.1:{1000 + len(node_id)}", "m", "fp",
+                        tok_s)
+
+
+def test_least_loaded_with_room_then_429():
+    b = Balancer(max_inflight=2)
+    a, c = info("a"), info("c")
+    b.report("a", active=1, queued=0)  # another client keeps `a` busy
+    assert b.pick([a, c]).node_id == "c"
+    b.acquire(c)
+    assert b.pick([a, c]).node_id in ("a", "c")
+    for v in (a, a, c):
+        b.acquire(v)
+    with pytest.raises(NoCapacity):
+        b.pick([a, c])
+    b.release(a)
+    assert b.pick([a, c]).node_id == "a"
+    with pytest.raises(LookupError):
+        b.pick([a, c], exclude={"a", "c"})
+
+
+def test_only_alive_verifiers_with_a_model_count():
+    def member(node_id, roles, state=State.ALIVE, model="m", observer=False):
+        card = Card(node_id=node_id, cluster="c", incarnation=1, version=1, roles=roles,
+                    endpoints={"gossip": "tcp://127.0.0.1:1", "stream": "tcp://127.0.0.1:2"},
+                    model=model, observer=observer)
+        return Member(card=card, state=state, last_heard=0.0, since=0.0)
+    found = verifiers_of([member("v", ("verifier",)), member("p", ("proposer",)),
+                          member("d", ("verifier",), State.DEAD), member("s", ("verifier",),
+                                                                       State.SUSPECT),
+                          member("g", ("gateway", "verifier")), member("x", ("verifier",),
+                                                                       model="")])
+    assert [v.node_id for v in found] == ["v", "g"]
+
+
+# -- metrics -----------------------------------------------------------------------------------
+def test_prometheus_text_has_the_figures():
+    m = GatewayMetrics()
+    m.count_request("/v1/completions", 200)
+    m.count_done("v1", 5, 10, {"drafted": 8, "accepted": 6,
+                               "proposers": {"p1": {"drafted": 8, "accepted": 6, "name": "ng"}}})
+    m.on_stats("v1", {"verifier": {"active": 1, "queued": 2, "generations": 3}})
+    m.on_stats("p1", {"proposer": {"draft_tokens": 40, "drafts_served": 9}})
+    text = m.render([info("v1")], {"v1": 1})
+    lines = set(text.splitlines())
+    assert 'specbus_gateway_requests_total{endpoint="/v1/completions",status="200"} 1' in lines
+    assert 'specbus_gateway_tokens_total{kind="completion"} 10' in lines
+    assert "specbus_gateway_acceptance 0.75" in lines
+    assert 'specbus_verifier_queued{verifier="v1",name="v1",model="m"} 2' in lines
+    assert 'specbus_verifier_gateway_inflight{verifier="v1",name="v1",model="m"} 1' in lines
+    assert 'specbus_proposer_accepted_total{proposer="p1",name="ng"} 6' in lines
+    assert 'specbus_proposer_telemetry{proposer="p1",figure="draft_tokens"} 40' in lines
+    assert all(line.startswith("#") or " " in line for line in lines if line)
+
+
+# -- the role's socket and flags ---------------------------------------------------------------
+def test_http_address_parsing():
+    from nodes.gateway.role import parse_http
+
+    assert parse_http("127.0.0.1:8000") == ("127.0.0.1", 8000)
+    assert parse_http("localhost:0") == ("127.0.0.1", 0)
+    assert parse_http("[::1]:9000") == ("::1", 9000)
+    for bad in ("8000", "127.0.0.1", "127.0.0.1:99999", "example.com:80", ":80"):
+        with pytest.raises(ValueError):
+            parse_http(bad)
+
+
+def test_role_binds_loopback_before_joining_and_a_taken_port_fails():
+    from nodes.gateway.role import GatewayRole
+
+    role = GatewayRole("127.0.0.1", 0)
+    try:
+        assert role.url.startswith("http://127.0.0.1:") and role.card_extras == {"http": role.url}
+        port = int(role.url.rsplit(":", 1)[1])
+        with pytest.raises(OSError):
+            GatewayRole("127.0.0.1", port)
+    finally:
+        role.close()
+
+
+def test_http_flag_needs_the_gateway_role():
+    import argparse
+
+    from nodes.cmd_node import _make_gateway, add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--role", "verifier", "--http", "127.0.0.1:0"])
+    with pytest.raises(ValueError, match="gateway role"):
+        _make_gateway(args, config_from_args(args))
+    args = parser.parse_args(["--role", "gateway", "--http", "127.0.0.1:0",
+                              "--gateway-max-inflight", "0"])
+    with pytest.raises(ValueError, match="max-inflight"):
+        _make_gateway(args, config_from_args(args))
