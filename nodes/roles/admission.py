@@ -33,7 +33,9 @@ class AdmissionLimits:
 
     rate_per_s: float = 500.0  # requests per second per connection, sustained
     burst: int = 1000  # requests a connection may send at once
-    generations_per_peer: int = 4  # queued + running generations per connection
+    # queued + running generations per connection: a gateway keeps up to 8 in flight per
+    # verifier by default (`--gateway-max-inflight`), over its one connection
+    generations_per_peer: int = 8
     sessions_per_peer: int = 16  # open draft sessions per connection
     sessions_total: int = 256  # open draft sessions per proposer
 
