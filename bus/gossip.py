@@ -2,12 +2,24 @@
 
 Frames on the wire: `[topic] [header] [tensor]...`; SUB filters by topic prefix. Handlers run
 on the I/O thread; malformed messages are counted and dropped, never raised.
+
+With a cluster secret (the factory's `Security`) every message carries an authenticator frame
+after the topic: `[topic] [auth] [header] [tensor]...`, auth = epoch (u64) | seq (u64) |
+HMAC-SHA256 over epoch, seq and every other frame (length-prefixed). The epoch is the
+publisher's start time in ns, the seq counts its messages; receivers keep the last
+(epoch, seq) per sender id (the header's `from`, covered by the MAC) and drop a message that
+does not move it forward (`replayed`) or whose MAC is wrong (`forged`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
-from collections.abc import Callable
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -19,6 +31,44 @@ from codec.messages import DEFAULT_LIMITS, Limits, Message, decode, encode
 log = logging.getLogger(__name__)
 
 GossipHandler = Callable[[str, Message], None]
+
+_AUTH = struct.Struct(">QQ")
+AUTH_BYTES = _AUTH.size + hashlib.sha256().digest_size
+MAX_SENDERS = 4096  # replay state kept for at most this many publishers (oldest forgotten)
+
+
+def gossip_mac(key: bytes, prefix: bytes, frames: Sequence) -> bytes:
+    """HMAC-SHA256 of an auth prefix and length-prefixed frames (bytes or buffers)."""
+    mac = hmac.new(key, prefix, hashlib.sha256)
+    for f in frames:
+        buf = memoryview(getattr(f, "buffer", f)).cast("B")
+        mac.update(len(buf).to_bytes(8, "big"))
+        mac.update(buf)
+    return mac.digest()
+
+
+def auth_frame(key: bytes, epoch: int, seq: int, frames: Sequence) -> bytes:
+    """The authenticator frame for `frames` (topic, header, tensors) from (epoch, seq)."""
+    prefix = _AUTH.pack(epoch, seq)
+    return prefix + gossip_mac(key, prefix, frames)
+
+
+class ReplayGuard:
+    """Per-sender last (epoch, seq): accept a message only if it moves strictly forward."""
+
+    def __init__(self, max_senders: int = MAX_SENDERS) -> None:
+        self._last: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._max = max_senders
+
+    def accept(self, sender: str, epoch: int, seq: int) -> bool:
+        last = self._last.get(sender)
+        if last is not None and (epoch, seq) <= last:
+            return False
+        self._last[sender] = (epoch, seq)
+        self._last.move_to_end(sender)
+        if len(self._last) > self._max:
+            self._last.popitem(last=False)
+        return True
 
 
 class GossipChannel:
@@ -41,6 +91,13 @@ class GossipChannel:
         self.published = 0
         self.bytes_out = 0
         self.bytes_in = 0
+        self.forged = 0  # secured: MAC missing or wrong
+        self.replayed = 0  # secured: (epoch, seq) not newer than the sender's last
+        security = getattr(factory, "security", None)
+        self._key: bytes | None = security.gossip_key if security is not None else None
+        self._epoch = time.time_ns()
+        self._seq = 0
+        self._guard = ReplayGuard()
         self._pub: zmq.Socket | None = None
         self._sub: zmq.Socket | None = None
         self.endpoint: str = loop.run_sync(lambda: self._open(factory, bind_endpoint))
@@ -89,6 +146,10 @@ class GossipChannel:
                 log.debug("disconnect %s: %s", endpoint, exc)
 
     def _send(self, frames: list) -> None:
+        if self._key is not None:
+            self._seq += 1
+            frames = [frames[0], auth_frame(self._key, self._epoch, self._seq, frames),
+                      *frames[1:]]
         try:
             send_frames(self._pub, frames)
         except zmq.Again:
@@ -99,6 +160,13 @@ class GossipChannel:
     def _on_readable(self, sock: zmq.Socket) -> None:
         for frames in frames_ready(sock):
             self.bytes_in += sum(len(f) for f in frames)
+            auth = None
+            if self._key is not None:
+                auth = self._verify(frames)
+                if auth is None:
+                    self.forged += 1
+                    continue
+                frames = [frames[0], *frames[2:]]
             try:
                 topic = bytes(frames[0].buffer).decode("utf-8")
                 msg = decode(frames[1:], self.limits)
@@ -106,5 +174,20 @@ class GossipChannel:
                 self.dropped += 1
                 log.debug("dropped malformed gossip: %s", exc)
                 continue
+            if auth is not None and not self._guard.accept(msg.sender, *auth):
+                self.replayed += 1
+                log.debug("dropped a replayed gossip %s from %r", msg.type, msg.sender)
+                continue
             self.received += 1
             self._on_message(topic, msg)
+
+    def _verify(self, frames: list) -> tuple[int, int] | None:
+        """(epoch, seq) of a message whose MAC checks out, else None."""
+        if len(frames) < 3 or len(frames[1]) != AUTH_BYTES:
+            return None
+        auth = bytes(frames[1].buffer)
+        prefix, tag = auth[:_AUTH.size], auth[_AUTH.size:]
+        want = gossip_mac(self._key, prefix, [frames[0], *frames[2:]])
+        if not hmac.compare_digest(tag, want):
+            return None
+        return _AUTH.unpack(prefix)

@@ -1,19 +1,27 @@
 """The one place that creates ZeroMQ sockets.
 
 Every socket in specbus comes from `SocketFactory`, so linger, high-water marks, the maximum
-message size, TCP keepalive and ZMTP heartbeats are set once, here; switching on CURVE
-encryption later means changing this module only.
+message size, TCP keepalive and ZMTP heartbeats are set once, here. With a `Security` (the
+cluster secret, `bus.security`) every server socket (ROUTER, PUB) is a CURVE server and every
+client socket (DEALER, SUB) a CURVE client, and a ZAP authenticator on the factory's own context
+admits only cluster members.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import itertools
+import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import zmq
 
+from bus.security import ZAP_DOMAIN, ClusterGate, Security
 from codec.messages import DEFAULT_LIMITS
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,75 @@ class SocketOptions:
     reconnect_max_ms: int = 2000
 
 
+_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+class HandshakeWatch:
+    """Counts failed CURVE handshakes on server sockets (strangers without the key, or with a
+    wrong one, never reach ZAP: the server cannot even read their HELLO).
+
+    Each watched socket reports to an inproc monitor PAIR that this watch's own thread
+    creates, polls and closes; the socket's owner only calls `zmq_socket_monitor`.
+    """
+
+    def __init__(self, context: zmq.Context) -> None:
+        self.context = context
+        self._names = itertools.count()
+        self._pending: list[str] = []
+        self._lock = threading.Lock()  # guards _pending and the counter
+        self._failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specbus-handshakes",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def failed(self) -> int:
+        with self._lock:
+            return self._failed
+
+    def watch(self, sock: zmq.Socket) -> None:
+        addr = f"inproc://specbus-handshake-{id(self):x}-{next(self._names)}"
+        sock.monitor(addr, _FAILED)
+        with self._lock:
+            self._pending.append(addr)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+    def _run(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        poller, pairs = zmq.Poller(), []
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    fresh, self._pending = self._pending, []
+                for addr in fresh:
+                    pair = self.context.socket(zmq.PAIR)
+                    pair.setsockopt(zmq.LINGER, 0)
+                    pair.connect(addr)
+                    poller.register(pair, zmq.POLLIN)
+                    pairs.append(pair)
+                for pair, _ in poller.poll(100):
+                    try:
+                        event = recv_monitor_message(pair, zmq.NOBLOCK)
+                    except (zmq.ZMQError, ValueError):
+                        continue
+                    if event["event"] & _FAILED:
+                        with self._lock:
+                            self._failed += 1
+                        log.info("refused a connection: CURVE handshake failed (%s)",
+                                 event["event"])
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            for pair in pairs:
+                pair.close(linger=0)
+
+
 class SocketFactory:
     """Creates configured sockets on one shared context.
 
@@ -46,9 +123,43 @@ class SocketFactory:
     `bus.direct.DirectClient` (owned by the thread that made the client), benchmarks and tests.
     """
 
-    def __init__(self, context: zmq.Context | None = None, options: SocketOptions | None = None):
-        self.context = context or zmq.Context.instance()
+    def __init__(self, context: zmq.Context | None = None, options: SocketOptions | None = None,
+                 security: Security | None = None):
         self.options = options or SocketOptions()
+        self.security = security
+        self.gate: ClusterGate | None = None
+        self.handshakes: HandshakeWatch | None = None
+        self._auth = None
+        self._own_context = security is not None and context is None
+        if security is None:
+            self.context = context or zmq.Context.instance()
+            return
+        # A ZAP handler serves one context: a secured factory gets its own, so two nodes in
+        # one process (tests, tools) never share or fight over an authenticator.
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.context = context or zmq.Context()
+        self.gate = ClusterGate(security)
+        self._auth = ThreadAuthenticator(self.context, log=logging.getLogger("bus.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self.gate)
+        self.handshakes = HandshakeWatch(self.context)
+
+    @property
+    def secure(self) -> bool:
+        return self.security is not None
+
+    def close(self) -> None:
+        """Stop the authenticator and end a context this factory made (after its sockets
+        are closed: call once the I/O loop has stopped)."""
+        if self.handshakes is not None:
+            self.handshakes.close()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_context:
+            self.context.destroy(linger=0)
+            self._own_context = False
 
     def socket(self, kind: int) -> zmq.Socket:
         o = self.options
@@ -67,11 +178,22 @@ class SocketFactory:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, o.reconnect_max_ms)
         return sock
 
+    def _server(self, sock: zmq.Socket) -> zmq.Socket:
+        if self.security is not None:
+            self.security.apply_server(sock)
+            self.handshakes.watch(sock)
+        return sock
+
+    def _client(self, sock: zmq.Socket) -> zmq.Socket:
+        if self.security is not None:
+            self.security.apply_client(sock)
+        return sock
+
     def pub(self) -> zmq.Socket:
-        return self.socket(zmq.PUB)
+        return self._server(self.socket(zmq.PUB))
 
     def sub(self) -> zmq.Socket:
-        return self.socket(zmq.SUB)
+        return self._client(self.socket(zmq.SUB))
 
     def router(self) -> zmq.Socket:
         sock = self.socket(zmq.ROUTER)
@@ -81,7 +203,7 @@ class SocketFactory:
         # to a request sent before the reconnect still reach it
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.options.stream_heartbeat_timeout_ms)
-        return sock
+        return self._server(sock)
 
     def dealer(self) -> zmq.Socket:
         # No IMMEDIATE: connect is asynchronous and the first request to a new peer must queue
@@ -92,7 +214,7 @@ class SocketFactory:
         # reconnect the server still routes replies of earlier requests to this socket
         sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.options.stream_heartbeat_timeout_ms)
-        return sock
+        return self._client(sock)
 
 
 def bind(sock: zmq.Socket, endpoint: str) -> str:

@@ -75,7 +75,8 @@ class Membership:
 
     def __init__(self, loop: IOLoop, gossip: GossipChannel, client: StreamClient,
                  identity: Identity, card: Card, timeouts: Timeouts | None = None,
-                 seeds: tuple[str, ...] = ()) -> None:
+                 seeds: tuple[str, ...] = (),
+                 extra_counters: Callable[[], dict[str, int]] | None = None) -> None:
         if card.node_id != identity.node_id:
             raise ValueError("card and identity disagree on the node id")
         self.loop = loop
@@ -103,6 +104,7 @@ class Membership:
         self._left = False
         self._refused: set[str] = set()  # endpoints that answered our introduction with an error
         self._counters = Counters(COUNTERS, is_owner=loop.in_loop)  # written on the I/O thread
+        self._extra_counters = extra_counters  # the node's security refusals (thread-safe)
 
     # -- thread-safe API ----------------------------------------------------------------
     @property
@@ -116,6 +118,8 @@ class Membership:
         with self._lock:
             out["stale"] = self._table.stale
             out["hostile"] += self._table.hostile
+        if self._extra_counters is not None:
+            out.update(self._extra_counters())
         return out
 
     @property

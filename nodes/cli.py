@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "monitor": ("tools.monitor", "attach to the bus and watch the cluster live"),
     "demo": ("tools.demo", "start a local cluster and compare plain vs speculative decoding"),
     "bench": ("tools.bench", "benchmarks: bus, membership, decode, serve"),
+    "keygen": ("nodes.cmd_keygen", "write a fresh cluster secret for --secret-file"),
 }
 
 

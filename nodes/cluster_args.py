@@ -56,7 +56,8 @@ def cpu_list(text: str) -> set[int]:
 
 def add_cluster_arguments(parser: argparse.ArgumentParser,
                           title: str = "cluster") -> argparse._ArgumentGroup:
-    """Add --cluster, --interface, --peer and --no-mdns as one group; returns the group."""
+    """Add --cluster, --interface, --peer, --no-mdns, --secret-file and --insecure as one
+    group; returns the group."""
     group = parser.add_argument_group(title)
     group.add_argument("--cluster", default="specbus", help="cluster name (default: specbus)")
     group.add_argument("--interface", default=DEFAULT_INTERFACE,
@@ -68,4 +69,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser,
                             "multicast does not")
     group.add_argument("--no-mdns", action="store_true",
                        help="do not use mDNS (seeds and gossip only)")
+    group.add_argument("--secret-file", default=None, metavar="FILE",
+                       help="cluster secret (from `specbus keygen`): CURVE-encrypt every "
+                            "connection and authenticate gossip; default: $SPECBUS_SECRET_FILE. "
+                            "Required off loopback unless --insecure")
+    group.add_argument("--insecure", action="store_true",
+                       help="allow running without a secret on a non-loopback interface "
+                            "(anyone on the network can join and read traffic)")
     return group

@@ -92,11 +92,13 @@ class ClusterClient:
     """An observer node that sends generation requests to the cluster's verifiers."""
 
     def __init__(self, cluster: str, interface: str = DEFAULT_INTERFACE,
-                 peers: tuple[str, ...] = (), mdns: bool = True) -> None:
+                 peers: tuple[str, ...] = (), mdns: bool = True,
+                 secret_file: str | None = None, insecure: bool = False) -> None:
         from nodes.node import Node, NodeConfig
 
         self.node = Node(NodeConfig(cluster=cluster, observer=True, interface=interface,
-                                    peers=peers, mdns=mdns))
+                                    peers=peers, mdns=mdns, secret_file=secret_file,
+                                    insecure=insecure))
 
     def __enter__(self) -> ClusterClient:
         self.node.start()

@@ -102,7 +102,8 @@ def _run_cluster(args: argparse.Namespace) -> int:
         raise BadRequestError(str(exc), "peer") from None
     show = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     try:
-        with ClusterClient(args.cluster, args.interface, peers, mdns=not args.no_mdns) as client:
+        with ClusterClient(args.cluster, args.interface, peers, mdns=not args.no_mdns,
+                           secret_file=args.secret_file, insecure=args.insecure) as client:
             result = client.generate(req, client.verifiers(args.wait)[0], on_text=show)
     except ClusterError as exc:
         print(f"specbus generate: {exc}", file=sys.stderr)

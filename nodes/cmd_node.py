@@ -19,6 +19,7 @@ from pathlib import Path
 
 import zmq
 
+from bus.security import read_secret_file, resolve_secret_path
 from discovery.table import Event, Timeouts
 from nodes.cluster_args import add_cluster_arguments, cpu_list, peer_arg, positive_float
 from nodes.logs import set_node_id
@@ -158,6 +159,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         advertise=args.advertise or "",
         backend=args.backend, model=args.model, drafter=args.drafter, mdns=not args.no_mdns,
         state_dir=args.state_dir, timeouts=timeouts,
+        secret_file=resolve_secret_path(args.secret_file), insecure=args.insecure,
     )
 
 
@@ -204,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         pin_cpus(args)
         config = config_from_args(args)
+        if config.secret_file:  # refuse a bad secret before spending seconds on models
+            read_secret_file(config.secret_file)
         roles = _assemble_roles(args, config)
         gateway = _make_gateway(args, config)
         node = Node(config)
@@ -249,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
                  "incarnation": card.incarnation, "endpoints": card.endpoints,
                  **({"http": gateway.url} if gateway is not None else {}),
                  "t": time.monotonic()})
-    providers = [roles.telemetry] if roles else []
+    providers = [node.security_stats, *([roles.telemetry] if roles else [])]
     if gateway is not None:
         providers.append(gateway.telemetry)
     telemetry = Telemetry(node, providers=providers)

@@ -17,6 +17,7 @@ from typing import Any
 
 from bus.gossip import GossipChannel
 from bus.loop import IOLoop
+from bus.security import Security
 from bus.sockets import SocketFactory
 from bus.streams import Request, StreamClient, StreamServer, serve_ping
 from codec.messages import Message
@@ -27,6 +28,8 @@ from discovery.interfaces import DEFAULT_INTERFACE, NetChoice, resolve_interface
 from discovery.mdns import Mdns
 from discovery.membership import UPDATABLE, Membership
 from discovery.table import Timeouts
+from nodes.roles.admission import RATE_LIMITED, AdmissionLimits, RateLimiter
+from nodes.secret import security_for
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,10 @@ class NodeConfig:
     # initial card fields measured by the roles (tokenizer, vocab, tok_s, free_mem, ...);
     # they override backend/model above and their `extras` are merged
     card_fields: dict[str, Any] = field(default_factory=dict)
+    secret_file: str | None = None  # cluster secret; None: $SPECBUS_SECRET_FILE, else none
+    insecure: bool = False  # allow no secret off loopback
+    security: Security | None = None  # already loaded keys (tools); wins over secret_file
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
 
 
 CARD_SETTABLE = UPDATABLE
@@ -90,8 +97,13 @@ class Node:
         self.config = config
         self.net: NetChoice = resolve_interface(config.interface)
         self.identity: Identity | None = None
+        self.security: Security | None = config.security or security_for(
+            config.secret_file, config.insecure, self.net.bind_host,
+            "observer" if config.observer else "node")
+        self.insecure = self.security is None and config.insecure
         self.loop = IOLoop()
-        self.factory = SocketFactory()
+        self.factory = SocketFactory(security=self.security)
+        self.rate = RateLimiter(config.admission)
         self._requests: dict[str, Callable[[Request], None]] = {}
         self._gossip_handlers: dict[str, Callable[[str, Message], None]] = {}
         self.gossip: GossipChannel | None = None
@@ -126,7 +138,8 @@ class Node:
         self.client = StreamClient(self.loop, self.factory, sender=self.node_id)
         card = self._first_card()
         self.membership = Membership(self.loop, self.gossip, self.client, self.identity, card,
-                                     cfg.timeouts, seeds=cfg.peers)
+                                     cfg.timeouts, seeds=cfg.peers,
+                                     extra_counters=self.security_counters)
         for t in ("card", "heartbeat", "leave"):
             self.register_gossip(t, self.membership.handle_gossip)
         self.register_request("snapshot_req", self.membership.handle_request)
@@ -145,6 +158,8 @@ class Node:
     def _first_card(self) -> Card:
         cfg = self.config
         extras = dict(cfg.extras)
+        if self.insecure:
+            extras["insecure"] = True
         if cfg.drafter:
             extras["drafter"] = cfg.drafter
         fields: dict[str, Any] = {"backend": cfg.backend, "model": cfg.model}
@@ -177,8 +192,25 @@ class Node:
             log.warning("I/O loop stop: %s", exc)
         if self.membership is not None:
             self.membership.close()
+        self.factory.close()
         if self.identity is not None:
             self.identity.release()
+
+    def security_counters(self) -> dict[str, int]:
+        """Refusals of strangers and abusers: CURVE handshakes that failed (no key, wrong key)
+        or were denied by ZAP (a client key outside the cluster), gossip with a
+        wrong MAC (`forged`) or an old (epoch, seq) (`replayed`), requests over the rate."""
+        g, gate = self.gossip, self.factory.gate
+        watch = self.factory.handshakes
+        return {"handshakes_failed": watch.failed if watch else 0,
+                "handshakes_denied": gate.denied if gate else 0,
+                "forged": g.forged if g else 0, "replayed": g.replayed if g else 0,
+                "rate_limited": self.rate.refused}
+
+    def security_stats(self) -> dict[str, Any]:
+        """Telemetry provider: whether the bus is secured and what it refused."""
+        return {"security": {"secure": self.security is not None, "insecure": self.insecure,
+                             **self.security_counters()}}
 
     # -- I/O thread dispatch ------------------------------------------------------------
     def _on_gossip(self, topic: str, msg: Message) -> None:
@@ -187,6 +219,9 @@ class Node:
             fn(topic, msg)
 
     def _on_request(self, req: Request) -> None:
+        if not self.rate.allow(req.peer):
+            req.fail(RATE_LIMITED, "too many requests from this connection; slow down")
+            return
         fn = self._requests.get(req.message.type)
         if fn is None:
             req.fail("unsupported", f"this node does not serve {req.message.type!r} requests")

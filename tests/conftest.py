@@ -1,11 +1,17 @@
-"""Fixtures shared by every test folder.
+"""Fixtures and options shared by every test folder.
 
 `model_cluster` is the one set of real model processes the cluster-level modules share (nodes,
-gateway, monitor): starting SmolLM2 verifiers and model proposers is the slowest thing the suite
-does, so it happens once per session, in parallel, instead of once per module. Modules add their
-own short-lived nodes (proposers they kill, gateways, a doomed verifier) and stop them
-themselves; every request that asserts speculation names its proposers, so the extra members
-never change another module's verdict.
+monitor): starting SmolLM2 verifiers and model proposers is the slowest thing the suite does, so
+it happens once per session, in parallel, instead of once per module. Modules add their own
+short-lived nodes (proposers they kill, a doomed verifier) and stop them themselves; every
+request that asserts speculation names its proposers, so the extra members never change another
+module's verdict.
+
+`--cluster-secret` runs every cluster test with a fresh cluster secret. It sets
+SPECBUS_SECRET_FILE for the whole session, so node processes (LocalCluster inherits the
+environment) and in-process nodes and clients (nodes/secret.py reads the variable) all run
+CURVE and authenticated gossip, with the test modules unchanged:
+`pytest tests/nodes/test_cluster_lossless.py --cluster-secret`.
 """
 
 from __future__ import annotations
@@ -28,8 +34,29 @@ SHARED_NODES = (
 )
 
 
+def pytest_addoption(parser):
+    parser.addoption("--cluster-secret", action="store_true",
+                     help="run cluster tests with a cluster secret (CURVE + gossip MAC)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cluster_secret(request, tmp_path_factory):
+    if not request.config.getoption("--cluster-secret"):
+        yield None
+        return
+    from bus.security import write_secret_file
+
+    path = write_secret_file(tmp_path_factory.mktemp("cluster-secret") / "cluster.key")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECBUS_SECRET_FILE", str(path))
+    try:
+        yield path
+    finally:
+        mp.undo()
+
+
 @pytest.fixture(scope="session")
-def model_cluster(tmp_path_factory):
+def model_cluster(tmp_path_factory, _cluster_secret):
     """v1, v2 (SmolLM2 verifiers) and ngram, int8, mlx proposers on loopback, seeded by v1."""
     from tools.local_cluster import LocalCluster
 

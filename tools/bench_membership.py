@@ -5,6 +5,9 @@ Each node runs `python -m nodes --print-events`, which prints one JSON line per 
 event stamped with `time.monotonic()`. CLOCK_MONOTONIC is system-wide on Linux, so times
 from different processes on this machine compare directly with the benchmark's own clock.
 Nodes are started with the project's one launcher, `tools.local_cluster.NodeProcess`.
+
+With `--secret-file F` the whole run is done twice, plain then with the cluster secret (every
+socket CURVE, gossip MACed), and the table puts the two side by side.
 """
 
 from __future__ import annotations
@@ -22,14 +25,15 @@ from tools.local_cluster import NodeProcess, all_see_each_other, event_time, wai
 # -- the benchmark ------------------------------------------------------------------------
 
 class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, env: dict[str, str] | None = None) -> None:
         self.args = args
+        self.env = env or {}
         self.cluster = f"bench-{uuid.uuid4().hex[:8]}"
         self.procs: list[NodeProcess] = []
 
     def spawn(self, *extra: str, module: str = "nodes") -> NodeProcess:
         p = NodeProcess(["--role", "proposer", "--drafter", "ngram", "--cluster", self.cluster,
-                         *extra], module=module)
+                         *extra], module=module, env=self.env)
         self.procs.append(p)
         return p
 
@@ -134,6 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steady-state seconds for gossip bytes (default: %(default)s)")
     parser.add_argument("--busy-s", type=float, default=5.0,
                         help="seconds the CPU-bound nodes spin (default: %(default)s)")
+    parser.add_argument("--secret-file", metavar="FILE",
+                        help="also run everything with this cluster secret (CURVE + gossip "
+                             "MAC) and compare with plain")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,14 +148,38 @@ def run(args: argparse.Namespace) -> int:
         print("specbus bench membership: --trials must be 1..50 and --nodes 2..40",
               file=sys.stderr)
         return 2
-    bench = Bench(args)
+    if args.secret_file:
+        from bus.security import SecretError, read_secret_file
+
+        try:
+            read_secret_file(args.secret_file)
+        except SecretError as exc:
+            print(f"specbus bench membership: {exc}", file=sys.stderr)
+            return 2
+        # nodes inherit the environment: an outer SPECBUS_SECRET_FILE must not leak into "plain"
+        plain = measure(args, {"SPECBUS_SECRET_FILE": ""})
+        curve = measure(args, {"SPECBUS_SECRET_FILE": str(args.secret_file)})
+        result = {"plain": plain, "curve": curve}
+        print(format_compare(plain, curve, args.nodes))
+    else:
+        result = measure(args, None)
+        print(format_table(result, args.nodes))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def measure(args: argparse.Namespace, env: dict[str, str] | None) -> dict:
+    bench = Bench(args, env)
     try:
         jlk = bench.join_leave_kill(args.trials)
         conv = bench.converge(args.nodes)
         busy = bench.busy(n_busy=3, n_idle=3, seconds=args.busy_s)
     finally:
         bench.close()
-    result = {
+    return {
         "join_s": summary(jlk["join_s"]),
         "dead_after_kill_s": summary(jlk["dead_after_kill_s"]),
         "leave_s": summary(jlk["leave_s"]),
@@ -163,12 +194,27 @@ def run(args: argparse.Namespace) -> int:
         "nodes": args.nodes,
         "timeouts": {"heartbeat": 0.2, "suspect_after": 0.8, "dead_after": 1.6},
     }
-    print(format_table(result, args.nodes))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
-    return 0
+
+
+def format_compare(plain: dict, curve: dict, n: int) -> str:
+    """Plain and CURVE side by side (p50 and max where there are several trials)."""
+    def both(key: str, fmt: str = "{:.3f}") -> tuple[str, str]:
+        a, b = plain[key], curve[key]
+        if isinstance(a, dict):
+            return (f"p50 {a['p50']:.3f} max {a['max']:.3f}",
+                    f"p50 {b['p50']:.3f} max {b['max']:.3f}")
+        return fmt.format(a), fmt.format(b)
+
+    rows = [("join (start -> seen by all), s", *both("join_s")),
+            ("dead after SIGKILL, s", *both("dead_after_kill_s")),
+            ("leave after SIGTERM, s", *both("leave_s")),
+            (f"converge, {n} nodes (last ready), s", *both(f"converge_{n}_s")),
+            ("false suspicions", *both("false_suspicions", "{}")),
+            ("gossip bytes/s out per node", *both("gossip_bytes_per_s_per_node", "{:.0f}"))]
+    head = ("metric", "plain", "curve")
+    widths = [max(len(r[i]) for r in (*rows, head)) for i in range(3)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
+                     for r in (head, *rows))
 
 
 def format_table(r: dict, n: int) -> str:

@@ -34,6 +34,7 @@ def member_json(m: Member) -> dict:
         "endpoints": dict(c.endpoints), "backend": c.backend, "model": c.model,
         "tokenizer": c.tokenizer, "vocab": c.vocab, "tok_s": c.tok_s, "load": c.load,
         "free_mem": c.free_mem, "observer": c.observer, "extras": c.extras,
+        "insecure": bool(c.extras.get("insecure")),
     }
 
 
@@ -42,7 +43,7 @@ def format_table(rows: list[dict]) -> str:
     data = [
         [r["node_id"], r["name"] or "-", ",".join(r["roles"]) or "-", r["state"],
          str(r["incarnation"]), r["backend"] or "-", r["model"] or "-",
-         r["endpoints"].get("stream", "-")]
+         r["endpoints"].get("stream", "-") + ("  INSECURE" if r["insecure"] else "")]
         for r in rows
     ]
     widths = [max(len(c), *(len(d[i]) for d in data)) if data else len(c)
@@ -54,7 +55,8 @@ def format_table(rows: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     cfg = NodeConfig(cluster=args.cluster, observer=True, interface=args.interface,
-                     peers=tuple(args.peer), mdns=not args.no_mdns)
+                     peers=tuple(args.peer), mdns=not args.no_mdns,
+                     secret_file=args.secret_file, insecure=args.insecure)
     try:
         node = Node(cfg).start()
     except (ValueError, OSError) as exc:

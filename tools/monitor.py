@@ -43,7 +43,10 @@ class Attached:
         self.node = Node(NodeConfig(cluster=args.cluster, observer=True,
                                     interface=args.interface,
                                     peers=tuple(parse_peer(p) for p in args.peer),
-                                    mdns=not args.no_mdns))
+                                    mdns=not args.no_mdns,
+                                    # tools build args by hand (demo): absent = no secret
+                                    secret_file=getattr(args, "secret_file", None),
+                                    insecure=getattr(args, "insecure", False)))
 
     def start(self) -> Attached:
         self.node.register_gossip("stats", self._on_stats)

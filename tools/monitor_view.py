@@ -100,6 +100,7 @@ def member_fields(m: Member) -> dict[str, Any]:
         "state": m.state.value, "incarnation": c.incarnation, "load": c.load, "tok_s": c.tok_s,
         "heartbeat_age_s": round(max(0.0, time.monotonic() - m.last_heard), 2),
         "endpoints": dict(c.endpoints), "observer": c.observer,
+        "insecure": bool(c.extras.get("insecure")),
     }
 
 
@@ -129,7 +130,8 @@ def member_rows(view: ClusterView) -> list[tuple[str, ...]]:
         f = member_fields(m)
         roles = ",".join(f["roles"]) or ("observer" if f["observer"] else "-")
         rows.append((f["name"] or "-", m.node_id, roles, f["backend"] or "-", f["model"] or "-",
-                     f["state"], str(f["incarnation"]), f"{f['heartbeat_age_s']:.1f}s",
+                     f["state"] + (" INSECURE" if f["insecure"] else ""),
+                     str(f["incarnation"]), f"{f['heartbeat_age_s']:.1f}s",
                      f"{f['load']:.2f}"))
     return rows
 

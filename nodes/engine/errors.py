@@ -68,6 +68,9 @@ class NoProposerError(GenerationError):
 
 
 BUSY = "busy"
+TOO_MANY_SESSIONS = "too_many_sessions"
+RATE_LIMITED = "rate_limited"
+FORBIDDEN = "forbidden"
 INTERNAL = "internal"
 UNSUPPORTED = "unsupported"
 
@@ -82,6 +85,12 @@ NODE_ERROR_CODES: dict[str, str] = {
     UnknownSessionError.code: "no open draft session with that id (expired or never opened)",
     NoProposerError.code: "`draft: force` named proposers the verifier cannot use",
     BUSY: "the verifier's queue or the proposer's session table is full; retry later",
+    TOO_MANY_SESSIONS: "this connection (or the proposer in total) has as many draft sessions "
+                       "open as it may; close one or wait for a lease to end",
+    RATE_LIMITED: "this connection sent more requests per second than the node admits; "
+                  "everyone else is still served",
+    FORBIDDEN: "the draft session belongs to another connection (sessions are bound to "
+               "their opener)",
     INTERNAL: "the handler raised (a bug); the node keeps serving",
     UNSUPPORTED: "the node does not serve this message type",
 }

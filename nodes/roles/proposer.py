@@ -36,17 +36,17 @@ from codec.structs import (
 )
 from nodes.drafters.base import Drafter, DraftSession
 from nodes.engine.errors import (
-    BUSY,
     GenerationError,
     OutOfSyncError,
     UnknownSessionError,
     error_code,
 )
 from nodes.roles import requests
+from nodes.roles.admission import FORBIDDEN, TOO_MANY_SESSIONS, AdmissionLimits, SessionBook
 
 log = logging.getLogger(__name__)
 
-MAX_SESSIONS = 256
+MAX_SESSIONS = AdmissionLimits.sessions_total  # default total; see nodes/roles/admission.py
 DEFAULT_HORIZON = 16
 _STRUCTS = {c.TYPE: c for c in (SessionOpen, SessionExtend, SessionClose)}
 
@@ -86,6 +86,7 @@ class ProposerStats:
     cancelled: int = 0  # sessions whose stream the verifier cancelled
     errors: int = 0
     by_verifier: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)  # admission code -> count
 
     def as_dict(self) -> dict:
         return {
@@ -96,6 +97,7 @@ class ProposerStats:
             "draft_tok_s": self.draft_tokens / self.draft_s if self.draft_s else 0.0,
             "rollbacks": self.rollbacks,
             "errors": self.errors,
+            "refused": dict(self.refused),
         }
 
 
@@ -105,7 +107,7 @@ class ProposerRole:
     TYPES = ("session_open", "session_extend", "session_close")
 
     def __init__(self, drafter: Drafter, vocab_size: int, sweep_every: float = 0.25,
-                 max_context: int = 0) -> None:
+                 max_context: int = 0, admission: AdmissionLimits | None = None) -> None:
         self.drafter = drafter
         #: longest context one session may hold (prompt + committed deltas)
         self.max_context = max_context or requests.DEFAULT_MAX_CONTEXT
@@ -113,6 +115,8 @@ class ProposerRole:
         self.stats = ProposerStats()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._sessions: dict[str, _Session] = {}  # worker thread only
+        self._book = SessionBook(admission or AdmissionLimits())  # worker thread only
+        self.stats.refused = self._book.refused
         self._sweep_every = sweep_every
         self._stop = threading.Event()
         self._loop = None
@@ -199,6 +203,9 @@ class ProposerRole:
         if isinstance(parsed, SessionOpen):
             self._open(req, parsed)
             return
+        if not self._book.may_use(parsed.session, req.peer):
+            req.fail(FORBIDDEN, f"session {parsed.session!r} belongs to another connection")
+            return
         session = self._sessions.get(parsed.session)
         if session is None:
             raise UnknownSessionError(
@@ -213,10 +220,14 @@ class ProposerRole:
 
     def _open(self, req: Request, parsed: SessionOpen) -> None:
         sid = parsed.session
+        if not self._book.may_use(sid, req.peer):
+            req.fail(FORBIDDEN, f"session {sid!r} belongs to another connection")
+            return
         if sid in self._sessions:
             self._close(self._sessions[sid], "reopened")
-        if len(self._sessions) >= MAX_SESSIONS:
-            req.fail(BUSY, f"proposer has {MAX_SESSIONS} open sessions")
+        why = self._book.refusal(req.peer)
+        if why is not None:
+            req.fail(TOO_MANY_SESSIONS, why)
             return
         if parsed.tokenizer:
             self.drafter.check_compatible(parsed.tokenizer)
@@ -229,6 +240,7 @@ class ProposerRole:
             sid=sid, owner=req.message.sender, draft=draft, params=params, tokens=tokens,
             lease_s=parsed.lease_s, expires=time.monotonic() + parsed.lease_s, stream=req,
             horizon=horizon)
+        self._book.add(sid, req.peer)
         self.stats.sessions_opened += 1
         owner = req.message.sender
         self.stats.by_verifier[owner] = self.stats.by_verifier.get(owner, 0) + 1
@@ -309,6 +321,7 @@ class ProposerRole:
 
     def _close(self, session: _Session, why: str) -> None:
         self._sessions.pop(session.sid, None)
+        self._book.remove(session.sid)
         if not session.stream.finished and not session.stream.cancelled.is_set():
             session.stream.reply(Done(why).to_message())
         try:

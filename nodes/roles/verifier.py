@@ -24,8 +24,8 @@ checked again every second while membership says dead.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Mapping
@@ -41,6 +41,7 @@ from nodes.drafters.base import DraftSession
 from nodes.engine.core import Engine, Stats
 from nodes.engine.errors import BUSY, GenerationError, NoProposerError, error_code
 from nodes.roles import requests
+from nodes.roles.admission import AdmissionLimits, PeerSlots
 from nodes.roles.remote_draft import DraftPolicy, ProposerLink, ProposerSource
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class VerifierRole:
 
     def __init__(self, engine: Engine, max_queue: int = 16,
                  policy: DraftPolicy | None = None, lease_s: float = 30.0,
-                 max_context: int = 0) -> None:
+                 max_context: int = 0, admission: AdmissionLimits | None = None) -> None:
         self.engine = engine
         self.policy = policy or DraftPolicy()
         self.lease_s = lease_s
@@ -84,7 +85,8 @@ class VerifierRole:
         self._cv = threading.Condition()
         self._closing = False
         self._watching = False  # subscribed to membership events (I/O thread)
-        self._sids = itertools.count(1)
+        #: queued + running generations per connection (admission.py)
+        self.slots = PeerSlots((admission or AdmissionLimits()).generations_per_peer)
         self._node = None
         self.active = 0
         self._worker = threading.Thread(target=self._run, name="verifier-compute", daemon=True)
@@ -113,6 +115,11 @@ class VerifierRole:
         except requests.INPUT_ERRORS as exc:
             req.fail(*requests.wire_error(exc))
             return
+        if not self.slots.acquire(req.peer):
+            self.stats.rejected_busy += 1
+            req.fail(BUSY, f"this connection has {self.slots.per_peer} generations queued or "
+                           "running; wait for one to finish")
+            return
         item = (req, parsed)
         with self._cv:
             full = len(self._waiting) >= self.max_queue
@@ -120,6 +127,7 @@ class VerifierRole:
                 self._waiting.append(item)
                 self._cv.notify()
         if full:
+            self.slots.release(req.peer)
             self.stats.rejected_busy += 1
             req.fail(BUSY, f"verifier queue is full ({self.max_queue} waiting)")
             return
@@ -132,6 +140,7 @@ class VerifierRole:
                 self._waiting.remove(item)
             except ValueError:
                 return False  # already taken by the compute thread (it sees `cancelled`)
+        self.slots.release(item[0].peer)
         return True
 
     # -- client liveness (events thread -> I/O thread) ----------------------------------------
@@ -189,6 +198,7 @@ class VerifierRole:
                 return
             req, parsed = item
             if req.cancelled.is_set():
+                self.slots.release(req.peer)
                 continue
             self.active = 1
             try:
@@ -201,6 +211,7 @@ class VerifierRole:
                 if not req.finished:
                     req.fail("internal", f"{type(exc).__name__}: {exc}"[:300])
             finally:
+                self.slots.release(req.peer)
                 self.active = 0
                 self._publish()
 
@@ -314,7 +325,7 @@ class VerifierRole:
                                       "with this verifier (draft='force')")
         if links:
             node = self._node
-            sid = f"{node.node_id}-{next(self._sids)}"
+            sid = f"{node.node_id}-{secrets.token_hex(8)}"  # unguessable
             return [ProposerSource(
                 link, link.direct(node.factory, node.node_id, self.policy.max_queued),
                 prompt_ids, sampling, session_id=f"{sid}-{i}",

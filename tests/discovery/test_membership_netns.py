@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 
+from bus.security import write_secret_file
 from tools.local_cluster import NodeProcess, all_see_each_other, event_time, wait_all
 from tools.netns import Lan, NetnsUnavailable
 
@@ -45,12 +46,14 @@ def lan():
         net.close()
 
 
-def test_multicast_discovery_partition_and_rejoin(lan):
+def test_multicast_discovery_partition_and_rejoin(lan, tmp_path):
     cluster = f"t-{uuid.uuid4().hex[:8]}"
+    secret = write_secret_file(tmp_path / "cluster.key")  # off loopback a secret is required
     nodes = []
     for i, ns in enumerate(lan["hosts"], 1):
         p = NodeProcess(["--role", "proposer", "--cluster", cluster,
-                         "--interface", f"10.77.0.{i}"], prefix=["ip", "netns", "exec", ns])
+                         "--interface", f"10.77.0.{i}", "--secret-file", str(secret)],
+                        prefix=["ip", "netns", "exec", ns])
         lan["procs"].append(p)
         nodes.append(p)
     assert wait_all(lambda: all_see_each_other(nodes), 20), [n.view() for n in nodes]

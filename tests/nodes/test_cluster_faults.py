@@ -176,6 +176,8 @@ def test_sessions_of_a_killed_verifier_expire_on_the_proposer(cluster, client):
         ns = view.stats(p.node_id)
         return {} if ns is None else ns.latest.get("proposer", {})
 
+    # v2 is ready, but the client may not have heard of it yet (a join takes a round trip)
+    client.wait_for(lambda ms: any(m.node_id == v2.node_id for m in ms), 20)
     verifier = next(m for m in client.verifiers() if m.node_id == v2.node_id)
     # open-ended text: ngram drafts rarely match, so the generation outlasts the kill
     req = GenerateRequest(LONG_OPEN_ENDED, max_tokens=512, proposers=[p.node_id],

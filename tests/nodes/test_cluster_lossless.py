@@ -7,7 +7,6 @@ import threading
 
 import numpy as np
 import pytest
-import zmq
 
 from codec.messages import decode
 from nodes.cluster_client import ClusterClient, GenerateRequest
@@ -109,11 +108,10 @@ def test_two_verifiers_share_one_proposer_concurrently(client, cluster, plain):
 
 def test_garbage_to_a_nodes_router_is_answered_and_real_clients_still_served(client, cluster,
                                                                             plain):
-    ctx = zmq.Context.instance()
     for name in ("v1", "ngram"):
         node = next(n for n in cluster.nodes if n.name == name)
-        raw = ctx.socket(zmq.DEALER)
-        raw.setsockopt(zmq.LINGER, 0)
+        # from the client's factory: a member's socket (CURVE keys with --cluster-secret)
+        raw = client.node.factory.dealer()
         raw.connect(node.stream)
         try:
             for junk in ([b"\x00\xffgarbage"], [b"\x81\xa1v\x01", b"x" * 10], [b""] * 3):
@@ -121,7 +119,7 @@ def test_garbage_to_a_nodes_router_is_answered_and_real_clients_still_served(cli
                 assert raw.poll(5000), f"{name} did not answer garbage"
                 assert decode(raw.recv_multipart()).type == "error"
         finally:
-            raw.close()
+            raw.close(linger=0)
     res = client.generate(GenerateRequest(PROMPT, max_tokens=MAX), verifier(client, "v1"))
     assert res.stats["token_ids"] == plain.stats["token_ids"]
 

@@ -1,0 +1,150 @@
+"""Admission limits over real loopback sockets: one connection opening 10,000 draft sessions or
+flooding a node with requests is refused past its limit with a typed, counted error, while
+another connection is still served; sessions belong to the connection that opened them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bus.loop import IOLoop
+from bus.sockets import SocketFactory
+from bus.streams import RemoteError, StreamClient, StreamServer
+from codec.messages import make
+from nodes.drafters.ngram import NgramDrafter
+from nodes.node import Node, NodeConfig
+from nodes.roles.admission import AdmissionLimits, PeerSlots, RateLimiter, TokenBucket
+from nodes.roles.proposer import ProposerRole
+
+PROMPT = np.array([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], dtype=np.int32)
+LIMITS = AdmissionLimits(sessions_per_peer=8, sessions_total=64)
+
+
+class Host:
+    """Just a ROUTER with a request registry and clients on one loop (like tests/nodes)."""
+
+    def __init__(self, loop, factory):
+        self.loop, self.factory, self._handlers = loop, factory, {}
+        self.server = StreamServer(loop, factory, self._dispatch, sender="proposer")
+
+    def register_request(self, type_, fn):
+        self._handlers[type_] = fn
+
+    def _dispatch(self, req):
+        self._handlers[req.message.type](req)
+
+    def connection(self) -> StreamClient:
+        """A new client: its own DEALER, hence its own connection (routing identity)."""
+        return StreamClient(self.loop, self.factory, sender="verifier")
+
+
+@pytest.fixture
+def host():
+    loop = IOLoop(name="admission-io").start()
+    h = Host(loop, SocketFactory())
+    role = ProposerRole(NgramDrafter(), vocab_size=100, admission=LIMITS)
+    role.attach(h)
+    yield h, role
+    role.close()
+    loop.stop()
+
+
+def ask(client, endpoint, msg, timeout=10.0):
+    return client.request(endpoint, msg, timeout=timeout).result(timeout)
+
+
+def opener(sid):
+    return make("session_open", session=sid, lease_s=30.0, tensors=[PROMPT])
+
+
+def outcome(call):
+    try:
+        call.result(30)
+        return "ok"
+    except RemoteError as exc:
+        return exc.code
+
+
+def test_a_connection_opening_10000_sessions_is_refused_past_its_limit(host):
+    h, role = host
+    ep = h.server.endpoint
+    greedy, honest = h.connection(), h.connection()
+    codes: list[str] = []
+    for start in range(0, 10_000, 500):  # pipelined in bounded batches
+        calls = [greedy.request(ep, opener(f"g{i}"), timeout=30)
+                 for i in range(start, start + 500)]
+        codes += [outcome(c) for c in calls]
+    assert codes.count("ok") == LIMITS.sessions_per_peer
+    assert codes.count("too_many_sessions") == 10_000 - LIMITS.sessions_per_peer
+    assert role.stats.as_dict()["refused"]["too_many_sessions"] == 10_000 - 8
+    # the honest verifier still opens a session and drafts
+    assert ask(honest, ep, opener("h1"))["finish_reason"] == "opened"
+    reply = ask(honest, ep, make("draft_req", session="h1", k=3, committed=len(PROMPT),
+                                 tensors=[np.zeros(0, np.int32)]))
+    assert reply.tensors[0].tolist() == [7, 8, 5]
+
+
+def test_total_sessions_are_capped_across_connections(host):
+    h, role = host
+    ep = h.server.endpoint
+    clients = [h.connection() for _ in range(LIMITS.sessions_total // LIMITS.sessions_per_peer)]
+    for n, c in enumerate(clients):
+        for i in range(LIMITS.sessions_per_peer):
+            assert ask(c, ep, opener(f"c{n}-{i}"))["finish_reason"] == "opened"
+    with pytest.raises(RemoteError) as info:
+        ask(h.connection(), ep, opener("one-too-many"))
+    assert info.value.code == "too_many_sessions"
+
+
+def test_sessions_belong_to_their_opener(host):
+    h, role = host
+    ep = h.server.endpoint
+    owner, other = h.connection(), h.connection()
+    assert ask(owner, ep, opener("mine"))["finish_reason"] == "opened"
+    for msg in (make("session_close", session="mine"), opener("mine"),
+                make("draft_req", session="mine", k=2, committed=len(PROMPT),
+                     tensors=[np.zeros(0, np.int32)])):
+        with pytest.raises(RemoteError) as info:
+            ask(other, ep, msg)
+        assert info.value.code == "forbidden"
+    assert role.stats.as_dict()["refused"]["forbidden"] == 3
+    # untouched: the owner drafts from its own prompt, then closes it
+    reply = ask(owner, ep, make("draft_req", session="mine", k=3, committed=len(PROMPT),
+                                tensors=[np.zeros(0, np.int32)]))
+    assert reply.tensors[0].tolist() == [7, 8, 5]
+    assert ask(owner, ep, make("session_close", session="mine"))["finish_reason"] == "closed"
+
+
+def test_a_flooding_connection_is_rate_limited_while_others_are_served():
+    limits = AdmissionLimits(rate_per_s=50.0, burst=100)
+    node = Node(NodeConfig(cluster="admission", mdns=False, admission=limits)).start()
+    try:
+        ep = node.server.endpoint
+        flood, other = (StreamClient(node.loop, node.factory) for _ in range(2))
+        codes: list[str] = []
+        for _ in range(20):  # 10,000 pings in bounded pipelined batches
+            calls = [flood.request(ep, make("ping"), timeout=30) for _ in range(500)]
+            codes += [outcome(c) for c in calls]
+        assert set(codes) <= {"ok", "rate_limited"}
+        assert codes[:100] == ["ok"] * 100  # the burst
+        assert codes.count("rate_limited") > 0
+        assert node.security_counters()["rate_limited"] == codes.count("rate_limited")
+        # a fresh connection has its own bucket: served at once
+        assert ask(other, ep, make("ping")).type == "pong"
+    finally:
+        node.stop()
+
+
+def test_token_bucket_and_slots_units():
+    b = TokenBucket(rate=10.0, burst=2, now=0.0)
+    assert [b.take(0.0), b.take(0.0), b.take(0.0)] == [True, True, False]
+    assert b.take(0.1) and not b.take(0.1)  # 0.1 s at 10/s: one more token
+    r = RateLimiter(AdmissionLimits(rate_per_s=1.0, burst=1))
+    assert r.allow(b"a", 0.0) and not r.allow(b"a", 0.0) and r.allow(b"b", 0.0)
+    assert r.refused == 1
+    s = PeerSlots(2)
+    assert s.acquire(b"a") and s.acquire(b"a") and not s.acquire(b"a") and s.acquire(b"b")
+    s.release(b"a")
+    assert s.acquire(b"a") and s.refused == 1
+    with pytest.raises(ValueError):
+        AdmissionLimits(sessions_per_peer=10, sessions_total=5)
