@@ -58,11 +58,17 @@ def opener(sid):
 
 
 def outcome(call):
+    """"ok" when served (an opened session's reply is a stream: its first chunk), else the code."""
     try:
-        call.result(30)
-        return "ok"
+        call.next(30)
     except RemoteError as exc:
         return exc.code
+    return "ok"
+
+
+def first_chunk(client, endpoint, sid):
+    """Open a session (protocol 2): the first streamed draft chunk of its reply."""
+    return client.request(endpoint, opener(sid), timeout=30).next(30)
 
 
 def test_a_connection_opening_10000_sessions_is_refused_past_its_limit(host):
@@ -77,11 +83,9 @@ def test_a_connection_opening_10000_sessions_is_refused_past_its_limit(host):
     assert codes.count("ok") == LIMITS.sessions_per_peer
     assert codes.count("too_many_sessions") == 10_000 - LIMITS.sessions_per_peer
     assert role.stats.as_dict()["refused"]["too_many_sessions"] == 10_000 - 8
-    # the honest verifier still opens a session and drafts
-    assert ask(honest, ep, opener("h1"))["finish_reason"] == "opened"
-    reply = ask(honest, ep, make("draft_req", session="h1", k=3, committed=len(PROMPT),
-                                 tensors=[np.zeros(0, np.int32)]))
-    assert reply.tensors[0].tolist() == [7, 8, 5]
+    # the honest verifier still opens a session and gets drafts
+    chunk = first_chunk(honest, ep, "h1")
+    assert chunk.type == "draft_chunk" and chunk.tensors[0].tolist()[:3] == [7, 8, 5]
 
 
 def test_total_sessions_are_capped_across_connections(host):
@@ -90,7 +94,7 @@ def test_total_sessions_are_capped_across_connections(host):
     clients = [h.connection() for _ in range(LIMITS.sessions_total // LIMITS.sessions_per_peer)]
     for n, c in enumerate(clients):
         for i in range(LIMITS.sessions_per_peer):
-            assert ask(c, ep, opener(f"c{n}-{i}"))["finish_reason"] == "opened"
+            assert first_chunk(c, ep, f"c{n}-{i}").type == "draft_chunk"
     with pytest.raises(RemoteError) as info:
         ask(h.connection(), ep, opener("one-too-many"))
     assert info.value.code == "too_many_sessions"
@@ -100,18 +104,25 @@ def test_sessions_belong_to_their_opener(host):
     h, role = host
     ep = h.server.endpoint
     owner, other = h.connection(), h.connection()
-    assert ask(owner, ep, opener("mine"))["finish_reason"] == "opened"
+    stream = owner.request(ep, opener("mine"), timeout=30)
+    assert stream.next(30).type == "draft_chunk"
     for msg in (make("session_close", session="mine"), opener("mine"),
-                make("draft_req", session="mine", k=2, committed=len(PROMPT),
+                make("session_extend", session="mine", committed=len(PROMPT),
                      tensors=[np.zeros(0, np.int32)])):
         with pytest.raises(RemoteError) as info:
             ask(other, ep, msg)
         assert info.value.code == "forbidden"
     assert role.stats.as_dict()["refused"]["forbidden"] == 3
-    # untouched: the owner drafts from its own prompt, then closes it
-    reply = ask(owner, ep, make("draft_req", session="mine", k=3, committed=len(PROMPT),
-                                tensors=[np.zeros(0, np.int32)]))
-    assert reply.tensors[0].tolist() == [7, 8, 5]
+    # untouched: the owner commits to its own session and gets fresh drafts, then closes it
+    assert ask(owner, ep, make("session_extend", session="mine", committed=len(PROMPT) + 1,
+                               tensors=[np.array([7], np.int32)]))["finish_reason"]
+    chunk = stream.next(30)
+    for _ in range(64):  # chunks drafted before the commit arrived come first
+        if chunk["base"] == len(PROMPT) + 1:
+            break
+        chunk = stream.next(30)
+    assert chunk.type == "draft_chunk" and chunk["base"] == len(PROMPT) + 1
+    assert chunk.tensors[0].tolist()[:2] == [8, 5]
     assert ask(owner, ep, make("session_close", session="mine"))["finish_reason"] == "closed"
 
 
