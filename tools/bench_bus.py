@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="round trips per latency measurement (default 3000)")
     parser.add_argument("--seconds", type=float, default=1.5,
                         help="time budget per throughput size (default 1.5 s)")
+    parser.add_argument("--secret-file", metavar="F", default=None,
+                        help="measure CURVE (this cluster secret) vs plain in one run instead: "
+                             "RTT p50/p90 and 1 MiB throughput, interleaved (tools/bench_curve)")
 
 
 def _frame_backed(arr: np.ndarray) -> bool:
@@ -447,6 +450,11 @@ def render(result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.secret_file:
+        from tools.bench_curve import main as curve_vs_plain
+
+        extra = [] if args.json in (None, "-") else ["--json", args.json]
+        return curve_vs_plain(["--secret-file", args.secret_file, *extra])
     if args.rtt_count <= 0 or args.seconds <= 0:
         raise SystemExit("specbus bench bus: --rtt-count and --seconds must be positive")
     result = measure(args.rtt_count, args.seconds)
