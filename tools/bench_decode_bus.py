@@ -31,29 +31,10 @@ VERIFIER_CORE = ("--cpus", "0", "--threads", "1")
 PROPOSER_CORE = ("--cpus", "1")
 
 
-def free_port_pair() -> int:
-    """A port P with P + 1 free too (a node's request port and its gossip port)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65534:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no free port pair on 127.0.0.1")
-
-
 def run_bus(args, prompts: list[tuple[str, str]]) -> int:
     from nodes.cluster_client import ClusterClient, GenerateRequest
     from tools.delay_proxy import Delay, DelayProxy
-    from tools.local_cluster import ClusterStartError, LocalCluster
+    from tools.local_cluster import ClusterStartError, LocalCluster, free_port_pair
 
     n = 48 if args.quick else args.max_tokens
     if args.quick:

@@ -36,7 +36,7 @@ def _rss_mb(pid: int) -> float:
 
 
 def _start(c, n: int, threads: str):
-    from tests.shard.test_shard_loopback import free_port_pair
+    from tools.local_cluster import free_port_pair
 
     common = ("--role", "verifier", "--threads", threads, *LOOP)
     if n == 1:

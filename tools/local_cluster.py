@@ -250,6 +250,29 @@ class LocalCluster:
         self.stop()
 
 
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port P with P + 1 free too (a node's `--port`: request port P, gossip port P + 1).
+
+    For nodes that must be told their port before they start (behind a delay proxy, shard
+    groups with seeds); another process may still take it in between, so callers retry.
+    """
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind((host, 0))
+            port = a.getsockname()[1]
+            if port >= 65534:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind((host, port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError(f"no free port pair on {host}")
+
+
 def wait_all(pred: Callable[[], bool], timeout: float, step: float = 0.02) -> bool:
     """Poll `pred` until it holds or `timeout` passes; its last value."""
     end = time.monotonic() + timeout

@@ -123,8 +123,8 @@ def test_lying_proposer_is_ignored_and_counted(cluster, client, plain, mode):
 def test_delayed_proposer_through_the_proxy_stays_lossless(cluster, client, plain):
     """Chunks and commits held 20 ms each way by tools/delay_proxy.py (the proposer advertises
     the proxy): drafts arrive late and often stale, the output is the same."""
-    from tools.bench_decode_bus import free_port_pair
     from tools.delay_proxy import Delay, DelayProxy
+    from tools.local_cluster import free_port_pair
 
     port = free_port_pair()
     with DelayProxy(("127.0.0.1", port), Delay(0.02)) as proxy:

@@ -6,31 +6,13 @@ from __future__ import annotations
 import pytest
 
 from nodes.cluster_client import ClusterClient, GenerateRequest
-from tools.local_cluster import LocalCluster
+from tools.local_cluster import LocalCluster, free_port_pair
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "Copy exactly, word for word: The committee will meet on Tuesday at the main office."
 MAX_TOKENS = 16
 LOOP = ("--interface", "127.0.0.1", "--threads", "1")
-
-
-def free_port_pair() -> int:
-    """A loopback port P with P + 1 free too (a node's request and gossip ports)."""
-    import socket
-
-    while True:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65534:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
 
 
 def shard_flags(n: int, group: str, *extra: str) -> tuple[str, ...]:
