@@ -373,3 +373,7 @@ class ProposerSource(DraftSource):
             self.dropped = True
             self.best = None
             log.info("proposer %s dropped for session %s: %s", self.link.node_id, self.sid, why)
+            # a dropped proposer is no longer read: close its connection now rather than let
+            # whatever it still streams pile up against the receive high-water mark (libzmq
+            # 4.3.5 can abort the process on an engine whose input stopped at the HWM)
+            self.client.close_peer(self.link.endpoint)

@@ -5,11 +5,13 @@ ngram proposer on a third host."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from bus.security import write_secret_file
 from tools.local_cluster import LocalCluster
 from tools.netns import Lan, NetnsUnavailable
 
@@ -28,12 +30,12 @@ def lan():
         pytest.skip(str(exc))
 
 
-def generate(lan, cluster, host, *extra):
+def generate(lan, cluster, host, *extra, env=None):
     out = subprocess.run(
         [*lan.prefix(host), sys.executable, "-m", "nodes.cli", "generate", "--cluster", cluster,
          "--interface", lan.address(host), "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS),
          "--json", "--wait", "30", *extra],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -51,7 +53,9 @@ def unsharded_greedy() -> list[int]:
 
 def test_two_stages_on_two_hosts(lan, tmp_path):
     flags = ("--role", "verifier", "--shards", "2", "--shard-group", "wide", "--threads", "1")
-    with LocalCluster(log_dir=tmp_path / "logs") as c:
+    secret = write_secret_file(tmp_path / "cluster.key")  # off loopback a secret is required
+    env = {**os.environ, "SPECBUS_SECRET_FILE": str(secret)}
+    with LocalCluster(log_dir=tmp_path / "logs", env={"SPECBUS_SECRET_FILE": str(secret)}) as c:
         a = c.start_node("s1", *flags, "--interface", lan.address(1), prefix=lan.prefix(1))
         b = c.spawn("s2", *flags, "--interface", lan.address(2), prefix=lan.prefix(2))
         formed = [p.wait_event(lambda e: e["event"] in ("shard_formed", "eof"), 240)
@@ -61,8 +65,8 @@ def test_two_stages_on_two_hosts(lan, tmp_path):
         assert leader["endpoints"]["stream"].startswith("tcp://10.77.0.")
         p = c.start_node("p", "--role", "proposer", "--drafter", "ngram", "--interface",
                          lan.address(3), prefix=lan.prefix(3))
-        plain = generate(lan, c.cluster, 3, "--no-speculate")
-        spec = generate(lan, c.cluster, 3, "--proposer", p.node_id, "--force-draft")
+        plain = generate(lan, c.cluster, 3, "--no-speculate", env=env)
+        spec = generate(lan, c.cluster, 3, "--proposer", p.node_id, "--force-draft", env=env)
     assert plain["verifier"] == leader["node_id"]
     assert spec["token_ids"] == plain["token_ids"]
     assert spec["proposers"][p.node_id]["drafts"] >= 1
