@@ -119,13 +119,11 @@ class ProposerRole:
         self.stats.refused = self._book.refused
         self._sweep_every = sweep_every
         self._stop = threading.Event()
-        self._loop = None
         self._turn = 0  # round robin over sessions that want drafting
         self._worker = threading.Thread(target=self._run, name="proposer-worker", daemon=True)
 
     # -- wiring -----------------------------------------------------------------------------
     def attach(self, node) -> None:
-        self._loop = node.loop if hasattr(node, "loop") else None
         for t in self.TYPES:
             node.register_request(t, self.enqueue)
         self._worker.start()
