@@ -82,6 +82,8 @@ class Stats:
     draft_s: float = 0.0
     drafter_errors: int = 0
     tree_blocks: int = 0  # speculative blocks whose draft was a branching tree
+    waits: int = 0  # steps that waited for a source's announced drafts (the cost model's call)
+    waited_s: float = 0.0
     k_hist: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -107,6 +109,8 @@ class Stats:
             "draft_s": self.draft_s,
             "drafter_errors": self.drafter_errors,
             "tree_blocks": self.tree_blocks,
+            "waits": self.waits,
+            "waited_s": self.waited_s,
         }
 
 
@@ -132,6 +136,7 @@ class _Slot:
     asked: bool = False  # proposed this step (gets feedback on its offer)
     offered: int = 0
     tag: int = -1  # this step's source index in the tree's owner sets
+    budget: int = 0  # draft tokens asked of it this step
 
 
 @dataclass
@@ -298,8 +303,6 @@ class Engine:
             stats.spec_blocks += 1
             stats.drafted += tree.drafted
             stats.accepted += len(path)
-            if self.fixed_k is None:
-                seq.cost.record_acceptance(tree.depth, len(path))
         else:
             stats.plain_steps += 1
         return self._commit(seq, new, drafted=tree.drafted, accepted=len(path), tree=tree,
@@ -307,22 +310,20 @@ class Engine:
 
     # ---- the step's parts -------------------------------------------------------------------
     def _plan(self, seq: SequenceState) -> TokenTree:
-        """Ask every source for candidates and merge them into one tree within the budget."""
-        pending = seq.generated[-1]
+        """Ask every source for candidates, each within the budget its own record earns, merge
+        them into one tree (the likeliest source first) and keep the nodes worth a forward."""
         remaining = seq.params.max_tokens - len(seq.generated)
-        if not seq.slots:
-            budget = 0
-        elif self.fixed_k is not None:
-            budget = self.fixed_k
-        else:
-            budget = seq.cost.choose_k()
-        budget = max(0, min(budget, self.max_draft, remaining - 1))
+        cap = max(0, min(self.max_draft, remaining - 1))
+        adaptive = self.fixed_k is None
         committed = seq.committed
-        tree = TokenTree(pending)
+        tree = TokenTree(seq.generated[-1])
         found: list[tuple[int, Candidate]] = []
-        t0 = time.perf_counter()
+        probes: set[int] = set()
         for i, slot in enumerate(list(seq.slots)):
-            slot.asked, slot.offered, slot.tag = False, 0, i
+            slot.asked, slot.offered, slot.tag, slot.budget = False, 0, i, 0
+            budget = seq.cost.choose_k(slot.name) if adaptive else self.fixed_k
+            budget = slot.budget = max(0, min(budget, cap))
+            t0 = time.perf_counter()
             try:
                 cands = slot.source.propose(committed, budget)
             except Exception as exc:  # noqa: BLE001 - a broken source must not end generation
@@ -331,26 +332,68 @@ class Engine:
                 seq.slots.remove(slot)
                 _close_quietly(slot.source)
                 continue
+            dt = time.perf_counter() - t0
             slot.asked = True
-            found += [(i, c) for c in (self._clean(c) for c in cands) if len(c.tokens)]
-        if found and not self.tree:
-            found = found[:1]  # single-path verification: the first source's first candidate
-        offered = tree.add(found, budget, max_depth=max(remaining - 1, 0))
-        for slot in seq.slots:
-            slot.offered = offered.get(slot.tag, 0)
-        dt = time.perf_counter() - t0
-        if budget > 0:
+            if budget <= 0:
+                continue
+            cands = [c for c in (self._clean(c, budget) for c in cands) if len(c.tokens)]
             seq.stats.draft_s += dt
-            if self.fixed_k is None:
-                seq.cost.record_draft(tree.drafted, dt)
+            if adaptive:
+                seq.cost.record_draft(sum(len(c.tokens) for c in cands), dt, slot.name)
+                if seq.cost.probing(slot.name):
+                    probes.add(i)
+            found += [(i, c) for c in cands]
+        if adaptive and not found:
+            found = self._wait_for_drafts(seq, committed, cap)
+        if adaptive:  # the source most likely to be right goes first (and wins ties)
+            rank = {s.tag: seq.cost.acceptance_of(s.name) for s in seq.slots}
+            found.sort(key=lambda pair: -rank[pair[0]])
+        if found and not self.tree:
+            found = found[:1]  # single-path verification: the best source's first candidate
+        tree.add(found, cap if adaptive else min(cap, self.fixed_k),
+                 max_depth=max(remaining - 1, 0))
+        if adaptive and tree.drafted and seq.params.sampling.greedy:
+            # greedy only: which proposals survive must not depend on sampled draft tokens
+            values = tree.node_values({s.tag: seq.cost.acceptance_of(s.name) for s in seq.slots})
+            forced = [bool(probes & owners) for owners in tree.owners]
+            tree = tree.subtree(seq.cost.select(values, forced))
+        for slot in seq.slots:
+            slot.offered = tree.offered_by(slot.tag)
+        if tree.drafted or found:
             seq.stats.k_hist[tree.drafted] = seq.stats.k_hist.get(tree.drafted, 0) + 1
         return tree
 
-    def _clean(self, cand: Candidate) -> Candidate:
-        """A hostile or buggy source must not break the verifier: cut at the first bad id,
-        ignore probabilities of the wrong shape (the draft is then deterministic)."""
+    def _wait_for_drafts(self, seq: SequenceState, committed: list[int],
+                         cap: int) -> list[tuple[int, Candidate]]:
+        """Nothing to verify but a plain step: wait for the one source whose announced drafts
+        pay for the wait (the likeliest first), bounded by twice its announcement."""
+        ranked = sorted(seq.slots, key=lambda s: -seq.cost.acceptance_of(s.name))
+        for slot in ranked:
+            k = min(slot.budget, cap)
+            wait = slot.source.expected_wait() if k > 0 else None
+            if wait is None or not seq.cost.wait_pays(slot.name, k, wait):
+                continue
+            t0 = time.perf_counter()
+            try:
+                came = slot.source.wait(2 * wait + 0.001)
+                cands = slot.source.propose(committed, k) if came else []
+            except Exception as exc:  # noqa: BLE001 - same policy as propose
+                log.warning("draft source %s failed, going on without it: %r", slot.name, exc)
+                seq.stats.drafter_errors += 1
+                seq.slots.remove(slot)
+                _close_quietly(slot.source)
+                return []
+            seq.stats.waited_s += time.perf_counter() - t0
+            seq.stats.waits += 1
+            return [(slot.tag, c) for c in (self._clean(c, k) for c in cands) if len(c.tokens)]
+        return []
+
+    def _clean(self, cand: Candidate, budget: int) -> Candidate:
+        """A hostile or buggy source must not break the verifier: cut at the first bad id and
+        at the budget it was given, ignore probabilities of the wrong shape (the draft is then
+        deterministic)."""
         vocab = self.backend.vocab_size
-        ids = np.asarray(cand.tokens, dtype=np.int64).reshape(-1)[: self.max_draft]
+        ids = np.asarray(cand.tokens, dtype=np.int64).reshape(-1)[: min(budget, self.max_draft)]
         bad = np.nonzero((ids < 0) | (ids >= vocab))[0]
         if bad.size:
             ids = ids[: bad[0]]
@@ -389,7 +432,7 @@ class Engine:
                 accepted=tree.accepted_by(slot.tag, path) if asked else 0,
             )
             if fb.offered and self.fixed_k is None:
-                seq.cost.record_source(slot.name, fb.offered, fb.accepted)
+                seq.cost.record_acceptance(tree.depth_of(slot.tag), fb.accepted, slot.name)
             try:
                 slot.source.feedback(fb)
             except Exception as exc:  # noqa: BLE001 - same policy as propose
@@ -458,6 +501,12 @@ class _Borrowed(DraftSource):
 
     def feedback(self, fb: Feedback) -> None:
         self.inner.feedback(fb)
+
+    def expected_wait(self) -> float | None:
+        return self.inner.expected_wait()
+
+    def wait(self, timeout: float) -> bool:
+        return self.inner.wait(timeout)
 
 
 def _open_source(drafter: Drafter, prompt: list[int], sp: SamplingParams) -> DraftSource:

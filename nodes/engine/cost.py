@@ -1,22 +1,54 @@
-"""The one cost model: how many draft nodes a verify forward is worth, from measured costs.
+"""The one cost model: which draft tokens a verify forward is worth, from measured costs.
 
-Used by the engine for every step (chain or tree) and meant for remote proposers' budgeting too
-(`nodes/roles/remote_draft.py` can drop its own estimator for this one).
+Every draft source is judged on its own record, so a weak source can neither drag a strong one's
+budget down nor crowd its tree (ngram + int8 must never lose to the better of the two alone).
 
-Expected tokens committed by a block with k drafts at per-token acceptance a is
-E(k) = (1 - a^(k+1)) / (1 - a). We pick the k maximising E(k) / (verify(k+1) + draft(k)),
-where k = 0 is a plain decode step. Verify cost is learnt per fed-token count (it is strongly
-sublinear on CPU), draft cost per drafted token. When speculation does not pay we decode plainly
-and re-probe now and then (backing off while probes keep failing) so a drafter that starts
-agreeing (e.g. the output begins to quote the input) is picked up again.
+Per source, per generation: a decayed estimate of the per-token acceptance a_s (probability that
+the next draft token is right, given the ones before it were). Expected tokens committed by a
+chain of k drafts is E(k) = (1 - a^(k+1)) / (1 - a); a source is asked for the k maximising
+E(k) / (verify(k+1) + draft_s(k)) (`choose_k`), or not at all (k = 0) when no k beats a plain
+step; such a source is re-probed now and then, backing off while probes keep failing, so a
+drafter that starts agreeing (the output begins to quote the input) is picked up again.
+
+Once the sources have answered, `select` prunes the merged tree: each node's chance of ending on
+the accepted path comes from its owners' acceptance (`TokenTree.node_values`), nodes are taken
+best first (always prefix-closed) and the tree is cut where expected tokens per second of verify
+is highest. Drafting already spent is sunk and does not count there.
+
+A source with nothing to offer yet may say its drafts are due in w seconds (a remote proposer
+answering the commit just pushed); `wait_pays` waits for them only when E(k) / (w + verify(k+1))
+beats a plain step, so a fast proposer is waited for a millisecond and a slow or unhelpful one
+never.
+
+Verify cost is learnt per fed-token count (it is strongly sublinear on CPU), draft cost per
+drafted token and per source; both belong to the backend, device and drafter and are kept
+across generations.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _DECAY = 0.7  # weight of history per block: acceptance comes in phases (copying or not)
 _EMA = 0.3
+#: the source key of callers that do not name one (a single drafter)
+POOLED = ""
+
+
+@dataclass
+class _SourceEstimate:
+    """One source's acceptance and probing state for the current generation."""
+
+    acc: float
+    trials: float
+    probe_interval: int
+    plain_streak: int = 0
+    probing: bool = False
+
+    @property
+    def acceptance(self) -> float:
+        return self.acc / self.trials
 
 
 @dataclass
@@ -34,33 +66,23 @@ class CostModel:
     margin: float = 1.0
     #: a probe's draft length: on CPU a few more tokens cost little once n >= 2
     probe_k: int = 6
-    _acc: float = 0.0
-    _trials: float = 0.0
     _verify: dict[int, float] = field(default_factory=dict)  # fed tokens -> EMA seconds
-    #: seconds per drafted token (EMA) under key "per_token"; a dict so forks share it
+    #: source -> seconds per drafted token (EMA); a dict so forks share it
     _draft: dict[str, float] = field(default_factory=dict)
-    _plain_streak: int = 0
-    _probing: bool = False
-    _probe_interval: int = 8
-    #: source name -> [decayed accepted, decayed offered] draft tokens
-    _sources: dict[str, list[float]] = field(default_factory=dict)
+    #: source -> this generation's acceptance and probing state
+    _sources: dict[str, _SourceEstimate] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.start_generation()
 
     def start_generation(self) -> None:
         """Forget acceptance (it belongs to the previous prompt); keep the learnt costs."""
-        self._probe_interval = self.probe_every
-        self._plain_streak = 0
-        self._probing = False
-        # the prior is decayed like any observation, so evidence soon outweighs it
-        self._acc = self.prior_acceptance * self.prior_weight
-        self._trials = self.prior_weight
+        self._sources = {}
 
     def fork(self) -> CostModel:
         """A per-sequence model: fresh acceptance; verify and draft costs shared with this one
         (they belong to the backend, device and drafter, not to a prompt)."""
-        other = CostModel(
+        other = type(self)(
             max_k=self.max_k, min_k=self.min_k, probe_every=self.probe_every,
             max_probe_every=self.max_probe_every, prior_acceptance=self.prior_acceptance,
             prior_weight=self.prior_weight, prior_jump=self.prior_jump,
@@ -70,10 +92,29 @@ class CostModel:
         other._draft = self._draft
         return other
 
+    # ---- estimates --------------------------------------------------------------------------
+    def _source(self, name: str) -> _SourceEstimate:
+        est = self._sources.get(name)
+        if est is None:
+            # the prior is decayed like any observation, so evidence soon outweighs it
+            est = _SourceEstimate(self.prior_acceptance * self.prior_weight, self.prior_weight,
+                                  self.probe_every)
+            self._sources[name] = est
+        return est
+
+    def acceptance_of(self, name: str = POOLED) -> float:
+        """Estimated probability that `name`'s next draft token is accepted."""
+        return self._source(name).acceptance
+
     @property
     def acceptance(self) -> float:
-        """Estimated probability that the next draft token is accepted."""
-        return self._acc / self._trials
+        """The single (unnamed) source's estimate."""
+        return self.acceptance_of(POOLED)
+
+    def probing(self, name: str = POOLED) -> bool:
+        """Whether `name`'s current proposal is a probe (kept in the tree whatever it is worth)."""
+        est = self._sources.get(name)
+        return est is not None and est.probing
 
     def verify_cost(self, n: int) -> float:
         """Seconds for a verifier forward over n tokens, learnt.
@@ -102,61 +143,98 @@ class CostModel:
             return max(cm + per_token * (n - m), c1)
         return c1 * (self.prior_jump + self.prior_slope * (n - 2))
 
-    def expected_rate(self, k: int) -> float:
-        """Committed tokens per second expected from a block with k drafts."""
-        a = min(self.acceptance, 0.999)
-        tokens = (1 - a ** (k + 1)) / (1 - a)
-        cost = self.verify_cost(k + 1) + self._draft.get("per_token", 0.0) * k
-        return tokens / cost
+    def draft_cost(self, name: str = POOLED) -> float:
+        """Seconds per token `name` drafts on the verifier's time (0 for remote drafts)."""
+        return self._draft.get(name, 0.0)
 
-    def choose_k(self) -> int:
-        """Draft length for the next block; 0 means a plain step."""
-        best_k = max(range(self.min_k, self.max_k + 1), key=self.expected_rate)
+    def expected_rate(self, k: int, name: str = POOLED) -> float:
+        """Committed tokens per second expected from a block of k of `name`'s drafts."""
+        a = min(self.acceptance_of(name), 0.999)
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        return tokens / (self.verify_cost(k + 1) + self.draft_cost(name) * k)
+
+    # ---- decisions --------------------------------------------------------------------------
+    def choose_k(self, name: str = POOLED) -> int:
+        """How many tokens to ask `name` for in the next step; 0 means do not ask."""
+        est = self._source(name)
+        best_k = max(range(self.min_k, self.max_k + 1), key=lambda k: self.expected_rate(k, name))
         # demand a margin: costs are noisy, and a wrong "yes" costs more than a wrong "no"
-        if self.expected_rate(best_k) > self.margin * self.expected_rate(0):
-            self._plain_streak = 0
-            self._probing = False
+        if self.expected_rate(best_k, name) > self.margin * self.expected_rate(0, name):
+            est.plain_streak = 0
+            est.probing = False
             return best_k
-        self._plain_streak += 1
-        if self._plain_streak >= self._probe_interval:
-            self._plain_streak = 0
-            self._probing = True
+        est.plain_streak += 1
+        if est.plain_streak >= est.probe_interval:
+            est.plain_streak = 0
+            est.probing = True
             return min(self.max_k, self.probe_k)
+        est.probing = False
         return 0
 
+    def wait_pays(self, name: str, k: int, wait_s: float) -> bool:
+        """Whether waiting `wait_s` for k of `name`'s drafts beats a plain step now: expected
+        committed tokens per second of (wait + verify) against one token per plain verify."""
+        if k <= 0 or wait_s < 0:
+            return False
+        a = min(self.acceptance_of(name), 0.999)
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        rate = tokens / (wait_s + self.verify_cost(k + 1))
+        return rate > self.margin * self.expected_rate(0, name)
+
+    def select(self, values: Sequence[float], forced: Sequence[bool]) -> list[int]:
+        """Draft nodes (1-based tree indices) worth one forward, best first, prefix-closed.
+
+        `values[i]` is node i's chance of ending on the accepted path (`values[0]`, the pending
+        token, is ignored); `forced[i]` keeps node i whatever it is worth (a probe's chain,
+        whose parents are forced too). Ties go to the older node, which is never a descendant
+        of a newer one, and a child is never worth more than its parent, so every prefix of the
+        order is a tree.
+        """
+        nodes = range(1, len(values))
+        must = [i for i in nodes if forced[i]]
+        rest = sorted((i for i in nodes if not forced[i]), key=lambda i: (-values[i], i))
+        gain = 1.0 + sum(values[i] for i in must)
+        best_n, best_rate = 0, gain / self.verify_cost(1 + len(must))
+        if not must:
+            best_rate *= self.margin
+        for n, i in enumerate(rest, start=1):
+            gain += values[i]
+            rate = gain / self.verify_cost(1 + len(must) + n)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return sorted(must + rest[:best_n])
+
+    # ---- observations -----------------------------------------------------------------------
     def record_verify(self, fed: int, seconds: float) -> None:
         old = self._verify.get(fed)
         self._verify[fed] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
 
-    def record_draft(self, drafted: int, seconds: float) -> None:
+    def record_draft(self, drafted: int, seconds: float, name: str = POOLED) -> None:
+        """`name` spent `seconds` of the verifier's time drafting `drafted` tokens."""
         if drafted <= 0:
             return
         per = seconds / drafted
-        old = self._draft.get("per_token")
-        self._draft["per_token"] = per if old is None else (1 - _EMA) * old + _EMA * per
+        old = self._draft.get(name)
+        self._draft[name] = per if old is None else (1 - _EMA) * old + _EMA * per
 
-    def record_acceptance(self, drafted: int, accepted: int) -> None:
+    def record_acceptance(self, drafted: int, accepted: int, name: str = POOLED) -> None:
+        """`name`'s deepest offered chain was `drafted` long; its first `accepted` tokens were
+        right (the token after them, if any, was wrong)."""
         if drafted <= 0:
             return
-        if self._probing:  # failed probes back off exponentially, a hit resets the interval
-            self._probing = False
-            backoff = min(2 * self._probe_interval, self.max_probe_every)
-            self._probe_interval = self.probe_every if accepted else backoff
+        est = self._source(name)
+        if est.probing:  # failed probes back off exponentially, a hit resets the interval
+            est.probing = False
+            backoff = min(2 * est.probe_interval, self.max_probe_every)
+            est.probe_interval = self.probe_every if accepted else backoff
         trials = accepted + (1 if accepted < drafted else 0)
-        self._acc = _DECAY * self._acc + accepted
-        self._trials = _DECAY * self._trials + trials
-
-    def record_source(self, name: str, offered: int, accepted: int) -> None:
-        """How one source's proposals fared in a step (tokens placed in the tree / accepted)."""
-        if offered <= 0:
-            return
-        acc, off = self._sources.get(name, [0.0, 0.0])
-        self._sources[name] = [_DECAY * acc + accepted, _DECAY * off + offered]
+        est.acc = _DECAY * est.acc + accepted
+        est.trials = _DECAY * est.trials + trials
 
     def source_acceptance(self, name: str) -> float | None:
-        """Recent fraction of a source's tree tokens that ended on the accepted path."""
-        got = self._sources.get(name)
-        return got[0] / got[1] if got and got[1] > 0 else None
+        """A named source's estimate, or None before it was ever heard of."""
+        est = self._sources.get(name)
+        return None if est is None else est.acceptance
 
 
 #: the old name (nodes.engine.adaptive); same object

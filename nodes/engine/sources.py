@@ -4,7 +4,9 @@ The engine asks every source, once per step, "what do you have that extends this
 prefix?" with `propose(committed, budget)`, and takes whatever comes back at once (possibly
 nothing): a source must not block waiting for drafts that have not arrived. After the verify
 forward it tells every source, asked or not, what was committed and how its own proposals
-fared with `feedback(Feedback)`: explicit, never inferred from the next prefix.
+fared with `feedback(Feedback)`: explicit, never inferred from the next prefix. A source whose
+drafts are in flight may say when they are due (`expected_wait`); the engine decides whether a
+bounded wait for them pays (`CostModel.wait_pays`), else it goes on without them.
 
 `SessionSource` adapts the older `DraftSession` interface (extend(delta)/draft(k)), so remote
 sessions and third-party drafters keep working unchanged.
@@ -47,6 +49,18 @@ class DraftSource(ABC):
     def feedback(self, fb: Feedback) -> None:
         """Called after every step, whether or not this source's candidates were used."""
         return None
+
+    def expected_wait(self) -> float | None:
+        """Seconds until drafts extending the latest commit are expected to arrive, when this
+        source had none to offer and some are on their way (a remote proposer answering the
+        commit just pushed); None when nothing is expected. The engine waits only when its cost
+        model says the wait pays."""
+        return None
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds for the drafts `expected_wait` announced; True when they
+        came. Only called after `expected_wait` returned a number."""
+        return False
 
     def close(self) -> None:
         return None

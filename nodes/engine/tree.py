@@ -120,6 +120,44 @@ class TokenTree:
         self.children[parent][tok] = node
         return node
 
+    def node_values(self, acceptance: dict[int, float]) -> list[float]:
+        """Each node's chance of ending on the accepted path, from its owners' per-token
+        acceptance (`acceptance[source]`, the best owner counts). Siblings exclude each other:
+        a parent's children, in the order they were proposed, share what the ones before them
+        left (the second child of a parent whose first is right 90 % of the time gets at most
+        10 %)."""
+        values = [1.0] * len(self.tokens)
+        for parent, kids in enumerate(self.children):
+            left = 1.0
+            for child in kids.values():
+                a = max((acceptance.get(s, 0.0) for s in self.owners[child]), default=0.0)
+                p = min(max(a, 0.0), 0.999) * left
+                left -= p
+                values[child] = values[parent] * p
+        return values
+
+    def subtree(self, keep: Sequence[int]) -> TokenTree:
+        """The root and the nodes `keep` (ascending, every parent of a kept node kept),
+        renumbered; trials of dropped children are dropped with them."""
+        out = TokenTree(self.tokens[0])
+        new = {0: 0}
+        for node in keep:
+            child = out._new(self.tokens[node], new[self.parents[node]])
+            out.owners[child] = set(self.owners[node])
+            new[node] = child
+        for old, node in new.items():
+            out.trials[node] = [(new[c], q) for c, q in self.trials[old] if c in new]
+        return out
+
+    def offered_by(self, source: int) -> int:
+        """Nodes `source` proposed (shared ones included)."""
+        return sum(1 for owners in self.owners if source in owners)
+
+    def depth_of(self, source: int) -> int:
+        """The deepest node `source` proposed (0: none)."""
+        return max((d for d, o in zip(self.depths, self.owners, strict=True) if source in o),
+                   default=0)
+
     def accepted_by(self, source: int, path: Sequence[int]) -> int:
         """How many leading nodes of an accepted path `source` had proposed."""
         n = 0

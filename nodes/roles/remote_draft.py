@@ -5,10 +5,13 @@ Protocol 2 (docs/protocol.md, "Draft sessions"). Per generation and proposer, on
 commit with `session_extend` right after the step that made it (from `feedback`, waiting for
 nothing), and on `propose` reads whatever chunks have arrived (`DirectClient.poll(0)`), keeps
 the freshest one that still extends the committed prefix and offers its tokens past that
-prefix. The only wait is forced drafting (tests pin speculation with it): a bounded wait for a
-chunk that extends the current prefix, given up at once when membership says the proposer is
-no longer alive. How many tokens to verify is the engine's `CostModel`'s choice (the budget);
-here there is no estimator of our own.
+prefix. It never waits on its own: it tells the engine when the chunk answering the last commit
+is due (`expected_wait`, measured: push to first chunk based on it), and the engine's cost model
+decides whether a bounded wait (`wait`) pays. The other wait is forced drafting (tests pin
+speculation with it): a bounded wait for a chunk that extends the current prefix, given up at
+once when membership says the proposer is no longer alive. How many tokens to verify is the
+engine's `CostModel`'s choice (the budget, from this proposer's own acceptance); here there is
+no estimator of our own.
 
 A proposer that is wrong (bad chunk, wrong session, position it cannot know, ids outside the
 vocabulary), silent or failing is counted and, after a few failures in a row or at once for
@@ -167,6 +170,9 @@ class ProposerSource(DraftSource):
         self.step_s: float | None = None  # EMA of time between feedbacks (a verify step)
         self.per_step: float = 1.0  # EMA of tokens committed per step
         self._last_fb: float | None = None
+        #: the last commit pushed (committed length, sent at) until a chunk based on it arrives
+        self.awaiting: tuple[int, float] | None = None
+        self.fresh_s: float | None = None  # EMA: commit pushed -> first chunk based on it
         self.horizon = self._horizon()
         opening = SessionOpen(session_id, np.asarray(self.tokens, dtype=np.int32), lease_s,
                               wire_sampling(sampling), tokenizer=fingerprint,
@@ -214,6 +220,25 @@ class ProposerSource(DraftSource):
         call = self._send(push, self.policy.commit_timeout_s)
         if call is not None:
             self.commits[call] = now
+            self.awaiting = (len(self.tokens), now)
+
+    def expected_wait(self) -> float | None:
+        """How long until the chunk answering the last commit is due, from how long such
+        chunks took so far (round trip plus the proposer's drafting); None before any was
+        measured, once it came, or for a dropped proposer."""
+        if self.dropped or self.awaiting is None or self.fresh_s is None:
+            return None
+        return max(0.0, self.fresh_s - (time.monotonic() - self.awaiting[1]))
+
+    def wait(self, timeout: float) -> bool:
+        """Read replies until the chunk answering the last commit is in (or `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while self.awaiting is not None and not self.dropped:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._drain(min(left, self.policy.liveness_poll_s))
+        return not self.dropped
 
     def stats(self) -> dict:
         return {**self.link.as_dict(since=self.start), "dropped": self.dropped}
@@ -317,6 +342,11 @@ class ProposerSource(DraftSource):
         self.failures = 0
         if self.best is None or chunk.base >= self.best[0]:
             self.best = (chunk.base, chunk.tokens)  # fresher: it knows at least as much
+        if self.awaiting is not None and chunk.base >= self.awaiting[0]:
+            took = time.monotonic() - self.awaiting[1]
+            self.fresh_s = took if self.fresh_s is None else self.fresh_s + _EMA * (
+                took - self.fresh_s)
+            self.awaiting = None
         if not msg.more:
             self._drop("draft stream ended")
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from nodes.engine.adaptive import DraftLengthController
+from nodes.engine.tree import Candidate, TokenTree
 
 
 def feed(c, cost, accept_rate, blocks=200):
@@ -56,3 +60,85 @@ def test_new_generation_forgets_acceptance_keeps_costs():
     c.start_generation()
     assert c.acceptance == c.prior_acceptance
     assert c.verify_cost(5) == learnt
+
+
+# ---- per-source estimates and tree selection ------------------------------------------------
+CPU = lambda n: 0.056 if n == 1 else 0.090 + 0.003 * (n - 2)  # noqa: E731 - SmolLM2 on CPU
+
+
+def seeded(max_k=16):
+    c = DraftLengthController(max_k=max_k)
+    for n in range(1, max_k + 2):
+        c.record_verify(n, CPU(n))
+    return c
+
+
+def test_each_source_is_judged_on_its_own_record():
+    c = seeded()
+    for _ in range(30):
+        c.record_acceptance(8, 8, "good")  # every token right
+        c.record_acceptance(8, 0, "bad")  # never
+    assert c.acceptance_of("good") > 0.95 and c.acceptance_of("bad") < 0.05
+    assert c.choose_k("good") >= 12  # a weak neighbour does not shrink a strong source
+    ks = [c.choose_k("bad") for _ in range(100)]
+    assert 0 < sum(1 for k in ks if k) <= 100 // c.probe_every  # off, but probed
+    assert c.choose_k("new") > 0  # an unknown source starts from the prior and is tried
+
+
+def test_remote_drafts_cost_nothing_local_drafting_counts():
+    c = seeded()
+    for _ in range(10):
+        c.record_acceptance(6, 2, "int8")
+        c.record_acceptance(6, 2, "remote")
+        c.record_draft(6, 6 * 0.040, "int8")  # 40 ms per drafted token on the verifier's time
+    assert c.acceptance_of("int8") == pytest.approx(c.acceptance_of("remote"))
+    assert c.choose_k("remote") > 0
+    assert c.choose_k("int8") == 0
+
+
+def test_node_values_follow_owners_and_siblings_share():
+    tree = TokenTree(1)
+    tree.add([(0, Candidate(np.asarray([5, 6]))), (1, Candidate(np.asarray([7, 8])))], 8, 8)
+    tree.add([(1, Candidate(np.asarray([5, 9])))], 8, 8)  # 5 shared by both sources
+    v = tree.node_values({0: 0.5, 1: 0.9})
+    by_tok = dict(zip(tree.tokens, v, strict=True))
+    assert by_tok[5] == pytest.approx(0.9)  # the better owner counts
+    assert by_tok[6] == pytest.approx(0.9 * 0.5)
+    assert by_tok[9] == pytest.approx(0.9 * 0.9 * 0.5)  # the second child gets what is left
+    assert by_tok[7] == pytest.approx(0.9 * 0.1)  # second child of the root
+    assert by_tok[8] == pytest.approx(0.9 * 0.1 * 0.9)
+
+
+def test_select_keeps_what_pays_and_is_prefix_closed():
+    c = seeded()
+    tree = TokenTree(1)
+    tree.add([(0, Candidate(np.arange(10, 20))), (1, Candidate(np.arange(30, 36)))], 16, 16)
+    strong = tree.node_values({0: 0.95, 1: 0.05})
+    keep = c.select(strong, [False] * len(tree))
+    kept = tree.subtree(keep)
+    assert kept.tokens[1:] == list(range(10, 20))  # the strong chain whole, the weak one gone
+    assert kept.is_chain() and kept.offered_by(0) == 10 and kept.offered_by(1) == 0
+    # nothing worth a wider forward: a plain step (a 1-token draft costs 1.6x for 0.3 tokens)
+    weak = tree.node_values({0: 0.3, 1: 0.05})
+    assert c.select(weak, [False] * len(tree)) == []
+    # a probe's chain stays whatever it is worth, and with it every parent
+    forced = [1 in owners for owners in tree.owners]
+    keep = c.select(weak, forced)
+    assert [tree.tokens[i] for i in keep if 1 in tree.owners[i]] == list(range(30, 36))
+    # ... and once the forward is wide anyway, the other chain's likeliest tokens ride along
+    assert [tree.tokens[i] for i in keep if 0 in tree.owners[i]] == [10, 11]
+    mixed = c.select(tree.node_values({0: 0.7, 1: 0.6}), [False] * len(tree))
+    assert all(tree.parents[i] == 0 or tree.parents[i] in mixed for i in mixed)
+    assert any(1 in tree.owners[i] for i in mixed) and any(0 in tree.owners[i] for i in mixed)
+
+
+def test_a_wait_is_taken_only_when_it_pays():
+    c = seeded()
+    for _ in range(10):
+        c.record_acceptance(8, 8, "fast")  # nearly always right
+        c.record_acceptance(8, 0, "wrong")
+    assert c.wait_pays("fast", 8, 0.001)  # a millisecond for ~8 tokens
+    assert c.wait_pays("fast", 8, 0.150)  # even 150 ms: ~8 tokens for 0.32 s vs 1 per 56 ms
+    assert not c.wait_pays("fast", 8, 1.0)
+    assert not c.wait_pays("wrong", 8, 0.001)  # nothing to gain
+    assert not c.wait_pays("fast", 0, 0.001)

@@ -9,6 +9,7 @@ import pytest
 
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.core import Stats
+from nodes.engine.cost import CostModel
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import Candidate, TokenTree
 from tests.engine.conftest import hf_greedy
@@ -254,3 +255,92 @@ def test_feedback_is_explicit_and_survives_a_failing_source(tiny_torch, prompt_i
         # the truth is among the recorder's candidates: every accepted token was its proposal
         assert fb.accepted == block.accepted
         assert fb.offered >= fb.accepted and (fb.offered > 0) == (block.drafted > 0)
+
+
+class PinnedCost(CostModel):
+    """The cost model with verify costs fixed (SmolLM2 on CPU) and no timing learnt, so the
+    adaptive decisions under test depend only on which drafts were right."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        for n in range(1, 18):
+            self._verify[n] = 0.056 if n == 1 else 0.090 + 0.003 * (n - 2)
+
+    def record_verify(self, fed, seconds):
+        return None
+
+    def record_draft(self, drafted, seconds, name=""):
+        return None
+
+
+class Chain(DraftSource):
+    """Proposes the reference's continuation, or a wrong one (every token shifted)."""
+
+    def __init__(self, name, reference, vocab, *, right):
+        self.name, self.reference, self.vocab, self.right = name, reference, vocab, right
+        self.offered = []
+
+    def propose(self, committed, budget):
+        truth = self.reference[len(committed) : len(committed) + budget]
+        toks = truth if self.right else [(t + 1) % self.vocab for t in truth]
+        return [Candidate(np.asarray(toks))] if toks else []
+
+    def feedback(self, fb):
+        self.offered.append(fb.offered)
+
+
+def test_a_wrong_source_is_pruned_without_costing_the_right_one(tiny_torch, prompt_ids,
+                                                                 reference):
+    engine = Engine(tiny_torch)
+    engine.cost = PinnedCost(max_k=engine.max_draft)
+    full = prompt_ids + reference
+    # the wrong source comes first: order must not matter, its record must
+    junk = Chain("junk", full, tiny_torch.vocab_size, right=False)
+    truth = Chain("truth", full, tiny_torch.vocab_size, right=True)
+    params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
+    out, stats = run(engine, prompt_ids, params, sources=[junk, truth])
+    assert out == reference[:N]
+    steps = len(truth.offered) - 1  # the prefill offers nothing
+    assert sum(1 for o in junk.offered if o) <= 2  # the prior's tries, then it is left out
+    assert sum(1 for o in truth.offered if o) >= steps - 1
+    assert stats.blocks <= 4  # long blocks: the right chain is never cut short for the junk
+
+
+class Late(Chain):
+    """A remote-like source: its drafts for a commit arrive only after `wait` (no clock: the
+    arrival is the call), and it announces them as due in a millisecond."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.arrived, self.waits = False, 0
+
+    def propose(self, committed, budget):
+        return super().propose(committed, budget) if self.arrived else []
+
+    def feedback(self, fb):
+        super().feedback(fb)
+        self.arrived = False  # a new commit: its answer is on its way
+
+    def expected_wait(self):
+        return None if self.arrived else 0.001
+
+    def wait(self, timeout):
+        self.waits += 1
+        self.arrived = True
+        return True
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_announced_drafts_are_waited_for_only_when_they_pay(tiny_torch, prompt_ids, reference,
+                                                           right):
+    engine = Engine(tiny_torch)
+    engine.cost = PinnedCost(max_k=engine.max_draft)
+    late = Late("late", prompt_ids + reference, tiny_torch.vocab_size, right=right)
+    params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
+    out, stats = run(engine, prompt_ids, params, sources=[late])
+    assert out == reference[:N]
+    assert stats.waits == late.waits
+    if right:  # waited every step (1 ms for many tokens) and got long blocks
+        assert late.waits == stats.blocks - 1 and stats.blocks <= 4
+    else:  # the prior earns a try or two, then never waits for drafts that are always wrong
+        assert late.waits <= 2

@@ -166,3 +166,26 @@ def test_forced_waits_for_a_chunk_and_gives_up_on_a_dead_proposer(make_source, s
     alive["p1"] = False
     assert offered(src2, PROMPT) == []
     assert src2.dropped
+
+
+def test_the_chunk_answering_a_commit_is_announced_and_can_be_waited_for(make_source, scripted):
+    src, req = make_source()
+    assert src.expected_wait() is None  # nothing pushed, nothing measured
+    src.feedback(Feedback(committed=(8,), committed_len=5, offered=0, accepted=0))
+    assert src.expected_wait() is None  # pushed, but no chunk has ever answered one
+    scripted.chunk(req, 5, [3, 3])
+    read_until(src, lambda: src.awaiting is None)
+    assert src.fresh_s is not None and src.fresh_s >= 0  # push -> answer, measured
+    assert offered(src, PROMPT + [8]) == [3, 3]
+    src.feedback(Feedback(committed=(3, 3), committed_len=7, offered=2, accepted=2))
+    due = src.expected_wait()
+    assert due is not None and 0 <= due <= src.fresh_s  # announced
+    assert scripted.commits.get(timeout=10)[0] == 5
+    assert scripted.commits.get(timeout=10)[0] == 7
+    scripted.chunk(req, 7, [4, 4, 4])
+    assert src.wait(30.0)  # bounded; returns as soon as the answer is in
+    assert src.expected_wait() is None
+    assert offered(src, PROMPT + [8, 3, 3]) == [4, 4, 4]
+    # an answer that does not come: the wait gives up at its bound, the source stays usable
+    src.feedback(Feedback(committed=(4,), committed_len=8, offered=3, accepted=1))
+    assert not src.wait(0.01) and not src.dropped
