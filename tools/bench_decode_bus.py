@@ -6,10 +6,12 @@ in-process ngram drafter used only for the `inproc-ngram` row) serves every bus 
 `ngram` and an `int8` proposer that draft ahead and stream chunks, each also reached through a
 userspace delay proxy adding 5, 20 and 50 ms of round trip (this kernel has no netem: see
 `tools/delay_proxy.py`; each such proposer advertises the proxy's address with `--advertise`).
-Rows: plain; ngram; int8; ngram + int8 together (their chains merged into one token tree per
-forward) at each delay; HF prompt lookup on the same raw prompts and token counts, run in this
-process pinned to core 0 with one torch thread once the cluster is idle. Every configuration
-runs on the same prompts through the same verifier process, interleaved prompt by prompt;
+Rows: plain (run first and again last for each prompt: the baseline is the mean of the two,
+and `bus-plain-again` against it shows how much the machine drifted); ngram; int8; ngram +
+int8 together (their chains merged into one token tree per forward) at each delay; HF prompt
+lookup on the same prompts and token counts, run in this process pinned to core 0 with one
+torch thread once the cluster is idle. Every configuration runs on the same prompts through
+the same verifier process, interleaved prompt by prompt (in an order rotated per prompt);
 speedups are over that verifier's own plain decoding of the same prompt on its core.
 
 Protocol 1's request/reply drafting is gone from the nodes, so it has no row here (its figures
@@ -84,9 +86,16 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
             for _, over in configs:
                 cc.generate(GenerateRequest(prompts[0][1][:200], max_tokens=8, **over), verifier)
             results: dict[str, list[dict]] = {name: [] for name, _ in configs}
+            results["bus-plain-again"] = []
             for i, (klass, text) in enumerate(prompts):
                 print(f"prompt {i + 1}/{len(prompts)} ({klass})", file=sys.stderr)
-                for name, over in configs:
+                # plain first and last (the baseline is their mean; the second shows any drift
+                # within a prompt), the others in an order rotated per prompt
+                rest = configs[1:]
+                shift = (i * 5) % len(rest)
+                order = [configs[0], *rest[shift:], *rest[:shift],
+                         ("bus-plain-again", dict(speculate=False))]
+                for name, over in order:
                     r = cc.generate(GenerateRequest(text, max_tokens=n, **over), verifier)
                     results[name].append({"class": klass, **r.stats})
             raw = [(klass, text) for klass, text in prompts]
@@ -129,7 +138,9 @@ def _hf_rows(args, prompts: list[tuple[str, str]], n: int) -> dict[str, list[dic
 
 
 def _rows(results: dict[str, list[dict]]) -> list[dict]:
-    plain = results["bus-plain"]
+    first, again = results["bus-plain"], results["bus-plain-again"]
+    plain = [{**a, "tok_per_s": (a["tok_per_s"] + b["tok_per_s"]) / 2}
+             for a, b in zip(first, again, strict=True)]
     rows = []
     for name, runs in results.items():
         base = results["hf-plain"] if name.startswith("hf-") else plain
