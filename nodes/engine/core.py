@@ -327,10 +327,7 @@ class Engine:
             try:
                 cands = slot.source.propose(committed, budget)
             except Exception as exc:  # noqa: BLE001 - a broken source must not end generation
-                log.warning("draft source %s failed, going on without it: %r", slot.name, exc)
-                seq.stats.drafter_errors += 1
-                seq.slots.remove(slot)
-                _close_quietly(slot.source)
+                _drop_source(seq, slot, "failed", exc)
                 continue
             dt = time.perf_counter() - t0
             slot.asked = True
@@ -378,10 +375,7 @@ class Engine:
                 came = slot.source.wait(2 * wait + 0.001)
                 cands = slot.source.propose(committed, k) if came else []
             except Exception as exc:  # noqa: BLE001 - same policy as propose
-                log.warning("draft source %s failed, going on without it: %r", slot.name, exc)
-                seq.stats.drafter_errors += 1
-                seq.slots.remove(slot)
-                _close_quietly(slot.source)
+                _drop_source(seq, slot, "failed", exc)
                 return []
             seq.stats.waited_s += time.perf_counter() - t0
             seq.stats.waits += 1
@@ -436,10 +430,7 @@ class Engine:
             try:
                 slot.source.feedback(fb)
             except Exception as exc:  # noqa: BLE001 - same policy as propose
-                log.warning("draft source %s failed on feedback: %r", slot.name, exc)
-                seq.stats.drafter_errors += 1
-                seq.slots.remove(slot)
-                _close_quietly(slot.source)
+                _drop_source(seq, slot, "failed on feedback", exc)
         return Block(
             token_ids=new,
             drafted=drafted,
@@ -515,6 +506,14 @@ def _open_source(drafter: Drafter, prompt: list[int], sp: SamplingParams) -> Dra
     if opener is not None:
         return opener(prompt, sp)
     return SessionSource(drafter.open(prompt, sp), len(prompt), owned=True, name=drafter.name)
+
+
+def _drop_source(seq: SequenceState, slot: _Slot, what: str, exc: Exception) -> None:
+    """A source that raised is left out for the rest of the generation (same output)."""
+    log.warning("draft source %s %s, going on without it: %r", slot.name, what, exc)
+    seq.stats.drafter_errors += 1
+    seq.slots.remove(slot)
+    _close_quietly(slot.source)
 
 
 def _close_quietly(source: DraftSource) -> None:

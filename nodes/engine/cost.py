@@ -147,11 +147,15 @@ class CostModel:
         """Seconds per token `name` drafts on the verifier's time (0 for remote drafts)."""
         return self._draft.get(name, 0.0)
 
+    def expected_tokens(self, k: int, name: str = POOLED) -> float:
+        """Tokens a block of k of `name`'s drafts is expected to commit (bonus included)."""
+        a = min(self.acceptance_of(name), 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
+
     def expected_rate(self, k: int, name: str = POOLED) -> float:
         """Committed tokens per second expected from a block of k of `name`'s drafts."""
-        a = min(self.acceptance_of(name), 0.999)
-        tokens = (1 - a ** (k + 1)) / (1 - a)
-        return tokens / (self.verify_cost(k + 1) + self.draft_cost(name) * k)
+        return self.expected_tokens(k, name) / (self.verify_cost(k + 1)
+                                                + self.draft_cost(name) * k)
 
     # ---- decisions --------------------------------------------------------------------------
     def choose_k(self, name: str = POOLED) -> int:
@@ -176,9 +180,7 @@ class CostModel:
         committed tokens per second of (wait + verify) against one token per plain verify."""
         if k <= 0 or wait_s < 0:
             return False
-        a = min(self.acceptance_of(name), 0.999)
-        tokens = (1 - a ** (k + 1)) / (1 - a)
-        rate = tokens / (wait_s + self.verify_cost(k + 1))
+        rate = self.expected_tokens(k, name) / (wait_s + self.verify_cost(k + 1))
         return rate > self.margin * self.expected_rate(0, name)
 
     def select(self, values: Sequence[float], forced: Sequence[bool]) -> list[int]:
@@ -230,11 +232,6 @@ class CostModel:
         trials = accepted + (1 if accepted < drafted else 0)
         est.acc = _DECAY * est.acc + accepted
         est.trials = _DECAY * est.trials + trials
-
-    def source_acceptance(self, name: str) -> float | None:
-        """A named source's estimate, or None before it was ever heard of."""
-        est = self._sources.get(name)
-        return None if est is None else est.acceptance
 
 
 #: the old name (nodes.engine.adaptive); same object
