@@ -102,6 +102,7 @@ def _describe(v: Any) -> str:
 
 
 _TOKENS = TensorRule("tokens", TOKEN_DTYPES, 1)
+_CONF = ("float32", "float16")  # draft probabilities of single tokens (no bfloat16 bits)
 _SAMPLING = {"temperature": _FLOAT, "top_p": _FLOAT, "top_k": _INT, "seed": _INT}
 
 SCHEMAS: dict[str, Schema] = {
@@ -181,10 +182,14 @@ SCHEMAS: dict[str, Schema] = {
             "draft_chunk",
             "Streamed reply to session_open: the proposer's draft past committed length `base`, "
             "its assumed (earlier drafted) tokens first; the verifier uses what extends its "
-            "committed prefix.",
+            "committed prefix. Optional alternatives make it a tree: alt_tokens hang under "
+            "alt_parents (-1: the base, i < n: chain token i, n + j: alternative j); conf and "
+            "alt_conf are the drafter's probability of each token.",
             required={"base": _INT},
             optional={"chunk": _INT},
-            tensors=(_TOKENS,),
+            tensors=(_TOKENS, TensorRule("alt_tokens", TOKEN_DTYPES, 1),
+                     TensorRule("alt_parents", ("int32", "int64"), 1),
+                     TensorRule("conf", _CONF, 1), TensorRule("alt_conf", _CONF, 1)),
             min_tensors=1,
         ),
         Schema("session_close", "Close a draft session now (otherwise its lease expires)."),

@@ -35,6 +35,7 @@ MAX_PROPOSERS = 64
 MAX_K = 64
 MAX_LEASE_S = 300.0
 MAX_HORIZON = 256  # tokens a proposer may draft past the last commit it knows
+MAX_ALTERNATIVES = 128  # alternative tokens one draft chunk may carry beside its chain
 MAX_TOKEN_ID = 2**31 - 1
 MAX_COMMITTED = 2**31 - 1
 CHAT_ROLES = ("system", "user", "assistant")
@@ -86,6 +87,18 @@ def _opt(fields: Mapping[str, Any], name: str, default: Any = None) -> Any:
     """A field's value, `default` when absent or nil (nil means "not given" on the wire)."""
     v = fields.get(name)
     return default if v is None else v
+
+
+def _probabilities(name: str, v: Any, n: int) -> np.ndarray:
+    """A 1-D float array of n probabilities, each finite and in [0, 1]."""
+    arr = np.asarray(v)
+    if arr.ndim != 1 or len(arr) != n or (n and arr.dtype.kind != "f"):
+        raise BadRequest(name, f"must be {n} probabilities, got shape {list(arr.shape)} "
+                         f"{arr.dtype}")
+    arr = arr.astype(np.float32)
+    if n and not np.all((arr >= 0) & (arr <= 1)):  # NaN fails too
+        raise BadRequest(name, "every probability must be in [0, 1]")
+    return arr
 
 
 def tokens_1d(name: str, t: Any, *, allow_empty: bool = True) -> np.ndarray:
@@ -503,23 +516,69 @@ class DraftChunk:
     base: int
     tokens: np.ndarray
     chunk: int = 0  # chunks streamed in this session so far, this one included
+    #: alternatives (a model drafter's runners-up, the n-gram index's other continuations):
+    #: alt_tokens[j] hangs under alt_parents[j]: -1 the base, i < n chain token i, n + j' an
+    #: earlier alternative j' < j. Empty: the chunk is a chain.
+    alt_tokens: np.ndarray = field(default_factory=lambda: EMPTY_TOKENS)
+    alt_parents: np.ndarray = field(default_factory=lambda: EMPTY_TOKENS)
+    #: the drafter's probability of each chain token / alternative given its parent; both or
+    #: neither (drafters without probabilities, like n-grams, send neither)
+    conf: np.ndarray | None = None
+    alt_conf: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tokens_1d("tokens", self.tokens))
         _int("base", self.base, 0, MAX_COMMITTED)
         _int("chunk", self.chunk, 0, 2**62)
-        if len(self.tokens) > MAX_HORIZON:
+        n = len(self.tokens)
+        if n > MAX_HORIZON:
             raise BadRequest("tokens", f"a draft chunk carries at most {MAX_HORIZON} tokens, "
-                             f"got {len(self.tokens)}")
+                             f"got {n}")
+        alts = tokens_1d("alt_tokens", self.alt_tokens)
+        object.__setattr__(self, "alt_tokens", alts)
+        m = len(alts)
+        if m > MAX_ALTERNATIVES:
+            raise BadRequest("alt_tokens", f"a draft chunk carries at most {MAX_ALTERNATIVES} "
+                             f"alternatives, got {m}")
+        parents = np.asarray(self.alt_parents)
+        if parents.ndim != 1 or len(parents) != m or (m and parents.dtype.kind not in "iu"):
+            raise BadRequest("alt_parents", f"must be {m} integer parent indices (one per "
+                             f"alternative), got shape {list(parents.shape)}")
+        if m and (np.any(parents < -1) or np.any(parents >= n + np.arange(m))):
+            raise BadRequest("alt_parents", "each alternative hangs under the base (-1), a "
+                             "chain token or an earlier alternative")
+        object.__setattr__(self, "alt_parents", parents.astype(np.int32))
+        if (self.conf is None) != (self.alt_conf is None):
+            raise BadRequest("conf", "conf and alt_conf come together or not at all")
+        if self.conf is not None:
+            object.__setattr__(self, "conf", _probabilities("conf", self.conf, n))
+            object.__setattr__(self, "alt_conf", _probabilities("alt_conf", self.alt_conf, m))
+
+    @property
+    def is_tree(self) -> bool:
+        return len(self.alt_tokens) > 0
 
     @classmethod
     def from_message(cls, msg: Message) -> DraftChunk:
         _expect(msg, cls.TYPE)
-        return cls(msg.session, msg["base"], msg.tensors[0], _opt(msg.fields, "chunk", 0))
+        t = msg.tensors
+        if len(t) not in (1, 3, 5):
+            raise BadRequest("tensors", "a draft_chunk carries tokens, then optionally "
+                             f"alt_tokens and alt_parents, then conf and alt_conf; got {len(t)}")
+        return cls(msg.session, msg["base"], t[0], _opt(msg.fields, "chunk", 0),
+                   *(t[1:3] if len(t) >= 3 else ()),
+                   *(t[3:5] if len(t) == 5 else ()))
 
     def to_message(self, **envelope: Any) -> Message:
+        tensors = [np.ascontiguousarray(self.tokens, dtype=np.int32)]
+        if self.is_tree or self.conf is not None:
+            tensors += [np.ascontiguousarray(self.alt_tokens, dtype=np.int32),
+                        np.ascontiguousarray(self.alt_parents, dtype=np.int32)]
+        if self.conf is not None:
+            tensors += [np.ascontiguousarray(self.conf, dtype=np.float32),
+                        np.ascontiguousarray(self.alt_conf, dtype=np.float32)]
         return make(self.TYPE, session=self.session, base=self.base, chunk=self.chunk,
-                    tensors=[np.ascontiguousarray(self.tokens, dtype=np.int32)], **envelope)
+                    tensors=tensors, **envelope)
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch (default) or mlx")
     parser.add_argument("--max-draft", type=int, default=16,
                         help="longest draft block a verifier asks for (default 16)")
+    parser.add_argument("--tree-width", type=_tree_width, default=None, metavar="N",
+                        help="proposer: candidates per drafted position sent to verifiers, "
+                             "the chain's token and up to N-1 alternatives (default: the "
+                             "drafter's own, 3 for model drafters, 1 for ngram; 1: chains only)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads for this node's models (default: torch's choice; "
                              "use 1 when several model nodes share a machine's cores)")
@@ -111,6 +115,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-events", action="store_true",
                         help="print one JSON line per membership event on stdout "
                              "(for scripts, tests and benchmarks)")
+
+
+def _tree_width(text: str) -> int:
+    """argparse type for `--tree-width`: 1..16 candidates per drafted position."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 1 <= v <= 16:
+        raise argparse.ArgumentTypeError(f"expected 1..16 candidates per position, got {v}")
+    return v
 
 
 def parse_roles(text: str) -> tuple[str, ...]:
@@ -290,7 +305,8 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
     default = "ngram" if "proposer" in config.roles else "none"
     spec = RoleSpec(roles=config.roles, model=args.model or None,
                     backend=args.backend or "torch", drafter=args.drafter or default,
-                    max_draft=args.max_draft, lease_s=args.session_lease,
+                    max_draft=args.max_draft, tree_width=args.tree_width,
+                    lease_s=args.session_lease,
                     threads=args.threads,
                     max_context=args.max_context)
     roles = assemble(spec)

@@ -7,16 +7,18 @@ in-process ngram drafter used only for the `inproc-ngram` row) serves every bus 
 userspace delay proxy adding 5, 20 and 50 ms of round trip (this kernel has no netem: see
 `tools/delay_proxy.py`; each such proposer advertises the proxy's address with `--advertise`).
 Rows: plain (run first and again last for each prompt: the baseline is the mean of the two,
-and `bus-plain-again` against it shows how much the machine drifted); ngram; int8; ngram +
-int8 together (their chains merged into one token tree per forward) at each delay; HF prompt
+and `bus-plain-again` against it shows how much the machine drifted); ngram; int8 (its chain
+plus its runners-up, a token tree per chunk); ngram + int8 together (merged into one token
+tree per forward) at each delay; the int8 proposer sending chains only (`--tree-width 1`) at
++0 and +50 ms; HF prompt
 lookup on the same prompts and token counts, run in this process pinned to core 0 with one
 torch thread once the cluster is idle. Every configuration runs on the same prompts through
 the same verifier process, interleaved prompt by prompt (in an order rotated per prompt);
 speedups are over that verifier's own plain decoding of the same prompt on its core.
 
 Protocol 1's request/reply drafting is gone from the nodes, so it has no row here (its figures
-are in the older tables of docs/benchmarks.md). Remote proposers send chains (no top-k
-alternatives yet): the only remote trees are several proposers' chains merged.
+are in the older tables of docs/benchmarks.md). The JSON gives each row's speedup per prompt
+(`per_prompt`, prompt indices in the prompt set's order), so the worst prompt can be named.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import tempfile
 from pathlib import Path
 
 DELAYS_MS = (0, 5, 20, 50)
+#: delays at which the int8 proposer also runs with chains only (`--tree-width 1`)
+CHAIN_DELAYS_MS = (0, 50)
 VERIFIER_CORE = ("--cpus", "0", "--threads", "1")
 PROPOSER_CORE = ("--cpus", "1")
 
@@ -48,19 +52,20 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
               "proposers on core 1", file=sys.stderr)
         c.start_node("v-ngram", "--role", "verifier", "--drafter", "ngram", *VERIFIER_CORE)
         proposers: dict[tuple[str, int], object] = {}
-        for drafter in ("ngram", "int8"):
+        for drafter in ("ngram", "int8", "int8-chain"):
+            flags = ("--drafter", "int8", "--tree-width", "1") if drafter == "int8-chain" else (
+                "--drafter", drafter)
             proposers[(drafter, 0)] = c.start_node(
-                f"p-{drafter}", "--role", "proposer", "--drafter", drafter, *PROPOSER_CORE,
-                seed=True)
-            for d in DELAYS_MS[1:]:
+                f"p-{drafter}", "--role", "proposer", *flags, *PROPOSER_CORE, seed=True)
+            for d in (CHAIN_DELAYS_MS if drafter == "int8-chain" else DELAYS_MS)[1:]:
                 for attempt in range(3):  # a free port can be taken before the node binds it
                     port = free_port_pair()
                     proxy = stack.enter_context(
                         DelayProxy(("127.0.0.1", port), Delay(d / 2000.0)))
                     try:
                         proposers[(drafter, d)] = c.start_node(
-                            f"p-{drafter}-{d}ms-{attempt}", "--role", "proposer", "--drafter",
-                            drafter, *PROPOSER_CORE, "--port", str(port), "--advertise",
+                            f"p-{drafter}-{d}ms-{attempt}", "--role", "proposer", *flags,
+                            *PROPOSER_CORE, "--port", str(port), "--advertise",
                             proxy.address, seed=True)
                         break
                     except ClusterStartError:
@@ -81,6 +86,9 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
                 configs += [(f"bus-ngram{tag}", dict(proposers=[ng])),
                             (f"bus-int8{tag}", dict(proposers=[i8])),
                             (f"bus-ngram+int8{tag}", dict(proposers=[ng, i8]))]
+                if d in CHAIN_DELAYS_MS:  # the same int8 proposer sending chains only
+                    configs.append((f"bus-int8-chain{tag}",
+                                    dict(proposers=[proposers[("int8-chain", d)].node_id])))
             verifier = by_name["v-ngram"]
             # warm-up: learn costs, open connections
             for _, over in configs:
@@ -97,7 +105,7 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
                          ("bus-plain-again", dict(speculate=False))]
                 for name, over in order:
                     r = cc.generate(GenerateRequest(text, max_tokens=n, **over), verifier)
-                    results[name].append({"class": klass, **r.stats})
+                    results[name].append({"class": klass, "prompt": i, **r.stats})
             raw = [(klass, text) for klass, text in prompts]
     results.update(_hf_rows(args, raw, n))
     rows = _rows(results)
@@ -130,7 +138,8 @@ def _hf_rows(args, prompts: list[tuple[str, str]], n: int) -> dict[str, list[dic
         ids = backend.tokenizer.encode(text, chat=True)
         for name, run in runners.items():
             r = run(ids, n)
-            out[name].append({"class": klass, "token_ids": r.token_ids,
+            out[name].append({"class": klass, "prompt": len(out[name]),
+                              "token_ids": r.token_ids,
                               "tok_per_s": len(r.token_ids) / r.elapsed_s if r.elapsed_s
                               else 0.0, "acceptance": 0.0, "mean_accepted_len": 0.0,
                               "accepted": 0, "drafted": 0, "blocks": 0})
@@ -161,8 +170,15 @@ def _rows(results: dict[str, list[dict]]) -> list[dict]:
                 "fed_per_forward": round(statistics.median(
                     (runs[i]["drafted"] + b) / b for i, b in zip(idx, blocks, strict=True) if b)
                     if any(blocks) else 0.0, 2),
+                "tree_blocks_per_forward": round(statistics.median(
+                    runs[i].get("tree_blocks", 0) / b for i, b in zip(idx, blocks, strict=True)
+                    if b) if any(blocks) else 0.0, 2),
                 "identical_to_plain": all(runs[i]["token_ids"] == plain[i]["token_ids"]
                                           for i in idx),
+                #: per prompt of the class (in the prompt set's order): the worst is named
+                "per_prompt": [{"prompt": runs[i].get("prompt", i), "speedup": round(
+                    runs[i]["tok_per_s"] / base[i]["tok_per_s"], 3) if base[i]["tok_per_s"]
+                    else None} for i in idx],
             }
             if name == "hf-prompt-lookup":  # the issue's comparison: our ngram vs HF's
                 for ours_name, key in (("bus-ngram+0ms", "bus_ngram_vs_this"),

@@ -118,6 +118,10 @@ class DelayProxy:
         self._tasks.add(me)
         try:
             await self._forward(c_reader, c_writer)
+        except asyncio.CancelledError:
+            # stopping the proxy cancels live connections; ending quietly keeps asyncio's
+            # stream callback (Python 3.11) from logging the cancellation as an error
+            pass
         finally:
             self._tasks.discard(me)
 

@@ -6,12 +6,18 @@ tells the session what was committed with `extend(delta)` and asks `draft(k)` fo
 `draft` returns `(ids int32 [n], probs float32 [n, vocab] | None)` with 0 <= n <= k and never
 padding; `probs` is the distribution each token was sampled from (None: deterministic, i.e. a
 point mass). The nodes layer puts exactly this behind a ZeroMQ DEALER/ROUTER session.
+
+A proposer drafting ahead asks `draft_ahead(k, width)` instead: the same chain plus, where the
+drafter has them, alternatives (`Branch`: a model's runners-up at a position, the n-gram index's
+other continuations) and the drafter's probability of each token, which the verifier uses to
+rank the nodes of the tree it builds. Alternatives are deterministic proposals.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,6 +31,26 @@ if TYPE_CHECKING:
 EMPTY_DRAFT = np.zeros(0, dtype=np.int32)
 
 
+@dataclass(frozen=True)
+class Branch:
+    """An alternative inside a draft: `tokens` continue the draft's first `at` chain tokens
+    (so its first token is an alternative to chain token `at`, or extends a chain of `at`)."""
+
+    at: int
+    tokens: tuple[int, ...]
+    conf: tuple[float, ...] | None = None  # the drafter's probability of each token
+
+
+@dataclass(frozen=True)
+class AheadDraft:
+    """What `DraftSession.draft_ahead` drafted: a chain, its tokens' draft probabilities
+    (None: the drafter has none) and alternatives."""
+
+    ids: np.ndarray  # int32 [n]
+    conf: np.ndarray | None = None  # float32 [n]
+    branches: tuple[Branch, ...] = ()
+
+
 class DraftSession(ABC):
     """Per-generation drafter state."""
 
@@ -35,6 +61,12 @@ class DraftSession(ABC):
     @abstractmethod
     def draft(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Up to k proposed next tokens after everything committed so far."""
+
+    def draft_ahead(self, k: int, width: int = 1) -> AheadDraft:
+        """Up to k chain tokens like `draft`, and up to `width - 1` alternatives where the
+        drafter has any (this default: none). The session advances by the chain only."""
+        ids, _probs = self.draft(k)
+        return AheadDraft(np.asarray(ids, dtype=np.int32).reshape(-1))
 
     def truncate(self, length: int) -> None:
         """Forget every token past the first `length` (prompt + extended), so a proposer that
@@ -60,6 +92,8 @@ class Drafter(ABC):
     #: drafting ahead (proposer role): tokens per streamed chunk; 0 drafts up to the horizon
     #: in one go (cheap drafters), a model drafter streams a few at a time
     ahead_chunk: int = 0
+    #: drafting ahead: candidates per position offered to the verifier (1: a chain only)
+    tree_width: int = 1
 
     @abstractmethod
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftSession:

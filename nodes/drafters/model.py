@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from nodes.backends.base import Backend
-from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession
+from nodes.drafters.base import AheadDraft, Branch, Drafter, DraftSession
 from nodes.engine.sampling import SamplingParams, probs_from_logits, sample
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import Candidate
@@ -31,6 +31,8 @@ TREE_WIDTH = 3
 #: a level adds a further node only if its cumulative probability is at least this fraction of
 #: the level's best one
 BRANCH_RATIO = 0.2
+#: drafting ahead: a runner-up is sent only if the drafter gives it at least this probability
+MIN_ALT_CONF = 0.05
 
 
 class ModelSession(DraftSession):
@@ -69,29 +71,56 @@ class ModelSession(DraftSession):
         return int(diff[0]) if diff.size else n
 
     def draft(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
+        probs: list[np.ndarray] = []
+
+        def choose(row: np.ndarray) -> int:
+            if self.params.greedy:
+                return int(np.argmax(row))
+            q = probs_from_logits(row, self.params)[0]
+            probs.append(q.astype(np.float32))
+            return sample(q, self.rng)
+
+        ids = self._decode(k, choose)
+        return np.asarray(ids, dtype=np.int32), (np.stack(probs) if probs else None)
+
+    def draft_ahead(self, k: int, width: int = 1) -> AheadDraft:
+        """The chain `draft` would give, each token's draft probability, and at each position
+        up to `width - 1` runners-up worth at least MIN_ALT_CONF (one-token branches)."""
+        conf: list[float] = []
+        branches: list[Branch] = []
+
+        def choose(row: np.ndarray) -> int:
+            q = self._probs(row)
+            tok = int(np.argmax(q)) if self.params.greedy else sample(q, self.rng)
+            at = len(conf)
+            conf.append(float(q[tok]))
+            if width > 1:
+                top = sorted(np.argpartition(-q, width)[:width].tolist(), key=lambda t: -q[t])
+                runners = [t for t in top if t != tok and q[t] >= MIN_ALT_CONF][: width - 1]
+                branches.extend(Branch(at, (int(t),), (float(q[t]),)) for t in runners)
+            return tok
+
+        ids = self._decode(k, choose)
+        return AheadDraft(np.asarray(ids, dtype=np.int32), np.asarray(conf, dtype=np.float32),
+                          tuple(branches))
+
+    def _decode(self, k: int, choose) -> list[int]:
+        """k decode steps after everything committed, `choose(logits row) -> token` each."""
         if k <= 0 or not self.tokens:
-            return EMPTY_DRAFT, None
+            return []
         keep = self._common_prefix()
         self.backend.crop(self.cache, keep)
         feed = self.tokens[keep:]
         self.cached = self.tokens[:keep] + feed
         ids: list[int] = []
-        probs: list[np.ndarray] = []
         for _ in range(k):
-            row = self.backend.forward_last(self.cache, feed)
-            if self.params.greedy:
-                tok = int(np.argmax(row))
-            else:
-                q = probs_from_logits(row, self.params)[0]
-                tok = sample(q, self.rng)
-                probs.append(q.astype(np.float32))
+            tok = choose(self.backend.forward_last(self.cache, feed))
             ids.append(tok)
             feed = [tok]
             if len(ids) < k:
                 self.cached.append(tok)
         # the last drafted token was never fed: the cache holds self.cached exactly
-        out_probs = np.stack(probs) if probs else None
-        return np.asarray(ids, dtype=np.int32), out_probs
+        return ids
 
     def close(self) -> None:
         self.cache = None
@@ -171,9 +200,13 @@ class ModelTreeSource(DraftSource):
 
 
 class ModelDrafter(Drafter):
-    """Drafts with a (smaller or cheaper) model sharing the verifier's tokenizer."""
+    """Drafts with a (smaller or cheaper) model sharing the verifier's tokenizer.
 
-    ahead_chunk = 4
+    Drafting ahead (proposer role) it streams a chunk per drafted token: the worker reads
+    commits between chunks, so a contradicting commit stops wasted drafting within one step
+    (with 4 tokens per chunk, most chunks were stale on arrival: measured, docs/engine.md)."""
+
+    ahead_chunk = 1
 
     def __init__(
         self, backend: Backend, name: str | None = None, tree_width: int = TREE_WIDTH
@@ -181,7 +214,7 @@ class ModelDrafter(Drafter):
         self.backend = backend
         self.name = name or f"model:{backend.model_name}"
         self.fingerprint = backend.fingerprint
-        self.tree_width = tree_width
+        self.tree_width = tree_width  # local trees, and runners-up per position drafting ahead
 
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> ModelSession:
         return ModelSession(self.backend, prompt_ids, params)

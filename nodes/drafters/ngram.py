@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession
+from nodes.drafters.base import EMPTY_DRAFT, AheadDraft, Branch, Drafter, DraftSession
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import DraftSource
@@ -68,11 +68,29 @@ class NgramSession(DraftSession):
                 return np.asarray(toks[ends[-1] : ends[-1] + k], dtype=np.int32), None
         return EMPTY_DRAFT, None
 
-    def continuations(self, k: int) -> list[list[int]]:
+    def draft_ahead(self, k: int, width: int = 1) -> AheadDraft:
+        """The chain `draft` gives and, for width > 1, the other continuations (up to `width`
+        in all) as branches off the point where each leaves the chain."""
+        if width <= 1:
+            return AheadDraft(self.draft(k)[0])
+        conts = self.continuations(k, width)
+        if not conts:
+            return AheadDraft(EMPTY_DRAFT)
+        chain, branches = conts[0], []
+        for cont in conts[1:]:
+            at = 0
+            while at < min(len(chain), len(cont)) and chain[at] == cont[at]:
+                at += 1
+            if at < len(cont):
+                branches.append(Branch(at, tuple(cont[at:])))
+        return AheadDraft(np.asarray(chain, dtype=np.int32), None, tuple(branches))
+
+    def continuations(self, k: int, limit: int | None = None) -> list[list[int]]:
         """Distinct continuations (up to k tokens) of the earlier occurrences of the longest
         matched suffix, most recent first, then of shorter suffixes (down to ALT_MIN_N) as
-        alternatives; at most `branches`, none a prefix of an earlier one."""
+        alternatives; at most `limit` (default: `branches`), none a prefix of an earlier one."""
         toks = self.tokens
+        limit = self.branches if limit is None else limit
         if k <= 0:
             return []
         out: list[list[int]] = []
@@ -86,7 +104,7 @@ class NgramSession(DraftSession):
                 cont = toks[end : end + k]
                 if cont and not any(c[: len(cont)] == cont for c in out):
                     out.append(cont)
-                if len(out) >= self.branches:
+                if len(out) >= limit:
                     return out
         return out
 
@@ -127,6 +145,7 @@ class NgramDrafter(Drafter):
         if not 1 <= branches <= MAX_OCCURRENCES:
             raise BadRequestError(f"ngram branches must be in 1..{MAX_OCCURRENCES}, got {branches}")
         self.min_n, self.max_n, self.branches = min_n, max_n, branches
+        self.tree_width = branches
 
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> NgramSession:
         return NgramSession(prompt_ids, self.min_n, self.max_n, self.branches)

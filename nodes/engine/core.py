@@ -385,7 +385,7 @@ class Engine:
     def _clean(self, cand: Candidate, budget: int) -> Candidate:
         """A hostile or buggy source must not break the verifier: cut at the first bad id and
         at the budget it was given, ignore probabilities of the wrong shape (the draft is then
-        deterministic)."""
+        deterministic) and draft confidences that are not probabilities."""
         vocab = self.backend.vocab_size
         ids = np.asarray(cand.tokens, dtype=np.int64).reshape(-1)[: min(budget, self.max_draft)]
         bad = np.nonzero((ids < 0) | (ids >= vocab))[0]
@@ -398,7 +398,15 @@ class Engine:
                 probs = None
             else:
                 probs = probs[: len(ids), :vocab]
-        return Candidate(ids, probs)
+        conf = cand.conf
+        if conf is not None:
+            conf = np.asarray(conf, dtype=np.float64).reshape(-1)
+            if len(conf) < len(ids) or not np.all((conf[: len(ids)] >= 0)
+                                                  & (conf[: len(ids)] <= 1)):
+                conf = None  # NaN fails the range check too
+            else:
+                conf = conf[: len(ids)]
+        return Candidate(ids, probs, conf)
 
     def _commit(
         self,

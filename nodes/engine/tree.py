@@ -22,10 +22,13 @@ ALT_RESERVE = 2
 @dataclass(frozen=True)
 class Candidate:
     """One proposed continuation: ids int64 [n], and the distribution each was drawn from
-    (float [n, vocab]) or None for deterministic proposals (point masses)."""
+    (float [n, vocab]) or None for deterministic proposals (point masses). `conf` (float
+    [n], optional) is the drafter's own probability of each token given the ones before it;
+    it only ranks alternatives (`TokenTree.node_values`), never enters acceptance."""
 
     tokens: np.ndarray
     probs: np.ndarray | None = None
+    conf: np.ndarray | None = None
 
 
 class TokenTree:
@@ -38,6 +41,8 @@ class TokenTree:
         self.trials: list[list[tuple[int, np.ndarray | None]]] = [[]]
         #: per node, the indices of the sources that proposed it
         self.owners: list[set[int]] = [set()]
+        #: per node, the highest draft probability any proposal gave it (None: none said)
+        self.conf: list[float | None] = [None]
 
     def __len__(self) -> int:
         """Nodes including the root: the number of tokens a verify forward feeds."""
@@ -81,8 +86,9 @@ class TokenTree:
             alts = sum(1 for s, _ in candidates if s == src) - 1
             left = budget - self.drafted
             room = max(left - ALT_RESERVE * alts, (left + 1) // 2)
-            self._place([(src, Candidate(cand.tokens[:room], None if cand.probs is None
-                                          else cand.probs[:room]))],
+            self._place([(src, Candidate(cand.tokens[:room],
+                                          None if cand.probs is None else cand.probs[:room],
+                                          None if cand.conf is None else cand.conf[:room]))],
                         budget, max_depth, offered)
         self._place([candidates[ci] for ci in rest], budget, max_depth, offered)
         return offered
@@ -106,6 +112,9 @@ class TokenTree:
                 if q is not None or (child, None) not in _ids(self.trials[parent]):
                     self.trials[parent].append((child, q))
                 self.owners[child].add(src)
+                if cand.conf is not None:
+                    c, old = float(cand.conf[d]), self.conf[child]
+                    self.conf[child] = c if old is None else max(old, c)
                 offered[src] = offered.get(src, 0) + 1
                 cur[ci] = child
 
@@ -117,6 +126,7 @@ class TokenTree:
         self.children.append({})
         self.trials.append([])
         self.owners.append(set())
+        self.conf.append(None)
         self.children[parent][tok] = node
         return node
 
@@ -125,13 +135,22 @@ class TokenTree:
         acceptance (`acceptance[source]`, the best owner counts). Siblings exclude each other:
         a parent's children, in the order they were proposed, share what the ones before them
         left (the second child of a parent whose first is right 90 % of the time gets at most
-        10 %)."""
+        10 %). A later child whose drafter said how likely it is (`conf`) gets, of what is
+        left, its share of the draft probability the earlier children did not take (a
+        drafter's 40 % runner-up behind its 50 % pick gets 80 % of what the pick leaves, its
+        2 % one far less); the first child, the source's own pick, goes by its record."""
         values = [1.0] * len(self.tokens)
         for parent, kids in enumerate(self.children):
-            left = 1.0
-            for child in kids.values():
-                a = max((acceptance.get(s, 0.0) for s in self.owners[child]), default=0.0)
-                p = min(max(a, 0.0), 0.999) * left
+            left = mass = 1.0
+            for i, child in enumerate(kids.values()):
+                a = min(max(max((acceptance.get(s, 0.0) for s in self.owners[child]),
+                                default=0.0), 0.0), 0.999)
+                q = self.conf[child]
+                if i and q is not None:  # the drafter's odds given the earlier ones failed
+                    a = min(q / mass, 0.999) if mass > 1e-6 else 0.0
+                if q is not None:
+                    mass = max(mass - q, 0.0)
+                p = a * left
                 left -= p
                 values[child] = values[parent] * p
         return values
@@ -144,6 +163,7 @@ class TokenTree:
         for node in keep:
             child = out._new(self.tokens[node], new[self.parents[node]])
             out.owners[child] = set(self.owners[node])
+            out.conf[child] = self.conf[node]
             new[node] = child
         for old, node in new.items():
             out.trials[node] = [(new[c], q) for c, q in self.trials[old] if c in new]

@@ -26,6 +26,8 @@ class RoleSpec:
     backend: str = "torch"
     drafter: str = "ngram"  # the proposer's drafter (or the verifier's local one)
     max_draft: int = 16
+    #: a proposer's candidates per drafted position (None: the drafter's default; 1: chains)
+    tree_width: int | None = None
     lease_s: float = 30.0  # draft-session lease a verifier asks proposers for
     threads: int = 0  # torch intra-op threads (0: torch's default)
     #: longest context served: a verifier's prompt + max_tokens, a proposer's session
@@ -127,7 +129,7 @@ def assemble(spec: RoleSpec) -> Roles:
 
         context = spec.max_context or (model_context(own) if own is not None else 0)
         roles.proposer = ProposerRole(drafter, vocab_size=vocab,
-                                      max_context=context)
+                                      max_context=context, tree_width=spec.tree_width)
         if drafter.fingerprint is None:
             roles.card.setdefault("tokenizer", ANY_TOKENIZER)
         else:

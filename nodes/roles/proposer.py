@@ -7,7 +7,11 @@ idempotent) and does not wait for drafts. Between commits the worker drafts past
 commit it knows, assuming its own drafts will be accepted, up to the session's horizon, and
 streams each chunk tagged with its base (that commit) and the tokens it assumed. A commit that
 disagrees with what it assumed rolls the drafter back (`DraftSession.truncate`, or a reopen)
-and drafting continues from the correction.
+and drafting continues from the correction. With a tree width above 1 a chunk also carries the
+drafter's alternatives (`DraftSession.draft_ahead`: a model's runners-up, the n-gram index's
+other continuations) and the drafter's probabilities, kept while the position they compete for
+is uncommitted (docs/protocol.md, "Draft trees"). Model drafters draft one token per turn, so a
+commit is seen within one draft step.
 
 The I/O thread parses each message into its typed struct and checks it against this node (token
 ids in the vocabulary, context within `max_context`), answering bad input at once; then it
@@ -18,6 +22,7 @@ KV caches are not thread-safe) and answers with `Request.reply`.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -28,6 +33,7 @@ import numpy as np
 from bus.streams import Request
 from codec.errors import CodecError
 from codec.structs import (
+    MAX_ALTERNATIVES,
     Done,
     DraftChunk,
     SessionClose,
@@ -63,6 +69,13 @@ class _Session:
     stream: Request  # the session_open request; chunks are its streamed replies
     horizon: int
     assumed: list[int] = field(default_factory=list)  # drafted past `tokens`, fed as if committed
+    #: the drafter's probability of each assumed token (NaN: it gave none)
+    assumed_conf: list[float] = field(default_factory=list)
+    #: alternatives drafted with the assumed tokens: (position, tokens, conf or None), where
+    #: position is the committed length the branch continues (its first token is an
+    #: alternative to the token at that position)
+    branches: list[tuple[int, tuple[int, ...], tuple[float, ...] | None]] = field(
+        default_factory=list)
     exhausted: bool = False  # the drafter had nothing more at this point: wait for a commit
     dirty: bool = True  # a commit arrived since the last chunk: tell the verifier even if empty
     chunks: int = 0
@@ -107,8 +120,11 @@ class ProposerRole:
     TYPES = ("session_open", "session_extend", "session_close")
 
     def __init__(self, drafter: Drafter, vocab_size: int, sweep_every: float = 0.25,
-                 max_context: int = 0, admission: AdmissionLimits | None = None) -> None:
+                 max_context: int = 0, admission: AdmissionLimits | None = None,
+                 tree_width: int | None = None) -> None:
         self.drafter = drafter
+        #: candidates per drafted position streamed to the verifier (1: chains only)
+        self.tree_width = drafter.tree_width if tree_width is None else tree_width
         #: longest context one session may hold (prompt + committed deltas)
         self.max_context = max_context or requests.DEFAULT_MAX_CONTEXT
         self.vocab_size = vocab_size
@@ -263,11 +279,14 @@ class ProposerRole:
         s.tokens.extend(new)
         if n == len(new):
             s.assumed = s.assumed[n:]  # the drafter holds these already
+            s.assumed_conf = s.assumed_conf[n:]
+            # an alternative to a token now committed is moot
+            s.branches = [b for b in s.branches if b[0] >= s.committed]
         else:
             self.stats.rollbacks += 1
             self._rollback(s, s.committed - len(new) + n)
             s.draft.extend(new[n:])
-            s.assumed = []
+            s.assumed, s.assumed_conf, s.branches = [], [], []
         s.exhausted = False
         s.dirty = True
 
@@ -294,10 +313,16 @@ class ProposerRole:
         ids: list[int] = []
         if k > 0:
             t0 = time.perf_counter()
-            out, _probs = s.draft.draft(k)  # probs are not sent: drafts are point masses
+            # sampled drafts travel as point masses (lossless; see docs/engine.md)
+            out = s.draft.draft_ahead(k, self.tree_width)
             self.stats.draft_s += time.perf_counter() - t0
-            ids = [int(t) for t in np.asarray(out).reshape(-1)[:k]]
+            ids = [int(t) for t in out.ids[:k]]
             if ids:
+                start = s.committed + len(s.assumed)
+                s.branches.extend((start + b.at, b.tokens, b.conf) for b in out.branches
+                                  if b.at <= len(ids) and b.tokens)
+                conf = out.conf[: len(ids)] if out.conf is not None else [math.nan] * len(ids)
+                s.assumed_conf.extend(float(c) for c in conf)
                 s.draft.extend(ids)
                 s.assumed.extend(ids)
                 self.stats.draft_tokens += len(ids)
@@ -308,8 +333,7 @@ class ProposerRole:
         s.dirty = False
         s.chunks += 1
         self.stats.drafts_served += 1
-        s.stream.reply(DraftChunk(s.sid, s.committed, np.asarray(s.assumed, dtype=np.int32),
-                                  s.chunks).to_message(), more=True)
+        s.stream.reply(_chunk(s).to_message(), more=True)
 
     def _expire(self, now: float) -> None:
         for s in [s for s in self._sessions.values() if s.expires <= now]:
@@ -326,3 +350,30 @@ class ProposerRole:
             session.draft.close()
         except Exception:  # noqa: BLE001 - closing must not take the worker down
             log.exception("closing session %s", session.sid)
+
+
+def _chunk(s: _Session) -> DraftChunk:
+    """The session's draft as one chunk: the assumed chain past the last commit, and its
+    alternatives as a flattened tree (nearest positions first, within the wire's bound);
+    draft probabilities only when the drafter gave one for every token sent."""
+    n = len(s.assumed)
+    alt_tokens: list[int] = []
+    alt_parents: list[int] = []
+    alt_conf: list[float] = []
+    for pos, toks, conf in sorted(s.branches, key=lambda b: b[0]):
+        at = pos - s.committed
+        if not 0 <= at <= n or len(alt_tokens) + len(toks) > MAX_ALTERNATIVES:
+            continue
+        parent = at - 1
+        for i, t in enumerate(toks):
+            alt_parents.append(parent)
+            parent = n + len(alt_tokens)
+            alt_tokens.append(t)
+            alt_conf.append(math.nan if conf is None else conf[i])
+    conf_ok = bool(n or alt_tokens) and not any(
+        math.isnan(c) for c in [*s.assumed_conf, *alt_conf])
+    return DraftChunk(
+        s.sid, s.committed, np.asarray(s.assumed, dtype=np.int32), s.chunks,
+        np.asarray(alt_tokens, dtype=np.int32), np.asarray(alt_parents, dtype=np.int32),
+        np.asarray(s.assumed_conf, dtype=np.float32) if conf_ok else None,
+        np.asarray(alt_conf, dtype=np.float32) if conf_ok else None)

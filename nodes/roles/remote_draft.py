@@ -4,14 +4,15 @@ Protocol 2 (docs/protocol.md, "Draft sessions"). Per generation and proposer, on
 `ProposerSource`: it opens a session whose reply is a stream of `draft_chunk`s, pushes every
 commit with `session_extend` right after the step that made it (from `feedback`, waiting for
 nothing), and on `propose` reads whatever chunks have arrived (`DirectClient.poll(0)`), keeps
-the freshest one that still extends the committed prefix and offers its tokens past that
-prefix. It never waits on its own: it tells the engine when the chunk answering the last commit
-is due (`expected_wait`, measured: push to first chunk based on it), and the engine's cost model
-decides whether a bounded wait (`wait`) pays. The other wait is forced drafting (tests pin
-speculation with it): a bounded wait for a chunk that extends the current prefix, given up at
-once when membership says the proposer is no longer alive. How many tokens to verify is the
-engine's `CostModel`'s choice (the budget, from this proposer's own acceptance); here there is
-no estimator of our own.
+the freshest one and offers its chain past the committed prefix, then every alternative path
+of a tree chunk that still extends the prefix (with the drafter's probabilities, which the
+engine's tree uses to value them). It never waits on its own: it tells the engine when the
+chunk answering the last commit is due (`expected_wait`, measured: push to first chunk based
+on it), and the engine's cost model decides whether a bounded wait (`wait`) pays. The other
+wait is forced drafting (tests pin speculation with it): a bounded wait for a chunk that
+extends the current prefix, given up at once when membership says the proposer is no longer
+alive. How many tokens to verify is the engine's `CostModel`'s choice (the budget, from this
+proposer's own acceptance); here there is no estimator of our own.
 
 A proposer that is wrong (bad chunk, wrong session, position it cannot know, ids outside the
 vocabulary), silent or failing is counted and, after a few failures in a row or at once for
@@ -162,7 +163,7 @@ class ProposerSource(DraftSource):
         self.dropped = False
         self.closed = False
         self.failures = 0
-        self.best: tuple[int, np.ndarray] | None = None  # freshest valid chunk (base, tokens)
+        self.best: DraftChunk | None = None  # the freshest valid chunk
         self.chunks_since_step = 0
         self.proposed = 0  # tokens offered by the last propose
         self.garbage_seen = client.dropped
@@ -191,9 +192,9 @@ class ProposerSource(DraftSource):
             return []
         if self.forced:
             self._wait_for_extension(committed)
-        ids = self._extension(committed, budget)
-        self.proposed = 0 if ids is None else len(ids)
-        return [Candidate(ids)] if self.proposed else []
+        cands = self._candidates(committed, budget)
+        self.proposed = len(cands[0].tokens) if cands else 0
+        return cands
 
     def feedback(self, fb: Feedback) -> None:
         now = time.monotonic()
@@ -254,10 +255,10 @@ class ProposerSource(DraftSource):
 
     # -- chunks -------------------------------------------------------------------------------
     def _extension(self, committed: Sequence[int], budget: int) -> np.ndarray | None:
-        """The best chunk's tokens past `committed`, if it still extends it; else drop it."""
+        """The best chunk's chain past `committed`, if it still extends it; else drop it."""
         if self.best is None:
             return None
-        base, toks = self.best
+        base, toks = self.best.base, self.best.tokens
         n = len(committed)
         known = n - base  # tokens of the chunk the verifier has committed since its base
         if known < 0 or len(toks) < known or any(
@@ -267,12 +268,44 @@ class ProposerSource(DraftSource):
             return None
         return np.asarray(toks[known : known + budget], dtype=np.int64)
 
+    def _candidates(self, committed: Sequence[int], budget: int) -> list[Candidate]:
+        """The best chunk's paths that still extend `committed`, past it and cut to `budget`:
+        the chain first, then each alternative (chain prefix + branch), with the drafter's
+        probabilities when the chunk has them. A chunk none of whose paths extends the
+        prefix is stale: dropped and counted."""
+        c = self.best
+        if c is None or budget <= 0:
+            return []
+        known = len(committed) - c.base  # tokens committed since the chunk's base
+        done = np.asarray(committed[c.base :] if known > 0 else [], dtype=np.int64)
+        paths = [(c.tokens, c.conf)]
+        for head, nodes in _alternative_leaves(c):
+            paths.append((np.concatenate([c.tokens[:head], c.alt_tokens[nodes]]),
+                          None if c.conf is None
+                          else np.concatenate([c.conf[:head], c.alt_conf[nodes]])))
+        out, alive = [], False
+        for toks, conf in paths:
+            if known < 0 or len(toks) < known or not np.array_equal(toks[:known], done):
+                continue
+            alive = True
+            if len(toks) > known:
+                out.append(Candidate(np.asarray(toks[known : known + budget], dtype=np.int64),
+                                     None, None if conf is None else conf[known : known + budget]))
+        if not alive:
+            self.best = None
+            self.link.stale += 1
+        log.debug("session %s: chunk base %d (+%d, %d alternatives) at %d committed: %s",
+                  self.sid, c.base, len(c.tokens), len(c.alt_tokens), len(committed),
+                  f"{len(out)} candidates, chain {len(out[0].tokens)}" if out else
+                  "live, nothing past the prefix" if alive else "stale")
+        return out
+
     def _extends(self, committed: Sequence[int]) -> bool:
         """Forced drafting may stop waiting: the chunk offers tokens past the prefix, or the
         proposer has seen the whole prefix and that is all it has."""
         if self.best is None or self._extension(committed, MAX_HORIZON) is None:
             return False
-        base, toks = self.best
+        base, toks = self.best.base, self.best.tokens
         return base + len(toks) > len(committed) or base == len(committed)
 
     def _wait_for_extension(self, committed: Sequence[int]) -> None:
@@ -329,7 +362,8 @@ class ProposerSource(DraftSource):
             chunk = None
         ok = (chunk is not None and chunk.session == self.sid
               and chunk.base <= len(self.tokens)
-              and (len(chunk.tokens) == 0 or int(chunk.tokens.max()) < self.vocab_size))
+              and (len(chunk.tokens) == 0 or int(chunk.tokens.max()) < self.vocab_size)
+              and (not chunk.is_tree or int(chunk.alt_tokens.max()) < self.vocab_size))
         if not ok:
             self.link.bad_replies += 1
             self._fail("malformed or impossible draft_chunk")
@@ -340,8 +374,8 @@ class ProposerSource(DraftSource):
             return
         self.link.chunks += 1
         self.failures = 0
-        if self.best is None or chunk.base >= self.best[0]:
-            self.best = (chunk.base, chunk.tokens)  # fresher: it knows at least as much
+        if self.best is None or chunk.base >= self.best.base:
+            self.best = chunk  # fresher: it knows at least as much
         if self.awaiting is not None and chunk.base >= self.awaiting[0]:
             took = time.monotonic() - self.awaiting[1]
             self.fresh_s = took if self.fresh_s is None else self.fresh_s + _EMA * (
@@ -407,3 +441,19 @@ class ProposerSource(DraftSource):
             # whatever it still streams pile up against the receive high-water mark (libzmq
             # 4.3.5 can abort the process on an engine whose input stopped at the HWM)
             self.client.close_peer(self.link.endpoint)
+
+
+def _alternative_leaves(c: DraftChunk) -> list[tuple[int, list[int]]]:
+    """A tree chunk's alternatives as root-to-leaf paths: (chain tokens before the branch,
+    alternative indices from the branch point to the leaf), in wire order."""
+    n = len(c.tokens)
+    paths: list[tuple[int, list[int]]] = []
+    inner = set()
+    for j, parent in enumerate(c.alt_parents.tolist()):
+        if parent >= n:  # under an earlier alternative (validated: parent - n < j)
+            head, nodes = paths[parent - n]
+            inner.add(parent - n)
+            paths.append((head, [*nodes, j]))
+        else:
+            paths.append((parent + 1, [j]))
+    return [p for j, p in enumerate(paths) if j not in inner]

@@ -286,6 +286,8 @@ class VerifierRole:
             "blocks": stats.blocks,
             "spec_blocks": stats.spec_blocks,
             "plain_steps": stats.plain_steps,
+            "tree_blocks": stats.tree_blocks,
+            "waits": stats.waits,
             "deadline_misses": 0,  # protocol 2 never waits on a proposer (but forced)
             "model": self.engine.backend.model_name,
             "backend": self.engine.backend.name,

@@ -8,6 +8,8 @@ import pytest
 from codec.errors import BadRequest
 from codec.messages import decode, encode, make
 from codec.structs import (
+    MAX_ALTERNATIVES,
+    DraftChunk,
     DraftReply,
     DraftReq,
     GenerateReq,
@@ -142,3 +144,47 @@ def test_draft_messages_check_k_committed_and_probs():
     with pytest.raises(BadRequest) as info:
         DraftReply("s", 3, np.array([1, 2], np.int32), probs=np.zeros((3, 5), np.float32))
     assert info.value.field == "probs"
+
+
+def test_a_draft_chunk_tree_round_trips_and_a_chain_stays_one_tensor():
+    tree = DraftChunk("s", 7, np.array([5, 6, 7], np.int32), 2,
+                      alt_tokens=np.array([9, 10, 11], np.int32),
+                      alt_parents=np.array([-1, 1, 4], np.int32),  # 11 hangs under 10
+                      conf=np.array([0.5, 0.6, 0.7], np.float32),
+                      alt_conf=np.array([0.2, 0.3, 1.0], np.float32))
+    back = parse(wire(tree.to_message(more=True)))
+    assert back.is_tree and back.base == 7 and back.chunk == 2
+    assert back.alt_tokens.tolist() == [9, 10, 11] and back.alt_parents.tolist() == [-1, 1, 4]
+    assert np.allclose(back.conf, [0.5, 0.6, 0.7]) and np.allclose(back.alt_conf, [.2, .3, 1])
+    chain = DraftChunk("s", 7, np.array([5, 6], np.int32))
+    msg = wire(chain.to_message())
+    assert len(msg.tensors) == 1 and not parse(msg).is_tree and parse(msg).conf is None
+    # alternatives without probabilities (an n-gram proposer): three tensors
+    ngram = DraftChunk("s", 7, np.array([5], np.int32), alt_tokens=np.array([9], np.int32),
+                       alt_parents=np.array([-1], np.int32))
+    msg = wire(ngram.to_message())
+    assert len(msg.tensors) == 3 and parse(msg).conf is None
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"alt_parents": np.array([-1, 5], np.int32)}, "alt_parents"),  # 5: itself (n + 1 = 4)
+    ({"alt_parents": np.array([-2, 0], np.int32)}, "alt_parents"),
+    ({"alt_parents": np.array([0], np.int32)}, "alt_parents"),  # one parent for two
+    ({"alt_tokens": np.array([9, -1], np.int32)}, "alt_tokens"),
+    ({"alt_tokens": np.zeros(MAX_ALTERNATIVES + 1, np.int32),
+      "alt_parents": np.full(MAX_ALTERNATIVES + 1, -1, np.int32),
+      "alt_conf": np.zeros(MAX_ALTERNATIVES + 1, np.float32)}, "alt_tokens"),
+    ({"conf": np.array([0.5, 1.5, 0.1], np.float32)}, "conf"),
+    ({"conf": np.array([0.5, np.nan, 0.1], np.float32)}, "conf"),
+    ({"alt_conf": np.array([0.5], np.float32)}, "alt_conf"),
+    ({"alt_conf": None}, "conf"),  # one without the other
+])
+def test_bad_draft_chunk_trees_name_the_field(kw, field):
+    args = {"alt_tokens": np.array([9, 10], np.int32),
+            "alt_parents": np.array([-1, 3], np.int32),
+            "conf": np.array([0.5, 0.6, 0.7], np.float32),
+            "alt_conf": np.array([0.2, 0.1], np.float32), **kw}
+    with pytest.raises(BadRequest) as info:
+        DraftChunk("s", 7, np.array([5, 6, 7], np.int32), 1, **args)
+    assert info.value.field == field
+

@@ -109,6 +109,29 @@ def test_node_values_follow_owners_and_siblings_share():
     assert by_tok[8] == pytest.approx(0.9 * 0.1 * 0.9)
 
 
+def test_alternatives_are_valued_by_their_draft_probability():
+    """A model drafter's runners-up: of what the chain token leaves, each gets its share of
+    the draft probability the earlier siblings did not take."""
+    tree = TokenTree(1)
+    chain = Candidate(np.asarray([5, 6]), None, np.asarray([0.5, 0.9]))
+    likely = Candidate(np.asarray([7]), None, np.asarray([0.4]))  # alternative to 5
+    unlikely = Candidate(np.asarray([8]), None, np.asarray([0.02]))
+    tree.add([(0, chain), (0, likely), (0, unlikely)], 8, 8)
+    by_tok = dict(zip(tree.tokens, tree.node_values({0: 0.6}), strict=True))
+    assert by_tok[5] == pytest.approx(0.6)  # the chain: the source's measured acceptance
+    assert by_tok[6] == pytest.approx(0.6 * 0.6)
+    assert by_tok[7] == pytest.approx(0.4 * 0.8)  # (1 - 0.6) left, 0.4 / 0.5 of it
+    assert by_tok[8] == pytest.approx((0.4 - 0.32) * (0.02 / 0.1))
+    # without probabilities an alternative is valued like any sibling (the n-gram case)
+    bare = TokenTree(1)
+    bare.add([(0, Candidate(np.asarray([5, 6]))), (0, Candidate(np.asarray([7])))], 8, 8)
+    assert dict(zip(bare.tokens, bare.node_values({0: 0.6}), strict=True))[7] == \
+        pytest.approx(0.4 * 0.6)
+    # the pruned tree keeps the likely runner-up and drops the unlikely one
+    kept = tree.subtree(seeded().select(tree.node_values({0: 0.6}), [False] * len(tree)))
+    assert 7 in kept.tokens and 8 not in kept.tokens
+
+
 def test_select_keeps_what_pays_and_is_prefix_closed():
     c = seeded()
     tree = TokenTree(1)

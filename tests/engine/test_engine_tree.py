@@ -306,6 +306,54 @@ def test_a_wrong_source_is_pruned_without_costing_the_right_one(tiny_torch, prom
     assert stats.blocks <= 4  # long blocks: the right chain is never cut short for the junk
 
 
+class RunnerUp(Chain):
+    """A model drafter as a remote proposer sends it, unsure at the first token: its pick
+    (50 %) is wrong, its 40 % runner-up right, a 1 % runner-up wrong; the rest of the chain
+    right (it continues the truth)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, right=True, **kw)
+        self.accepted, self.truths = [], []
+
+    def propose(self, committed, budget):
+        truth = self.reference[len(committed) : len(committed) + budget]
+        self.truths.append(self.reference[len(committed)] if len(committed) < len(
+            self.reference) else None)
+        if not truth:
+            return []
+        conf = np.full(len(truth), 0.8)
+        conf[0] = 0.5
+        return [Candidate(np.asarray([(truth[0] + 1) % self.vocab, *truth[1:]]), None, conf),
+                Candidate(np.asarray([truth[0]]), None, np.asarray([0.4])),
+                Candidate(np.asarray([(truth[0] + 2) % self.vocab]), None, np.asarray([0.01]))]
+
+    def feedback(self, fb):
+        super().feedback(fb)
+        self.accepted.append(fb.accepted)
+
+
+def test_a_likely_runner_up_is_verified_and_a_hopeless_one_pruned(tiny_torch, prompt_ids,
+                                                                  reference):
+    engine = Engine(tiny_torch)
+    engine.cost = PinnedCost(max_k=engine.max_draft)
+    source = RunnerUp("int8", prompt_ids + reference, tiny_torch.vocab_size)
+    trees, plan = [], engine._plan
+    engine._plan = lambda seq: trees.append(plan(seq)) or trees[-1]
+    params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
+    out, stats = run(engine, prompt_ids, params, sources=[source])
+    assert out == reference[:N]
+    # once asked, every step commits the runner-up (and the verifier's own next token)
+    asked = [acc for acc, off in zip(source.accepted, source.offered, strict=True) if off]
+    assert asked and all(acc == 1 for acc in asked)
+    assert stats.tree_blocks == len(asked) and stats.plain_steps <= 1
+    # the runner-up rode along in every verified tree, the 1 % one in none
+    assert len(trees) == len(source.truths)  # one proposal per plan
+    for tree, truth in zip(trees, source.truths, strict=True):
+        if tree.drafted:
+            first = {tree.tokens[c] for c in tree.children[0].values()}
+            assert truth in first and (truth + 2) % tiny_torch.vocab_size not in first
+
+
 class Late(Chain):
     """A remote-like source: its drafts for a commit arrive only after `wait` (no clock: the
     arrival is the call), and it announces them as due in a millisecond."""

@@ -43,6 +43,9 @@ class ScriptedProposer:
         req.reply(make("draft_chunk", session=session or req.message.session, base=base,
                        tensors=[np.asarray(tokens, dtype=np.int32)]), more=True)
 
+    def tree(self, req, chunk):
+        req.reply(chunk.to_message(), more=True)
+
 
 @pytest.fixture
 def scripted(host):
@@ -90,6 +93,34 @@ def test_freshest_chunk_that_extends_the_prefix_is_offered(make_source, scripted
     assert offered(src, PROMPT, budget=2) == [5, 6]
     # the verifier committed 5 6 (its own check): the same chunk still extends the prefix
     assert offered(src, PROMPT + [5, 6]) == [7]
+
+
+def test_a_tree_chunk_offers_every_alternative_that_still_extends_the_prefix(
+        make_source, scripted):
+    from codec.structs import DraftChunk
+
+    src, req = make_source()
+    # chain 5 6 7 after the prompt; alternatives: 8 for the 5, 9 then 10 for the 6, 11 for 7
+    scripted.tree(req, DraftChunk("s1", 4, np.array([5, 6, 7]), 1,
+                                  alt_tokens=np.array([8, 9, 10, 11]),
+                                  alt_parents=np.array([-1, 0, 4, 1]),
+                                  conf=np.array([0.6, 0.5, 0.9]),
+                                  alt_conf=np.array([0.3, 0.2, 0.8, 0.1])))
+    read_until(src, lambda: src.link.chunks == 1)
+    cands = src.propose(PROMPT, 8)
+    assert [c.tokens.tolist() for c in cands] == [[5, 6, 7], [8], [5, 9, 10], [5, 6, 11]]
+    assert [np.round(c.conf.astype(float), 3).tolist() for c in cands] == [
+        [0.6, 0.5, 0.9], [0.3], [0.6, 0.2, 0.8], [0.6, 0.5, 0.1]]
+    assert src.proposed == 3  # the first candidate (the chain) is counted as its draft
+    # the verifier committed 5: the alternative to it is dead, the others lose their 5
+    cands = src.propose(PROMPT + [5], 8)
+    assert [c.tokens.tolist() for c in cands] == [[6, 7], [9, 10], [6, 11]]
+    # ... it committed 5 9 (the runner-up): the branch through 9 lives on, the chain does not
+    assert [c.tokens.tolist() for c in src.propose(PROMPT + [5, 9], 8)] == [[10]]
+    assert src.link.stale == 0
+    # ... it committed 5 9 4: nothing extends that; stale, dropped, counted
+    assert src.propose(PROMPT + [5, 9, 4], 8) == [] and src.best is None
+    assert src.link.stale == 1
 
 
 def test_stale_reordered_and_duplicated_chunks(make_source, scripted):

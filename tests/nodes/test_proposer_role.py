@@ -193,3 +193,30 @@ def test_a_million_token_session_is_refused_before_any_work(host):
 
 def test_default_context_cap_is_sane():
     assert ProposerRole(NgramDrafter(), vocab_size=0).max_context == 8192
+
+
+def test_alternatives_stream_as_a_tree_and_lapse_with_their_position(host):
+    """A proposer with tree width > 1 sends its drafter's alternatives beside the chain; a
+    commit that confirms the chain's token drops the alternatives to it."""
+    from codec.structs import DraftChunk
+
+    role = ProposerRole(NgramDrafter(), vocab_size=100, sweep_every=0.05, tree_width=3)
+    role.attach(host)
+    try:
+        # "9 1 2" was followed by 4 (the chain); "1 2" also by 3 (an alternative to the 4)
+        prompt = np.array([1, 2, 3, 9, 1, 2, 4, 9, 1, 2], np.int32)
+        n = len(prompt)
+        call = open_stream(host, prompt=prompt, horizon=4)
+        first = DraftChunk.from_message(chunk_at(call, n))
+        assert first.tokens.tolist() == [4, 9, 1, 2]
+        assert first.alt_tokens.tolist() == [3, 9, 1, 2]
+        assert first.alt_parents.tolist() == [-1, 4, 5, 6]  # a branch at the base
+        assert first.conf is None  # n-grams have no probabilities
+        commit(host, "s1", n + 1, [4])
+        later = DraftChunk.from_message(chunk_at(call, n + 1))
+        # the branch at the old base lapsed; drafting on found "1 2" again, with its new
+        # alternative: 3 instead of the chain's 4, under the chain's "2"
+        assert later.tokens.tolist() == [9, 1, 2, 4]
+        assert later.alt_tokens.tolist() == [3] and later.alt_parents.tolist() == [2]
+    finally:
+        role.close()
