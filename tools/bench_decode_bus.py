@@ -10,11 +10,11 @@ Rows: plain (run first and again last for each prompt: the baseline is the mean 
 and `bus-plain-again` against it shows how much the machine drifted); ngram; int8 (its chain
 plus its runners-up, a token tree per chunk); ngram + int8 together (merged into one token
 tree per forward) at each delay; the int8 proposer sending chains only (`--tree-width 1`) at
-+0 and +50 ms; HF prompt
-lookup on the same prompts and token counts, run in this process pinned to core 0 with one
-torch thread once the cluster is idle. Every configuration runs on the same prompts through
-the same verifier process, interleaved prompt by prompt (in an order rotated per prompt);
-speedups are over that verifier's own plain decoding of the same prompt on its core.
++0 and +50 ms; HF greedy and HF prompt lookup on the same prompts and token counts, run in this
+process (its thread pinned to core 0, one torch thread) right after each prompt's bus rows.
+Every bus configuration runs on the same prompts through the same verifier process,
+interleaved prompt by prompt (in an order rotated per prompt); speedups are over that
+verifier's own plain decoding of the same prompt on its core (hf-* rows: over hf-plain).
 
 Protocol 1's request/reply drafting is gone from the nodes, so it has no row here (its figures
 are in the older tables of docs/benchmarks.md). The JSON gives each row's speedup per prompt
@@ -95,6 +95,8 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
                 cc.generate(GenerateRequest(prompts[0][1][:200], max_tokens=8, **over), verifier)
             results: dict[str, list[dict]] = {name: [] for name, _ in configs}
             results["bus-plain-again"] = []
+            hf = _HfRows(args)
+            hf.run(*prompts[0], n, warm_up=True)
             for i, (klass, text) in enumerate(prompts):
                 print(f"prompt {i + 1}/{len(prompts)} ({klass})", file=sys.stderr)
                 # plain first and last (the baseline is their mean; the second shows any drift
@@ -106,8 +108,8 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
                 for name, over in order:
                     r = cc.generate(GenerateRequest(text, max_tokens=n, **over), verifier)
                     results[name].append({"class": klass, "prompt": i, **r.stats})
-            raw = [(klass, text) for klass, text in prompts]
-    results.update(_hf_rows(args, raw, n))
+                hf.run(klass, text, n)
+    results.update(hf.out)
     rows = _rows(results)
     _print(rows, n)
     if args.json:
@@ -115,35 +117,48 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
     return 0
 
 
-def _hf_rows(args, prompts: list[tuple[str, str]], n: int) -> dict[str, list[dict]]:
+class _HfRows:
     """HF greedy and HF prompt lookup on the same prompts, token ids and token counts as the
-    bus rows (the verifier's own encoding: the chat template, as `GenerateRequest` asks), on
-    core 0 with one torch thread, the cluster idle."""
-    import os
+    bus rows (the verifier's own encoding: the chat template, as `GenerateRequest` asks), run
+    in this process right after each prompt's bus rows (the VM's speed drifts over minutes, so
+    HF is measured beside ours, not after), with the calling thread pinned to core 0 and one
+    torch thread, the cluster idle meanwhile."""
 
-    import torch
+    def __init__(self, args) -> None:
+        import torch
 
-    from nodes.backends.base import load_backend
-    from tools.bench_decode import _hf_runner
+        from nodes.backends.base import load_backend
+        from tools.bench_decode import _hf_runner
 
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {0})
-    torch.set_num_threads(1)
-    backend = load_backend("torch", getattr(args, "model", None))
-    out: dict[str, list[dict]] = {"hf-plain": [], "hf-prompt-lookup": []}
-    runners = {"hf-plain": _hf_runner(backend),
-               "hf-prompt-lookup": _hf_runner(backend, prompt_lookup_num_tokens=8)}
-    runners["hf-plain"](backend.tokenizer.encode(prompts[0][1][:200], chat=True), 4)  # warm-up
-    for klass, text in prompts:
-        ids = backend.tokenizer.encode(text, chat=True)
-        for name, run in runners.items():
-            r = run(ids, n)
-            out[name].append({"class": klass, "prompt": len(out[name]),
-                              "token_ids": r.token_ids,
-                              "tok_per_s": len(r.token_ids) / r.elapsed_s if r.elapsed_s
-                              else 0.0, "acceptance": 0.0, "mean_accepted_len": 0.0,
-                              "accepted": 0, "drafted": 0, "blocks": 0})
-    return out
+        torch.set_num_threads(1)
+        self.backend = load_backend("torch", getattr(args, "model", None))
+        self.runners = {"hf-plain": _hf_runner(self.backend),
+                        "hf-prompt-lookup": _hf_runner(self.backend,
+                                                       prompt_lookup_num_tokens=8)}
+        self.out: dict[str, list[dict]] = {name: [] for name in self.runners}
+
+    def run(self, klass: str, text: str, n: int, warm_up: bool = False) -> None:
+        import os
+
+        ids = self.backend.tokenizer.encode(text, chat=True)
+        pin = hasattr(os, "sched_getaffinity")
+        cores = os.sched_getaffinity(0) if pin else None
+        if pin:
+            os.sched_setaffinity(0, {0})  # this thread only: the proxies' threads stay free
+        try:
+            if warm_up:
+                self.runners["hf-plain"](ids[:64], 4)
+                return
+            for name, run in self.runners.items():
+                r = run(ids, n)
+                self.out[name].append({
+                    "class": klass, "prompt": len(self.out[name]), "token_ids": r.token_ids,
+                    "tok_per_s": len(r.token_ids) / r.elapsed_s if r.elapsed_s else 0.0,
+                    "acceptance": 0.0, "mean_accepted_len": 0.0, "accepted": 0,
+                    "drafted": 0, "blocks": 0})
+        finally:
+            if pin:
+                os.sched_setaffinity(0, cores)
 
 
 def _rows(results: dict[str, list[dict]]) -> list[dict]:
