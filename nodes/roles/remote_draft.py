@@ -254,20 +254,6 @@ class ProposerSource(DraftSource):
         self.closed = True  # replies still on their way are ignored (by the next session too)
 
     # -- chunks -------------------------------------------------------------------------------
-    def _extension(self, committed: Sequence[int], budget: int) -> np.ndarray | None:
-        """The best chunk's chain past `committed`, if it still extends it; else drop it."""
-        if self.best is None:
-            return None
-        base, toks = self.best.base, self.best.tokens
-        n = len(committed)
-        known = n - base  # tokens of the chunk the verifier has committed since its base
-        if known < 0 or len(toks) < known or any(
-                int(toks[i]) != int(committed[base + i]) for i in range(known)):
-            self.best = None
-            self.link.stale += 1
-            return None
-        return np.asarray(toks[known : known + budget], dtype=np.int64)
-
     def _candidates(self, committed: Sequence[int], budget: int) -> list[Candidate]:
         """The best chunk's paths that still extend `committed`, past it and cut to `budget`:
         the chain first, then each alternative (chain prefix + branch), with the drafter's
@@ -294,19 +280,20 @@ class ProposerSource(DraftSource):
         if not alive:
             self.best = None
             self.link.stale += 1
-        log.debug("session %s: chunk base %d (+%d, %d alternatives) at %d committed: %s",
-                  self.sid, c.base, len(c.tokens), len(c.alt_tokens), len(committed),
-                  f"{len(out)} candidates, chain {len(out[0].tokens)}" if out else
-                  "live, nothing past the prefix" if alive else "stale")
+        if log.isEnabledFor(logging.DEBUG):  # once per step: no formatting unless asked
+            log.debug("session %s: chunk base %d (+%d, %d alternatives) at %d committed: %s",
+                      self.sid, c.base, len(c.tokens), len(c.alt_tokens), len(committed),
+                      f"{len(out)} candidates, first {len(out[0].tokens)}" if out else
+                      "live, nothing past the prefix" if alive else "stale")
         return out
 
     def _extends(self, committed: Sequence[int]) -> bool:
-        """Forced drafting may stop waiting: the chunk offers tokens past the prefix, or the
-        proposer has seen the whole prefix and that is all it has."""
-        if self.best is None or self._extension(committed, MAX_HORIZON) is None:
-            return False
-        base, toks = self.best.base, self.best.tokens
-        return base + len(toks) > len(committed) or base == len(committed)
+        """Forced drafting may stop waiting: the chunk offers tokens past the prefix (on its
+        chain or an alternative), or the proposer has seen the whole prefix and that is all it
+        has."""
+        if self._candidates(committed, MAX_HORIZON):
+            return True
+        return self.best is not None and self.best.base == len(committed)
 
     def _wait_for_extension(self, committed: Sequence[int]) -> None:
         deadline = time.monotonic() + self.policy.forced_s
