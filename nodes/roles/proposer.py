@@ -313,7 +313,8 @@ class ProposerRole:
         ids: list[int] = []
         if k > 0:
             t0 = time.perf_counter()
-            # sampled drafts travel as point masses (lossless; see docs/engine.md)
+            # drafts travel as point masses, also under sampling (lossless whatever we do;
+            # docs/protocol.md "Why q is not sent"): model drafters propose q's mode
             out = s.draft.draft_ahead(k, self.tree_width)
             self.stats.draft_s += time.perf_counter() - t0
             ids = [int(t) for t in out.ids[:k]]

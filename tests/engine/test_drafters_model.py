@@ -100,6 +100,13 @@ def test_draft_ahead_when_sampling_offers_runners_up_of_the_sampling_distributio
     s = ModelDrafter(tiny_torch).open(prompt_ids, SamplingParams(1.0, 1.0, 5, seed=3))
     out = s.draft_ahead(4, width=3)
     assert len(out.ids) == 4
+    # the chain is the mode of q, whatever the seed (a point mass is accepted with p(x): the
+    # likeliest token is the best guess), and each runner-up is less likely than its token
+    other = ModelDrafter(tiny_torch).open(prompt_ids, SamplingParams(1.0, 1.0, 5, seed=4))
+    assert other.draft_ahead(4, width=3).ids.tolist() == out.ids.tolist()
+    assert out.ids.tolist() == ModelDrafter(tiny_torch).open(
+        prompt_ids, SamplingParams()).draft(4)[0].tolist()
+    assert all(b.conf[0] <= out.conf[b.at] for b in out.branches)
     # top-k 5 of a near-uniform model: every position has two runners-up of ~0.2 each
     assert [b.at for b in out.branches] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert all(0.05 <= b.conf[0] <= 1 and b.tokens[0] != out.ids[b.at] for b in out.branches)
