@@ -27,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs per mode (best kept)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--model", default=None,
+                        help="the verifier's model (alias, folder or cached HF repo id; default "
+                             "the embedded SmolLM2-135M), e.g. a larger one where the weights, "
+                             "not the ~320 MB each process costs before any weight, dominate")
 
 
 def _rss_mb(pid: int) -> float:
@@ -35,10 +39,11 @@ def _rss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
 
 
-def _start(c, n: int, threads: str):
+def _start(c, n: int, threads: str, model: str | None):
     from tools.local_cluster import free_port_pair
 
-    common = ("--role", "verifier", "--threads", threads, *LOOP)
+    common = ("--role", "verifier", "--threads", threads, *LOOP,
+              *(("--model", model) if model else ()))
     if n == 1:
         v = c.start_node("whole", *common, seed=True)
         return [v], v.node_id, [None]
@@ -90,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     for n in counts:
         with LocalCluster(log_dir=log_dir / f"s{n}", mdns=False) as c:
             p = c.start_node("ngram", "--role", "proposer", "--drafter", "ngram", *LOOP)
-            procs, leader_id, params = _start(c, n, str(args.threads))
+            procs, leader_id, params = _start(c, n, str(args.threads), args.model)
             peers = tuple(x.stream for x in c.nodes if x.proc.poll() is None)
             with ClusterClient(c.cluster, interface="127.0.0.1", peers=peers, mdns=False) as cc:
                 res = _measure(cc, leader_id, p.node_id, args.max_tokens, args.repeats)
