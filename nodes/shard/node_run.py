@@ -130,6 +130,9 @@ class ShardProcess:
             if plan is None:
                 return
             part = split_layers(self.layers, plan.world, plan.rank)
+            if torch_cuda_available():
+                log.warning("shard stages run on CPU over gloo even on a CUDA host: CUDA "
+                            "stages over NCCL are not implemented (docs/sharding.md)")
             stage = StageModel(self.ref.path, part)
             self._join_group(plan, sock)
         except BaseException:
@@ -261,3 +264,9 @@ def run_sharded(args: argparse.Namespace) -> int:
     rc = proc.run()
     proc.emit({"event": "exit"})
     return rc
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
