@@ -342,6 +342,8 @@ class Engine:
             found += [(i, c) for c in cands]
         if adaptive and not found:
             found = self._wait_for_drafts(seq, committed, cap)
+        elif adaptive:
+            found = self._top_up(seq, committed, found)
         if adaptive:  # the source most likely to be right goes first (and wins ties)
             rank = {s.tag: seq.cost.acceptance_of(s.name) for s in seq.slots}
             found.sort(key=lambda pair: -rank[pair[0]])
@@ -381,6 +383,40 @@ class Engine:
             seq.stats.waits += 1
             return [(slot.tag, c) for c in (self._clean(c, k) for c in cands) if len(c.tokens)]
         return []
+
+    def _top_up(self, seq: SequenceState, committed: list[int],
+                found: list[tuple[int, Candidate]]) -> list[tuple[int, Candidate]]:
+        """Something to verify, but short: a source whose fresh drafts (answering the last
+        commit) are due may offer its whole budget after a short wait, where what it has now
+        continues an older guess and runs out a few tokens in (a proposer's drafts stop at its
+        horizon past the commit it last knew). Wait, bounded by twice the announcement, when
+        the cost model says the longer draft pays for the wait; the source's candidates are
+        then replaced by what it has after the wait."""
+        longest: dict[int, int] = {}
+        for tag, cand in found:
+            longest[tag] = max(longest.get(tag, 0), len(cand.tokens))
+        for slot in sorted(seq.slots, key=lambda s: -seq.cost.acceptance_of(s.name)):
+            have, k = longest.get(slot.tag, 0), slot.budget
+            if k <= have:
+                continue
+            wait = slot.source.expected_wait()
+            if wait is None or not seq.cost.top_up_pays(slot.name, have, k, wait):
+                continue
+            t0 = time.perf_counter()
+            try:
+                came = slot.source.wait(2 * wait + 0.001)
+                cands = slot.source.propose(committed, k) if came else []
+            except Exception as exc:  # noqa: BLE001 - same policy as propose
+                _drop_source(seq, slot, "failed", exc)
+                return [(tag, c) for tag, c in found if tag != slot.tag]
+            seq.stats.waited_s += time.perf_counter() - t0
+            seq.stats.waits += 1
+            fresh = [(slot.tag, c) for c in (self._clean(c, k) for c in cands) if len(c.tokens)]
+            if fresh:
+                slot.asked = True
+                return [(tag, c) for tag, c in found if tag != slot.tag] + fresh
+            return found
+        return found
 
     def _clean(self, cand: Candidate, budget: int) -> Candidate:
         """A hostile or buggy source must not break the verifier: cut at the first bad id and

@@ -183,6 +183,15 @@ class CostModel:
         rate = self.expected_tokens(k, name) / (wait_s + self.verify_cost(k + 1))
         return rate > self.margin * self.expected_rate(0, name)
 
+    def top_up_pays(self, name: str, have: int, k: int, wait_s: float) -> bool:
+        """Whether waiting `wait_s` for k of `name`'s drafts beats verifying the `have` it
+        offers now (committed tokens per second of wait + verify, with the usual margin)."""
+        if k <= have or wait_s < 0:
+            return False
+        now = self.expected_tokens(have, name) / self.verify_cost(have + 1)
+        later = self.expected_tokens(k, name) / (wait_s + self.verify_cost(k + 1))
+        return later > self.margin * now
+
     def select(self, values: Sequence[float], forced: Sequence[bool]) -> list[int]:
         """Draft nodes (1-based tree indices) worth one forward, best first, prefix-closed.
 

@@ -392,3 +392,27 @@ def test_announced_drafts_are_waited_for_only_when_they_pay(tiny_torch, prompt_i
         assert late.waits == stats.blocks - 1 and stats.blocks <= 4
     else:  # the prior earns a try or two, then never waits for drafts that are always wrong
         assert late.waits <= 2
+
+
+class RunsOut(Late):
+    """A remote-like source whose drafts for the last commit are due in a millisecond, while
+    what it has now (its older guess) runs out two tokens past the prefix."""
+
+    def propose(self, committed, budget):
+        return Chain.propose(self, committed, budget if self.arrived else min(budget, 2))
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_short_drafts_are_topped_up_by_a_wait_only_when_it_pays(tiny_torch, prompt_ids,
+                                                                reference, right):
+    engine = Engine(tiny_torch)
+    engine.cost = PinnedCost(max_k=engine.max_draft)
+    src = RunsOut("remote", prompt_ids + reference, tiny_torch.vocab_size, right=right)
+    params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
+    out, stats = run(engine, prompt_ids, params, sources=[src])
+    assert out == reference[:N]
+    assert stats.waits == src.waits
+    if right:  # 1 ms for a full block instead of 2 tokens: waited every step, long blocks
+        assert src.waits == stats.blocks - 1 and stats.blocks <= 4
+    else:  # never worth waiting for more of what is always wrong
+        assert src.waits <= 2 and stats.blocks >= N // 2
