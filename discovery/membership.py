@@ -492,10 +492,14 @@ class Membership:
         if isinstance(reply, BusError):
             log.debug("snapshot from %s failed: %s", call.endpoint, reply)
             owners = [m for m in self._table.members()
-                      if m.card.endpoints["stream"] == call.endpoint and m.state is State.ALIVE]
+                      if m.card.endpoints["stream"] == call.endpoint
+                      and m.state in (State.ALIVE, State.SUSPECT)]
             if not owners:
-                # nobody alive there (a dead seed): drop the requests queued for it; a live
-                # member's connection is left alone, roles may have calls in flight on it
+                # nobody alive there (a dead seed): drop the requests queued for it. A live or
+                # merely suspected member's connection is left alone: roles may have calls in
+                # flight on it, and a member suspected on a loaded machine (so re-introduced as
+                # a seed, and too slow to answer the snapshot) is not dead; forgetting it here
+                # failed a generation in flight to it ("was forgotten")
                 self.client.forget(call.endpoint)
             return
         if reply.type == "error":

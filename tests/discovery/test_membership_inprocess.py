@@ -211,3 +211,30 @@ def test_discovered_endpoint_is_retried_until_it_answers(make_node, view, wait_u
     assert b.server.endpoint == f"tcp://127.0.0.1:{port}"
     assert b.gossip.endpoint == f"tcp://127.0.0.1:{port + 1}"
     assert wait_until(lambda: view(a).get(b.node_id) == "alive")
+
+
+def test_a_suspected_seed_too_slow_for_a_snapshot_keeps_its_calls(make_node, seed_of, view,
+                                                                  wait_until):
+    """A member stalled long enough to be suspected (not dead) is re-introduced as a seed; the
+    snapshot request times out. That must not forget its endpoint: a call in flight to it (a
+    generation, here a ping) is answered once it resumes."""
+    import time
+
+    from bus.streams import BusError
+    from codec.messages import make
+    from discovery.table import Timeouts
+
+    slow = Timeouts(heartbeat=0.05, suspect_after=0.5, dead_after=60.0, forget_after=120.0,
+                    check_every=0.02)
+    b = make_node(timeouts=slow)
+    a = make_node(timeouts=slow, peers=(seed_of(b),))
+    assert wait_until(lambda: view(a).get(b.node_id) == "alive")
+    b.loop.call_soon(lambda: time.sleep(3.5))  # B's I/O thread stalls: no heartbeat, no answer
+    call = a.client.request(seed_of(b), make("ping"), timeout=30)
+    assert wait_until(lambda: view(a).get(b.node_id) == "suspect", 10)
+    try:
+        reply = call.result()
+    except BusError as exc:
+        raise AssertionError(f"the call to a suspected (not dead) member failed: {exc}") from exc
+    assert reply.type == "pong"
+    assert wait_until(lambda: view(a).get(b.node_id) == "alive")
