@@ -216,10 +216,16 @@ class ShardProcess:
                        "param_mb": round(stage.param_bytes / 2**20, 1)})
             telemetry = Telemetry(node, providers=[roles.telemetry])
             telemetry.start()
+            # this node is new: until it has heard of a stage, not knowing it means "not yet",
+            # not "gone" (a loaded machine took longer than a 0.2 s tick, and the group broke
+            # and re-formed in a loop); unknown after the grace, or forgotten once seen, is gone
+            grace_until = time.monotonic() + 3 * args.shard_timeout
+            seen: set[str] = set()
             while not self.stop.wait(0.2):
                 if backend.broken:
                     raise ShardBrokenError(backend.broken)
-                gone = [s for s in plan.members[1:] if _gone(node, s)]
+                gone = [s for s in plan.members[1:]
+                        if _gone(node, s, seen, time.monotonic() > grace_until)]
                 if gone:
                     raise ShardBrokenError(f"stage {', '.join(gone)} left the cluster")
         finally:
@@ -235,9 +241,13 @@ class ShardProcess:
             backend.close()
 
 
-def _gone(node, node_id: str) -> bool:
+def _gone(node, node_id: str, seen: set[str], grace_over: bool) -> bool:
+    """Whether a stage is dead or left; `seen` collects the stages this node has known."""
     m = node.membership.get(node_id)
-    return m is None or m.state in (State.DEAD, State.LEFT)
+    if m is None:
+        return node_id in seen or grace_over
+    seen.add(node_id)
+    return m.state in (State.DEAD, State.LEFT)
 
 
 def run_sharded(args: argparse.Namespace) -> int:
