@@ -372,17 +372,23 @@ class Engine:
             wait = slot.source.expected_wait() if k > 0 else None
             if wait is None or not seq.cost.wait_pays(slot.name, k, wait):
                 continue
-            t0 = time.perf_counter()
-            try:
-                came = slot.source.wait(2 * wait + 0.001)
-                cands = slot.source.propose(committed, k) if came else []
-            except Exception as exc:  # noqa: BLE001 - same policy as propose
-                _drop_source(seq, slot, "failed", exc)
-                return []
-            seq.stats.waited_s += time.perf_counter() - t0
-            seq.stats.waits += 1
-            return [(slot.tag, c) for c in (self._clean(c, k) for c in cands) if len(c.tokens)]
+            return self._wait_then_propose(seq, slot, committed, k, wait) or []
         return []
+
+    def _wait_then_propose(self, seq: SequenceState, slot, committed: list[int], k: int,
+                           wait: float) -> list[tuple[int, Candidate]] | None:
+        """Wait at most twice the announced `wait` for a source's drafts, then ask it for k;
+        None when the source failed (it is dropped)."""
+        t0 = time.perf_counter()
+        try:
+            came = slot.source.wait(2 * wait + 0.001)
+            cands = slot.source.propose(committed, k) if came else []
+        except Exception as exc:  # noqa: BLE001 - same policy as propose
+            _drop_source(seq, slot, "failed", exc)
+            return None
+        seq.stats.waited_s += time.perf_counter() - t0
+        seq.stats.waits += 1
+        return [(slot.tag, c) for c in (self._clean(c, k) for c in cands) if len(c.tokens)]
 
     def _top_up(self, seq: SequenceState, committed: list[int],
                 found: list[tuple[int, Candidate]]) -> list[tuple[int, Candidate]]:
@@ -402,16 +408,9 @@ class Engine:
             wait = slot.source.expected_wait()
             if wait is None or not seq.cost.top_up_pays(slot.name, have, k, wait):
                 continue
-            t0 = time.perf_counter()
-            try:
-                came = slot.source.wait(2 * wait + 0.001)
-                cands = slot.source.propose(committed, k) if came else []
-            except Exception as exc:  # noqa: BLE001 - same policy as propose
-                _drop_source(seq, slot, "failed", exc)
+            fresh = self._wait_then_propose(seq, slot, committed, k, wait)
+            if fresh is None:  # the source failed and was dropped
                 return [(tag, c) for tag, c in found if tag != slot.tag]
-            seq.stats.waited_s += time.perf_counter() - t0
-            seq.stats.waits += 1
-            fresh = [(slot.tag, c) for c in (self._clean(c, k) for c in cands) if len(c.tokens)]
             if fresh:
                 slot.asked = True
                 return [(tag, c) for tag, c in found if tag != slot.tag] + fresh

@@ -178,10 +178,7 @@ class CostModel:
     def wait_pays(self, name: str, k: int, wait_s: float) -> bool:
         """Whether waiting `wait_s` for k of `name`'s drafts beats a plain step now: expected
         committed tokens per second of (wait + verify) against one token per plain verify."""
-        if k <= 0 or wait_s < 0:
-            return False
-        rate = self.expected_tokens(k, name) / (wait_s + self.verify_cost(k + 1))
-        return rate > self.margin * self.expected_rate(0, name)
+        return self.top_up_pays(name, 0, k, wait_s)  # nothing now: a plain step's one token
 
     def top_up_pays(self, name: str, have: int, k: int, wait_s: float) -> bool:
         """Whether waiting `wait_s` for k of `name`'s drafts beats verifying the `have` it
