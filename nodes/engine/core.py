@@ -299,6 +299,12 @@ class Engine:
             backend.compact(seq.cache, base, [0, *path])
             stats.tree_blocks += 1
         new = [*(tree.tokens[i] for i in path), nxt]
+        if log.isEnabledFor(logging.DEBUG):  # once per step: no formatting unless asked
+            log.debug("step at %d: fed %d (%s), accepted %d, verify %.1f ms; %s",
+                      len(seq.committed), len(tree), "chain" if tree.is_chain() else "tree",
+                      len(path), dt * 1000, ", ".join(
+                          f"{s.name} k={s.budget} offered {s.offered} "
+                          f"a={seq.cost.acceptance_of(s.name):.2f}" for s in seq.slots))
         if tree.drafted:
             stats.spec_blocks += 1
             stats.drafted += tree.drafted
@@ -386,9 +392,14 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - same policy as propose
             _drop_source(seq, slot, "failed", exc)
             return None
-        seq.stats.waited_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        seq.stats.waited_s += waited
         seq.stats.waits += 1
-        return [(slot.tag, c) for c in (self._clean(c, k) for c in cands) if len(c.tokens)]
+        out = [(slot.tag, c) for c in (self._clean(c, k) for c in cands) if len(c.tokens)]
+        log.debug("waited %.1f ms (announced %.1f) for %s: %s", waited * 1000, wait * 1000,
+                  slot.name, f"longest {max(len(c.tokens) for _, c in out)}" if out
+                  else "nothing")
+        return out
 
     def _top_up(self, seq: SequenceState, committed: list[int],
                 found: list[tuple[int, Candidate]]) -> list[tuple[int, Candidate]]:

@@ -7,12 +7,13 @@ nothing), and on `propose` reads whatever chunks have arrived (`DirectClient.pol
 the freshest one and offers its chain past the committed prefix, then every alternative path
 of a tree chunk that still extends the prefix (with the drafter's probabilities, which the
 engine's tree uses to value them). It never waits on its own: it tells the engine when the
-chunk answering the last commit is due (`expected_wait`, measured: push to first chunk based
-on it), and the engine's cost model decides whether a bounded wait (`wait`) pays. The other
-wait is forced drafting (tests pin speculation with it): a bounded wait for a chunk that
-extends the current prefix, given up at once when membership says the proposer is no longer
-alive. How many tokens to verify is the engine's `CostModel`'s choice (the budget, from this
-proposer's own acceptance); here there is no estimator of our own.
+chunk answering the last commit is due (`expected_wait`, measured while waiting: push to first
+chunk based on it; a guess of a few ms before the first measurement), and the engine's cost
+model decides whether a bounded wait (`wait`) pays. The other wait is forced drafting (tests
+pin speculation with it): a bounded wait for a chunk that extends the current prefix, given up
+at once when membership says the proposer is no longer alive. How many tokens to verify is
+the engine's `CostModel`'s choice (the budget, from this proposer's own acceptance); here there
+is no estimator of our own.
 
 A proposer that is wrong (bad chunk, wrong session, position it cannot know, ids outside the
 vocabulary), silent or failing is counted and, after a few failures in a row or at once for
@@ -77,6 +78,9 @@ class DraftPolicy:
     forced_s: float = 120.0  # generous: a cold drafter on a loaded CI machine must not fail a test
     liveness_poll_s: float = 0.05
     commit_timeout_s: float = 10.0  # a session_extend unanswered this long counts as a timeout
+    #: the wait announced for a proposer's first answer to a commit, before one was measured
+    #: (a proposer on the LAN answers within a few ms); the first wait measures the real one
+    first_wait_s: float = 0.005
 
 
 @dataclass
@@ -98,6 +102,9 @@ class ProposerLink:
     errors: int = 0
     flooded: int = 0  # sessions dropped for sending too many chunks
     net_s: float | None = None  # EMA of the commit push round trip
+    #: EMA: commit pushed -> first chunk based on it, read while waiting for it (kept across
+    #: generations: it belongs to the proposer and the network, not to a prompt)
+    fresh_s: float | None = None
     client: DirectClient | None = field(default=None, repr=False)
 
     COUNTERS = ("drafts", "drafted", "chosen", "accepted", "verified", "chunks", "stale",
@@ -173,7 +180,6 @@ class ProposerSource(DraftSource):
         self._last_fb: float | None = None
         #: the last commit pushed (committed length, sent at) until a chunk based on it arrives
         self.awaiting: tuple[int, float] | None = None
-        self.fresh_s: float | None = None  # EMA: commit pushed -> first chunk based on it
         self.horizon = self._horizon()
         opening = SessionOpen(session_id, np.asarray(self.tokens, dtype=np.int32), lease_s,
                               wire_sampling(sampling), tokenizer=fingerprint,
@@ -225,18 +231,26 @@ class ProposerSource(DraftSource):
 
     def expected_wait(self) -> float | None:
         """How long until the chunk answering the last commit is due, from how long such
-        chunks took so far (round trip plus the proposer's drafting); None before any was
-        measured, once it came, or for a dropped proposer."""
-        if self.dropped or self.awaiting is None or self.fresh_s is None:
+        chunks took so far (round trip plus the proposer's drafting; `policy.first_wait_s`
+        before any was measured, so the engine can try a first wait and learn the real figure);
+        None once it came, or for a dropped proposer."""
+        if self.dropped or self.awaiting is None:
             return None
-        return max(0.0, self.fresh_s - (time.monotonic() - self.awaiting[1]))
+        took = self.link.fresh_s
+        if took is None:
+            took = self.policy.first_wait_s
+        return max(0.0, took - (time.monotonic() - self.awaiting[1]))
 
     def wait(self, timeout: float) -> bool:
-        """Read replies until the chunk answering the last commit is in (or `timeout`)."""
+        """Read replies until the chunk answering the last commit is in (or `timeout`). An
+        answer that does not come in time still teaches something: it takes at least this
+        long, so the next announcement is no shorter (and the cost model may stop waiting)."""
         deadline = time.monotonic() + timeout
         while self.awaiting is not None and not self.dropped:
             left = deadline - time.monotonic()
             if left <= 0:
+                link, took = self.link, time.monotonic() - self.awaiting[1]
+                link.fresh_s = took if link.fresh_s is None else max(link.fresh_s, took)
                 return False
             self._drain(min(left, self.policy.liveness_poll_s))
         return not self.dropped
@@ -310,10 +324,15 @@ class ProposerSource(DraftSource):
             self._drain(min(left, self.policy.liveness_poll_s))
 
     def _drain(self, timeout: float = 0) -> None:
-        """Read every reply that has arrived (waiting at most `timeout` for the first)."""
+        """Read every reply that has arrived (waiting at most `timeout` for the first).
+
+        Only a waiting read (`timeout` > 0, right after a non-waiting one) times the answer to
+        a commit: one read at the next step finds it a whole verify late, and timing that would
+        announce every wait as a verify long, so none would ever pay."""
+        timely = timeout > 0
         for call, reply in self.client.poll(timeout=timeout):
             if call is self.stream:
-                self._on_stream(reply)
+                self._on_stream(reply, timely)
             elif call in self.commits:
                 self._on_commit(call, reply)
         garbage = self.client.dropped - self.garbage_seen
@@ -324,7 +343,7 @@ class ProposerSource(DraftSource):
         if self.stream is not None and self.stream.overflowed and not self.dropped:
             self._flood(f"{self.stream.overflowed} chunks past the reply queue")
 
-    def _on_stream(self, reply) -> None:
+    def _on_stream(self, reply, timely: bool = False) -> None:
         if self.dropped or self.closed:
             return
         if isinstance(reply, BusError):
@@ -364,9 +383,10 @@ class ProposerSource(DraftSource):
         if self.best is None or chunk.base >= self.best.base:
             self.best = chunk  # fresher: it knows at least as much
         if self.awaiting is not None and chunk.base >= self.awaiting[0]:
-            took = time.monotonic() - self.awaiting[1]
-            self.fresh_s = took if self.fresh_s is None else self.fresh_s + _EMA * (
-                took - self.fresh_s)
+            if timely:
+                took, link = time.monotonic() - self.awaiting[1], self.link
+                link.fresh_s = took if link.fresh_s is None else link.fresh_s + _EMA * (
+                    took - link.fresh_s)
             self.awaiting = None
         if not msg.more:
             self._drop("draft stream ended")

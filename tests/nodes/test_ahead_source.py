@@ -72,6 +72,15 @@ def make_source(host, scripted):
         link.close()
 
 
+def read_until_nonwaiting(src, cond, limit_s=10.0):
+    """Like `read_until`, with the non-waiting reads a step makes (sleeping in between)."""
+    end = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < end, ("the source never read what was sent", src.link)
+        time.sleep(0.02)
+        src._drain(0)
+
+
 def read_until(src, cond, limit_s=10.0):
     """Let the source read replies until `cond()` holds (bounded; a hang fails, not a race)."""
     end = time.monotonic() + limit_s
@@ -201,16 +210,17 @@ def test_forced_waits_for_a_chunk_and_gives_up_on_a_dead_proposer(make_source, s
 
 def test_the_chunk_answering_a_commit_is_announced_and_can_be_waited_for(make_source, scripted):
     src, req = make_source()
-    assert src.expected_wait() is None  # nothing pushed, nothing measured
+    assert src.expected_wait() is None  # nothing pushed
     src.feedback(Feedback(committed=(8,), committed_len=5, offered=0, accepted=0))
-    assert src.expected_wait() is None  # pushed, but no chunk has ever answered one
+    # pushed, but no chunk has ever answered one: the first-wait guess, so a wait can be tried
+    assert 0 <= src.expected_wait() <= src.policy.first_wait_s
     scripted.chunk(req, 5, [3, 3])
-    read_until(src, lambda: src.awaiting is None)
-    assert src.fresh_s is not None and src.fresh_s >= 0  # push -> answer, measured
+    read_until(src, lambda: src.awaiting is None)  # a waiting read: timed
+    assert src.link.fresh_s is not None and src.link.fresh_s >= 0  # push -> answer, measured
     assert offered(src, PROMPT + [8]) == [3, 3]
     src.feedback(Feedback(committed=(3, 3), committed_len=7, offered=2, accepted=2))
     due = src.expected_wait()
-    assert due is not None and 0 <= due <= src.fresh_s  # announced
+    assert due is not None and 0 <= due <= src.link.fresh_s  # announced
     assert scripted.commits.get(timeout=10)[0] == 5
     assert scripted.commits.get(timeout=10)[0] == 7
     scripted.chunk(req, 7, [4, 4, 4])
@@ -219,4 +229,18 @@ def test_the_chunk_answering_a_commit_is_announced_and_can_be_waited_for(make_so
     assert offered(src, PROMPT + [8, 3, 3]) == [4, 4, 4]
     # an answer that does not come: the wait gives up at its bound, the source stays usable
     src.feedback(Feedback(committed=(4,), committed_len=8, offered=3, accepted=1))
-    assert not src.wait(0.01) and not src.dropped
+    assert not src.wait(0.2) and not src.dropped
+    assert src.link.fresh_s >= 0.2  # it takes at least that long: the next wait is no shorter
+    assert src.expected_wait() is not None
+
+
+def test_an_answer_read_a_step_late_is_not_timed(make_source, scripted):
+    """The chunk answering a commit found by the next step's non-waiting read arrived some time
+    during the verify: timing it then would announce every wait a verify long."""
+    src, req = make_source()
+    src.feedback(Feedback(committed=(8,), committed_len=5, offered=0, accepted=0))
+    scripted.chunk(req, 5, [3, 3])
+    scripted.chunk(req, 5, [3, 3, 3])  # the last of what was sent: read, so both were read
+    read_until_nonwaiting(src, lambda: src.best is not None and len(src.best.tokens) == 3)
+    assert src.awaiting is None  # answered ...
+    assert src.link.fresh_s is None  # ... but not timed
