@@ -11,7 +11,8 @@ and `bus-plain-again` against it shows how much the machine drifted); ngram; int
 plus its runners-up, a token tree per chunk); ngram + int8 together (merged into one token
 tree per forward) at each delay; the int8 proposer sending chains only (`--tree-width 1`) at
 +0 and +50 ms; HF greedy and HF prompt lookup on the same prompts and token counts, run in this
-process (its thread pinned to core 0, one torch thread) right after each prompt's bus rows.
+process (its thread pinned to core 0, one torch thread) right after each prompt's bus rows;
+the proxies' threads are pinned to core 1 with the proposers.
 Every bus configuration runs on the same prompts through the same verifier process,
 interleaved prompt by prompt (in an order rotated per prompt); speedups are over that
 verifier's own plain decoding of the same prompt on its core (hf-* rows: over hf-plain).
@@ -35,6 +36,8 @@ DELAYS_MS = (0, 5, 20, 50)
 CHAIN_DELAYS_MS = (0, 50)
 VERIFIER_CORE = ("--cpus", "0", "--threads", "1")
 PROPOSER_CORE = ("--cpus", "1")
+#: the delay proxies' threads run there too: the network must not cost the verifier's core
+PROPOSER_CPUS = {1}
 
 
 def run_bus(args, prompts: list[tuple[str, str]]) -> int:
@@ -61,7 +64,8 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
                 for attempt in range(3):  # a free port can be taken before the node binds it
                     port = free_port_pair()
                     proxy = stack.enter_context(
-                        DelayProxy(("127.0.0.1", port), Delay(d / 2000.0)))
+                        DelayProxy(("127.0.0.1", port), Delay(d / 2000.0),
+                                   cpus=PROPOSER_CPUS))
                     try:
                         proposers[(drafter, d)] = c.start_node(
                             f"p-{drafter}-{d}ms-{attempt}", "--role", "proposer", *flags,
@@ -203,6 +207,7 @@ def _rows(results: dict[str, list[dict]]) -> list[dict]:
                           if runs[i]["tok_per_s"]]
                     row[key] = round(statistics.median(vs), 3) if vs else None
                     row[key + "_min"] = round(min(vs), 3) if vs else None
+                    row[key + "_per_prompt"] = [round(v, 3) for v in vs]  # names the worst
             rows.append(row)
     return rows
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import random
 import sys
 import threading
@@ -98,8 +99,12 @@ class DelayProxy:
     """Listens on `listen_host:listen_port` (0: ephemeral) and forwards to `target`."""
 
     def __init__(self, target: tuple[str, int], delay: Delay,
-                 listen_host: str = "127.0.0.1", listen_port: int = 0, seed: int = 0) -> None:
+                 listen_host: str = "127.0.0.1", listen_port: int = 0, seed: int = 0,
+                 cpus: set[int] | None = None) -> None:
         self.target, self.delay = target, delay
+        #: pin the proxy's thread (Linux): a network costs the machines it joins nothing, so
+        #: a sweep keeps the forwarding work off the core that plays the verifier
+        self.cpus = cpus
         self.listen_host, self.listen_port = listen_host, listen_port
         self.rng = random.Random(seed)
         self.connections = 0
@@ -160,6 +165,8 @@ class DelayProxy:
         started = threading.Event()
 
         def run() -> None:
+            if self.cpus and hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, self.cpus)  # this thread only
             asyncio.set_event_loop(self._loop)
             self._loop.run_until_complete(self._start())
             started.set()

@@ -3,10 +3,12 @@ carries a real ZeroMQ request stream (what the latency sweep sends through it)."
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 
+import pytest
 import zmq
 
 from tools.delay_proxy import Delay, DelayProxy
@@ -83,3 +85,23 @@ def test_bad_settings_are_refused():
         Delay(-0.001)
     with pytest.raises(ValueError, match="0..10 s"):
         Delay(0.01, jitter_s=11)
+
+
+def test_the_proxy_thread_can_be_pinned():
+    """The latency sweep keeps the forwarding off the verifier's core; only the proxy's own
+    thread is pinned, not its caller."""
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("thread affinity is Linux-only")
+    cores = sorted(os.sched_getaffinity(0))
+    mine = set(cores)
+    srv, port = echo_server()
+    with DelayProxy(("127.0.0.1", port), Delay(0.0), cpus={cores[-1]}) as proxy:
+        assert os.sched_getaffinity(proxy._thread.native_id) == {cores[-1]}
+        assert os.sched_getaffinity(0) == mine
+        with socket.create_connection(("127.0.0.1", proxy.listen_port)) as c:
+            c.sendall(b"ping")
+            got = b""
+            while len(got) < 4 and (part := c.recv(4 - len(got))):
+                got += part
+            assert got == b"ping"  # still forwards
+    srv.close()
