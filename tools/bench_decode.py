@@ -37,6 +37,16 @@ class Run:
     mean_accepted_len: float | None = None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local", action="store_true",
                         help="everything in this process (default: a local cluster of node "
@@ -48,9 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--repeat",
-        type=int,
+        type=_positive_int,
         default=1,
-        help="runs per prompt and configuration; the fastest counts",
+        help="runs per prompt and configuration; --local: the fastest counts; over the bus: "
+        "whole passes over each prompt (plain first and last in each), the median run counts",
     )
     parser.add_argument(
         "--threads",

@@ -20,6 +20,7 @@ verifier's own plain decoding of the same prompt on its core (hf-* rows: over hf
 Protocol 1's request/reply drafting is gone from the nodes, so it has no row here (its figures
 are in the older tables of docs/benchmarks.md). The JSON gives each row's speedup per prompt
 (`per_prompt`, prompt indices in the prompt set's order), so the worst prompt can be named.
+`--repeat N`: N passes over each prompt, each configuration's median run counts (`median_run`).
 """
 
 from __future__ import annotations
@@ -101,18 +102,27 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
             results["bus-plain-again"] = []
             hf = _HfRows(args)
             hf.run(*prompts[0], n, warm_up=True)
+            passes = max(1, args.repeat)
             for i, (klass, text) in enumerate(prompts):
                 print(f"prompt {i + 1}/{len(prompts)} ({klass})", file=sys.stderr)
-                # plain first and last (the baseline is their mean; the second shows any drift
-                # within a prompt), the others in an order rotated per prompt
-                rest = configs[1:]
-                shift = (i * 5) % len(rest)
-                order = [configs[0], *rest[shift:], *rest[:shift],
-                         ("bus-plain-again", dict(speculate=False))]
-                for name, over in order:
-                    r = cc.generate(GenerateRequest(text, max_tokens=n, **over), verifier)
-                    results[name].append({"class": klass, "prompt": i, **r.stats})
-                hf.run(klass, text, n)
+                runs: dict[str, list[dict]] = {name: [] for name in results}
+                hf_runs: dict[str, list[dict]] = {name: [] for name in hf.out}
+                for rep in range(passes):
+                    # plain first and last (the baseline is their mean; the second shows any
+                    # drift within a pass), the others in an order rotated per prompt and pass
+                    rest = configs[1:]
+                    shift = ((i * passes + rep) * 5) % len(rest)
+                    order = [configs[0], *rest[shift:], *rest[:shift],
+                             ("bus-plain-again", dict(speculate=False))]
+                    for name, over in order:
+                        r = cc.generate(GenerateRequest(text, max_tokens=n, **over), verifier)
+                        runs[name].append({"class": klass, "prompt": i, **r.stats})
+                    for name, rec in hf.run(klass, text, n).items():
+                        hf_runs[name].append(rec)
+                for name, recs in runs.items():
+                    results[name].append(median_run(recs))
+                for name, recs in hf_runs.items():
+                    hf.out[name].append(median_run(recs))
     results.update(hf.out)
     rows = _rows(results)
     _print(rows, n)
@@ -141,7 +151,8 @@ class _HfRows:
                                                        prompt_lookup_num_tokens=8)}
         self.out: dict[str, list[dict]] = {name: [] for name in self.runners}
 
-    def run(self, klass: str, text: str, n: int, warm_up: bool = False) -> None:
+    def run(self, klass: str, text: str, n: int, warm_up: bool = False) -> dict[str, dict]:
+        """One run of each HF configuration on this prompt (the caller keeps them)."""
         import os
 
         ids = self.backend.tokenizer.encode(text, chat=True)
@@ -152,17 +163,28 @@ class _HfRows:
         try:
             if warm_up:
                 self.runners["hf-plain"](ids[:64], 4)
-                return
+                return {}
+            out = {}
             for name, run in self.runners.items():
                 r = run(ids, n)
-                self.out[name].append({
+                out[name] = {
                     "class": klass, "prompt": len(self.out[name]), "token_ids": r.token_ids,
                     "tok_per_s": len(r.token_ids) / r.elapsed_s if r.elapsed_s else 0.0,
                     "acceptance": 0.0, "mean_accepted_len": 0.0, "accepted": 0,
-                    "drafted": 0, "blocks": 0})
+                    "drafted": 0, "blocks": 0}
+            return out
         finally:
             if pin:
                 os.sched_setaffinity(0, cores)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median speed among a configuration's passes over one prompt (the lower
+    middle of an even count), whole: its figures belong together. One pass: that pass."""
+    if not runs:
+        raise ValueError("no runs to take the median of")
+    ranked = sorted(runs, key=lambda r: r["tok_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "passes": len(runs)}
 
 
 def _rows(results: dict[str, list[dict]]) -> list[dict]:
