@@ -102,7 +102,7 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
             results["bus-plain-again"] = []
             hf = _HfRows(args)
             hf.run(*prompts[0], n, warm_up=True)
-            passes = max(1, args.repeat)
+            passes = args.repeat  # >= 1: the argument parser refuses less
             for i, (klass, text) in enumerate(prompts):
                 print(f"prompt {i + 1}/{len(prompts)} ({klass})", file=sys.stderr)
                 runs: dict[str, list[dict]] = {name: [] for name in results}

@@ -396,9 +396,10 @@ class Engine:
         seq.stats.waited_s += waited
         seq.stats.waits += 1
         out = [(slot.tag, c) for c in (self._clean(c, k) for c in cands) if len(c.tokens)]
-        log.debug("waited %.1f ms (announced %.1f) for %s: %s", waited * 1000, wait * 1000,
-                  slot.name, f"longest {max(len(c.tokens) for _, c in out)}" if out
-                  else "nothing")
+        if log.isEnabledFor(logging.DEBUG):  # no formatting on the wait path unless asked
+            log.debug("waited %.1f ms (announced %.1f) for %s: %s", waited * 1000,
+                      wait * 1000, slot.name,
+                      f"longest {max(len(c.tokens) for _, c in out)}" if out else "nothing")
         return out
 
     def _top_up(self, seq: SequenceState, committed: list[int],

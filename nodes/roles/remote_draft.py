@@ -124,6 +124,15 @@ class ProposerLink:
     def observe_rtt(self, rtt: float) -> None:
         self.net_s = rtt if self.net_s is None else self.net_s + _EMA * (rtt - self.net_s)
 
+    def observe_fresh(self, took: float) -> None:
+        """A commit's answer came `took` after the push (read by a waiting poll)."""
+        self.fresh_s = took if self.fresh_s is None else self.fresh_s + _EMA * (
+            took - self.fresh_s)
+
+    def fresh_at_least(self, took: float) -> None:
+        """A commit's answer had not come `took` after the push: it takes at least that."""
+        self.fresh_s = took if self.fresh_s is None else max(self.fresh_s, took)
+
     def direct(self, factory, sender: str, max_queued: int) -> DirectClient:
         """This link's client, made on first use by the (compute) thread that uses it."""
         if self.client is None:
@@ -249,8 +258,7 @@ class ProposerSource(DraftSource):
         while self.awaiting is not None and not self.dropped:
             left = deadline - time.monotonic()
             if left <= 0:
-                link, took = self.link, time.monotonic() - self.awaiting[1]
-                link.fresh_s = took if link.fresh_s is None else max(link.fresh_s, took)
+                self.link.fresh_at_least(time.monotonic() - self.awaiting[1])
                 return False
             self._drain(min(left, self.policy.liveness_poll_s))
         return not self.dropped
@@ -384,9 +392,7 @@ class ProposerSource(DraftSource):
             self.best = chunk  # fresher: it knows at least as much
         if self.awaiting is not None and chunk.base >= self.awaiting[0]:
             if timely:
-                took, link = time.monotonic() - self.awaiting[1], self.link
-                link.fresh_s = took if link.fresh_s is None else link.fresh_s + _EMA * (
-                    took - link.fresh_s)
+                self.link.observe_fresh(time.monotonic() - self.awaiting[1])
             self.awaiting = None
         if not msg.more:
             self._drop("draft stream ended")
