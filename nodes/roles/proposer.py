@@ -287,6 +287,8 @@ class ProposerRole:
             self._rollback(s, s.committed - len(new) + n)
             s.draft.extend(new[n:])
             s.assumed, s.assumed_conf, s.branches = [], [], []
+        log.debug("session %s: commit to %d (+%d), %d of them drafted here, %d drafted ahead kept",
+                  s.sid, s.committed, len(new), n, len(s.assumed))
         s.exhausted = False
         s.dirty = True
 
@@ -310,6 +312,10 @@ class ProposerRole:
             return
         room = max(s.horizon - len(s.assumed), 0)
         k = min(room, self.drafter.ahead_chunk or room)
+        if s.dirty and s.assumed and self.drafter.ahead_chunk:
+            # a commit confirmed part of the chain drafted ahead: the rest is what the verifier
+            # waits for now; a slow drafter's next token would hold it back a whole draft step
+            k = 0
         ids: list[int] = []
         if k > 0:
             t0 = time.perf_counter()
@@ -335,6 +341,8 @@ class ProposerRole:
         s.chunks += 1
         self.stats.drafts_served += 1
         s.stream.reply(_chunk(s).to_message(), more=True)
+        log.debug("session %s: chunk %d at %d, %d drafted ahead (%d new)", s.sid, s.chunks,
+                  s.committed, len(s.assumed), len(ids))
 
     def _expire(self, now: float) -> None:
         for s in [s for s in self._sessions.values() if s.expires <= now]:

@@ -220,3 +220,28 @@ def test_alternatives_stream_as_a_tree_and_lapse_with_their_position(host):
         assert later.alt_tokens.tolist() == [3] and later.alt_parents.tolist() == [2]
     finally:
         role.close()
+
+
+class OneAtATime(NgramDrafter):
+    """Streams a chunk per drafted token, as model drafters do (their tokens are slow)."""
+
+    ahead_chunk = 1
+
+
+def test_a_commit_confirming_drafts_is_answered_before_drafting_more(host):
+    """A slow drafter's next token would hold back what the verifier waits for: the drafts
+    past the commit it already has."""
+    role = ProposerRole(OneAtATime(), vocab_size=100, sweep_every=0.05)
+    role.attach(host)
+    try:
+        call = open_stream(host, horizon=4)
+        n = len(PROMPT)
+        chunk = chunk_at(call, n)
+        while len(chunk.tensors[0]) < 4:  # one token a chunk, up to the horizon
+            chunk = chunk_at(call, n)
+        assert chunk.tensors[0].tolist() == [7, 8, 5, 6]
+        commit(host, "s1", n + 2, [7, 8])
+        assert chunk_at(call, n + 2).tensors[0].tolist() == [5, 6]  # nothing drafted first
+        assert chunk_at(call, n + 2).tensors[0].tolist() == [5, 6, 7]  # then on, a token a time
+    finally:
+        role.close()
