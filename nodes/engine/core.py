@@ -364,6 +364,8 @@ class Engine:
             tree = tree.subtree(seq.cost.select(values, forced))
         for slot in seq.slots:
             slot.offered = tree.offered_by(slot.tag)
+            if adaptive and slot.budget > 0 and not slot.offered:
+                seq.cost.record_unheard(slot.name)
         if tree.drafted or found:
             seq.stats.k_hist[tree.drafted] = seq.stats.k_hist.get(tree.drafted, 0) + 1
         return tree
@@ -371,12 +373,19 @@ class Engine:
     def _wait_for_drafts(self, seq: SequenceState, committed: list[int],
                          cap: int) -> list[tuple[int, Candidate]]:
         """Nothing to verify but a plain step: wait for the one source whose announced drafts
-        pay for the wait (the likeliest first), bounded by twice its announcement."""
+        pay for the wait (the likeliest first), bounded by twice its announcement.
+
+        A source being probed is waited for even when the wait does not pay on its current
+        estimate: a remote proposer no faster than the verifier's plain step is never ahead of
+        it, so without a wait its drafts never arrive in time to be judged and its estimate
+        (the prior, at first) never moves. Probes back off while they fail, so a useless
+        source costs a bounded wait every 8-32 steps."""
         ranked = sorted(seq.slots, key=lambda s: -seq.cost.acceptance_of(s.name))
         for slot in ranked:
             k = min(slot.budget, cap)
             wait = slot.source.expected_wait() if k > 0 else None
-            if wait is None or not seq.cost.wait_pays(slot.name, k, wait):
+            if wait is None or not (seq.cost.wait_pays(slot.name, k, wait)
+                                    or seq.cost.probing(slot.name)):
                 continue
             return self._wait_then_propose(seq, slot, committed, k, wait) or []
         return []

@@ -44,6 +44,8 @@ class _SourceEstimate:
     trials: float
     probe_interval: int
     plain_streak: int = 0
+    #: steps in a row it was asked for drafts and had none in the verified tree
+    unheard: int = 0
     probing: bool = False
 
     @property
@@ -161,11 +163,18 @@ class CostModel:
     def choose_k(self, name: str = POOLED) -> int:
         """How many tokens to ask `name` for in the next step; 0 means do not ask."""
         est = self._source(name)
+        if est.probing:  # the last probe brought nothing to judge: as good as a failed one
+            est.probing = False
+            est.probe_interval = min(2 * est.probe_interval, self.max_probe_every)
         best_k = max(range(self.min_k, self.max_k + 1), key=lambda k: self.expected_rate(k, name))
         # demand a margin: costs are noisy, and a wrong "yes" costs more than a wrong "no"
         if self.expected_rate(best_k, name) > self.margin * self.expected_rate(0, name):
             est.plain_streak = 0
-            est.probing = False
+            if est.unheard >= est.probe_interval:
+                # asked, but never in a verified tree (a remote proposer whose drafts always
+                # come a moment late): its estimate cannot move unless this one is a probe
+                est.unheard = 0
+                est.probing = True
             return best_k
         est.plain_streak += 1
         if est.plain_streak >= est.probe_interval:
@@ -225,12 +234,17 @@ class CostModel:
         old = self._draft.get(name)
         self._draft[name] = per if old is None else (1 - _EMA) * old + _EMA * per
 
+    def record_unheard(self, name: str = POOLED) -> None:
+        """`name` was asked for drafts and none of its tokens is in this step's tree."""
+        self._source(name).unheard += 1
+
     def record_acceptance(self, drafted: int, accepted: int, name: str = POOLED) -> None:
         """`name`'s deepest offered chain was `drafted` long; its first `accepted` tokens were
         right (the token after them, if any, was wrong)."""
         if drafted <= 0:
             return
         est = self._source(name)
+        est.unheard = 0
         if est.probing:  # failed probes back off exponentially, a hit resets the interval
             est.probing = False
             backoff = min(2 * est.probe_interval, self.max_probe_every)

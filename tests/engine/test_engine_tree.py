@@ -394,6 +394,32 @@ def test_announced_drafts_are_waited_for_only_when_they_pay(tiny_torch, prompt_i
         assert late.waits <= 2
 
 
+class Slow(Late):
+    """A remote-like source whose answers are announced too late ever to pay for a wait."""
+
+    def expected_wait(self):
+        return None if self.arrived else 5.0
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_a_probe_waits_for_a_source_no_wait_pays_for(tiny_torch, prompt_ids, right):
+    """Its drafts never arrive in time, so only probes (which wait) can judge them; they back
+    off while they fail."""
+    engine = Engine(tiny_torch)
+    engine.cost = PinnedCost(max_k=engine.max_draft)
+    n = 64
+    reference = hf_greedy(tiny_torch, prompt_ids, n, eos_id=49151)
+    slow = Slow("slow", prompt_ids + reference, tiny_torch.vocab_size, right=right)
+    params = GenerationParams(max_tokens=n, eos_token_ids=EOS_NONE)
+    out, stats = run(engine, prompt_ids, params, sources=[slow])
+    assert out == reference[:n]
+    assert stats.waits == slow.waits >= 1  # only probes wait: 5 s never pays
+    if right:  # each probe's drafts were all taken
+        assert stats.accepted == stats.drafted >= slow.waits
+    else:  # first probe after 8 plain steps, then 16, 32: three at most in 64 tokens
+        assert stats.accepted == 0 and slow.waits <= 3
+
+
 class RunsOut(Late):
     """A remote-like source whose drafts for the last commit are due in a millisecond, while
     what it has now (its older guess) runs out two tokens past the prefix."""
