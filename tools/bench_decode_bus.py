@@ -3,9 +3,11 @@
 A local cluster of real processes, this 2-core box played as two machines: verifiers pinned
 to core 0 with one torch thread, proposers pinned to core 1. One verifier (`v-ngram`, with an
 in-process ngram drafter used only for the `inproc-ngram` row) serves every bus row; an
-`ngram` and an `int8` proposer that draft ahead and stream chunks, each also reached through a
+`ngram` and an `int8` proposer that draft ahead and stream chunks, at +0 ms and then through a
 userspace delay proxy adding 5, 20 and 50 ms of round trip (this kernel has no netem: see
 `tools/delay_proxy.py`; each such proposer advertises the proxy's address with `--advertise`).
+One delay at a time (a phase): its proposers are started, every row of that delay runs with
+its own plain baseline, and they are stopped; idle nodes crowding core 1 slowed its drafter.
 Rows: plain (run first and again last for each prompt: the baseline is the mean of the two,
 and `bus-plain-again` against it shows how much the machine drifted); ngram; int8 (its chain
 plus its runners-up, a token tree per chunk); ngram + int8 together (merged into one token
@@ -42,93 +44,121 @@ PROPOSER_CPUS = {1}
 
 
 def run_bus(args, prompts: list[tuple[str, str]]) -> int:
-    from nodes.cluster_client import ClusterClient, GenerateRequest
-    from tools.delay_proxy import Delay, DelayProxy
-    from tools.local_cluster import ClusterStartError, LocalCluster, free_port_pair
+    from tools.local_cluster import LocalCluster
 
     n = 48 if args.quick else args.max_tokens
     if args.quick:
         prompts = [prompts[0], prompts[2], prompts[-2]]
     log_dir = Path(tempfile.mkdtemp(prefix="specbus-bench-decode-"))
-    with contextlib.ExitStack() as stack:
-        c = stack.enter_context(LocalCluster(log_dir=log_dir, mdns=False))
-        print(f"starting cluster (logs: {log_dir}); verifiers on core 0 (1 torch thread), "
-              "proposers on core 1", file=sys.stderr)
-        c.start_node("v-ngram", "--role", "verifier", "--drafter", "ngram", *VERIFIER_CORE)
-        proposers: dict[tuple[str, int], object] = {}
-        for drafter in ("ngram", "int8", "int8-chain"):
-            flags = ("--drafter", "int8", "--tree-width", "1") if drafter == "int8-chain" else (
-                "--drafter", drafter)
-            proposers[(drafter, 0)] = c.start_node(
-                f"p-{drafter}", "--role", "proposer", *flags, *PROPOSER_CORE, seed=True)
-            for d in (CHAIN_DELAYS_MS if drafter == "int8-chain" else DELAYS_MS)[1:]:
-                for attempt in range(3):  # a free port can be taken before the node binds it
-                    port = free_port_pair()
-                    proxy = stack.enter_context(
-                        DelayProxy(("127.0.0.1", port), Delay(d / 2000.0),
-                                   cpus=PROPOSER_CPUS))
-                    try:
-                        proposers[(drafter, d)] = c.start_node(
-                            f"p-{drafter}-{d}ms-{attempt}", "--role", "proposer", *flags,
-                            *PROPOSER_CORE, "--port", str(port), "--advertise",
-                            proxy.address, seed=True)
-                        break
-                    except ClusterStartError:
-                        if attempt == 2:
-                            raise
-        live = [x for x in c.nodes if x.proc.poll() is None and x.stream]
-        with ClusterClient(c.cluster, peers=tuple(x.stream for x in live), mdns=False) as cc:
-            cc.wait_for(lambda ms: len([m for m in ms if m.card.is_worker]) >= len(live), 60)
-            by_name = {m.card.name: m for m in cc.verifiers()}
-            configs = [
-                # (row name, generate_req overrides)
-                ("bus-plain", dict(speculate=False)),
-                ("inproc-ngram", dict(proposers=[])),
-            ]
-            for d in DELAYS_MS:
-                tag = f"+{d}ms"
-                ng, i8 = proposers[("ngram", d)].node_id, proposers[("int8", d)].node_id
-                configs += [(f"bus-ngram{tag}", dict(proposers=[ng])),
-                            (f"bus-int8{tag}", dict(proposers=[i8])),
-                            (f"bus-ngram+int8{tag}", dict(proposers=[ng, i8]))]
-                if d in CHAIN_DELAYS_MS:  # the same int8 proposer sending chains only
-                    configs.append((f"bus-int8-chain{tag}",
-                                    dict(proposers=[proposers[("int8-chain", d)].node_id])))
-            verifier = by_name["v-ngram"]
-            # warm-up: learn costs, open connections
-            for _, over in configs:
-                cc.generate(GenerateRequest(prompts[0][1][:200], max_tokens=8, **over), verifier)
-            results: dict[str, list[dict]] = {name: [] for name, _ in configs}
-            results["bus-plain-again"] = []
-            hf = _HfRows(args)
-            hf.run(*prompts[0], n, warm_up=True)
-            passes = args.repeat  # >= 1: the argument parser refuses less
-            for i, (klass, text) in enumerate(prompts):
-                print(f"prompt {i + 1}/{len(prompts)} ({klass})", file=sys.stderr)
-                runs: dict[str, list[dict]] = {name: [] for name in results}
-                hf_runs: dict[str, list[dict]] = {name: [] for name in hf.out}
-                for rep in range(passes):
-                    # plain first and last (the baseline is their mean; the second shows any
-                    # drift within a pass), the others in an order rotated per prompt and pass
-                    rest = configs[1:]
-                    shift = ((i * passes + rep) * 5) % len(rest)
-                    order = [configs[0], *rest[shift:], *rest[:shift],
-                             ("bus-plain-again", dict(speculate=False))]
-                    for name, over in order:
-                        r = cc.generate(GenerateRequest(text, max_tokens=n, **over), verifier)
-                        runs[name].append({"class": klass, "prompt": i, **r.stats})
-                    for name, rec in hf.run(klass, text, n).items():
-                        hf_runs[name].append(rec)
-                for name, recs in runs.items():
-                    results[name].append(median_run(recs))
-                for name, recs in hf_runs.items():
-                    hf.out[name].append(median_run(recs))
-    results.update(hf.out)
-    rows = _rows(results)
+    rows: list[dict] = []
+    with LocalCluster(log_dir=log_dir, mdns=False) as c:
+        print(f"starting cluster (logs: {log_dir}); verifier on core 0 (1 torch thread), "
+              "each delay's proposers on core 1, one delay at a time", file=sys.stderr)
+        verifier = c.start_node("v-ngram", "--role", "verifier", "--drafter", "ngram",
+                                *VERIFIER_CORE)
+        hf = _HfRows(args)
+        for d in DELAYS_MS:
+            results = _run_phase(args, c, verifier, d, prompts, n, hf if d == 0 else None)
+            phase_rows = _rows(results)
+            if d:  # each phase has its own plain baseline; the table shows the first one's
+                phase_rows = [r for r in phase_rows if not r["name"].startswith("bus-plain")]
+            rows += phase_rows
     _print(rows, n)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "max_tokens": n}, indent=2) + "\n")
     return 0
+
+
+def _start_proposers(c, stack: contextlib.ExitStack, d: int) -> dict[str, object]:
+    """This delay's proposers on core 1, each stopped when `stack` closes (at +d ms through a
+    delay proxy it advertises). One delay's at a time: idle nodes on the proposers' core cost
+    a drafter ~20 % of it (8 idle nodes: core 1 22 % busy, 2200 context switches a second),
+    which is not the two machines this bench plays."""
+    from tools.delay_proxy import Delay, DelayProxy
+    from tools.local_cluster import ClusterStartError, free_port_pair
+
+    out: dict[str, object] = {}
+    for drafter in ("ngram", "int8", "int8-chain"):
+        if drafter == "int8-chain" and d not in CHAIN_DELAYS_MS:
+            continue
+        flags = ("--drafter", "int8", "--tree-width", "1") if drafter == "int8-chain" else (
+            "--drafter", drafter)
+        for attempt in range(3):  # a free port can be taken before the node binds it
+            extra: tuple[str, ...] = ()
+            if d:
+                port = free_port_pair()
+                proxy = stack.enter_context(
+                    DelayProxy(("127.0.0.1", port), Delay(d / 2000.0), cpus=PROPOSER_CPUS))
+                extra = ("--port", str(port), "--advertise", proxy.address)
+            try:
+                node = c.start_node(f"p-{drafter}-{d}ms-{attempt}", "--role", "proposer",
+                                    *flags, *PROPOSER_CORE, *extra, seed=True)
+            except ClusterStartError:
+                if attempt == 2 or not d:
+                    raise
+                continue
+            stack.callback(node.stop)
+            out[drafter] = node
+            break
+    return out
+
+
+def _run_phase(args, c, verifier_node, d: int, prompts: list[tuple[str, str]], n: int,
+               hf: _HfRows | None) -> dict[str, list[dict]]:
+    """Every row at delay d, interleaved prompt by prompt, with its own plain baseline (first
+    and last in each pass); with `hf`, the in-process ngram and HF rows too."""
+    from nodes.cluster_client import ClusterClient, GenerateRequest
+
+    tag = f"+{d}ms"
+    with contextlib.ExitStack() as stack:
+        props = _start_proposers(c, stack, d)
+        ids = {p.node_id for p in props.values()}
+        peers = (verifier_node.stream, *(p.stream for p in props.values()))
+        cc = stack.enter_context(ClusterClient(c.cluster, peers=peers, mdns=False))
+        cc.wait_for(lambda ms: ids <= {m.card.node_id for m in ms if m.card.is_worker}, 60)
+        verifier = next(m for m in cc.verifiers() if m.card.name == "v-ngram")
+        ng, i8 = props["ngram"].node_id, props["int8"].node_id
+        configs = [("bus-plain", dict(speculate=False))]
+        if hf is not None:
+            configs.append(("inproc-ngram", dict(proposers=[])))
+        configs += [(f"bus-ngram{tag}", dict(proposers=[ng])),
+                    (f"bus-int8{tag}", dict(proposers=[i8])),
+                    (f"bus-ngram+int8{tag}", dict(proposers=[ng, i8]))]
+        if "int8-chain" in props:  # the same int8 drafter sending chains only
+            configs.append((f"bus-int8-chain{tag}",
+                            dict(proposers=[props["int8-chain"].node_id])))
+        # warm-up: learn costs, open connections
+        for _, over in configs:
+            cc.generate(GenerateRequest(prompts[0][1][:200], max_tokens=8, **over), verifier)
+        results: dict[str, list[dict]] = {name: [] for name, _ in configs}
+        results["bus-plain-again"] = []
+        if hf is not None:
+            hf.run(*prompts[0], n, warm_up=True)
+        passes = args.repeat  # >= 1: the argument parser refuses less
+        for i, (klass, text) in enumerate(prompts):
+            print(f"{tag}: prompt {i + 1}/{len(prompts)} ({klass})", file=sys.stderr)
+            runs: dict[str, list[dict]] = {name: [] for name in results}
+            hf_runs: dict[str, list[dict]] = {name: [] for name in hf.out} if hf else {}
+            for rep in range(passes):
+                # plain first and last (the baseline is their mean; the second shows any
+                # drift within a pass), the others in an order rotated per prompt and pass
+                rest = configs[1:]
+                shift = ((i * passes + rep) * 5) % len(rest)
+                order = [configs[0], *rest[shift:], *rest[:shift],
+                         ("bus-plain-again", dict(speculate=False))]
+                for name, over in order:
+                    r = cc.generate(GenerateRequest(text, max_tokens=n, **over), verifier)
+                    runs[name].append({"class": klass, "prompt": i, **r.stats})
+                if hf is not None:
+                    for name, rec in hf.run(klass, text, n).items():
+                        hf_runs[name].append(rec)
+            for name, recs in runs.items():
+                results[name].append(median_run(recs))
+            for name, recs in hf_runs.items():
+                hf.out[name].append(median_run(recs))
+    if hf is not None:
+        results.update(hf.out)
+    return results
 
 
 class _HfRows:
