@@ -1,4 +1,5 @@
-"""The int8 drafter: smoothing is exact in fp32, and it buys agreement with the verifier."""
+"""The int8 drafter: smoothing is exact in fp32, it buys agreement with the verifier, and the
+lean forward computes what the HF int8 copy computes."""
 
 from __future__ import annotations
 
@@ -70,6 +71,83 @@ def test_models_smoothing_cannot_fold_are_quantised_plainly(tiny_torch):
     assert not [n for n, m in q.named_modules() if type(m) is torch.nn.Linear]
 
 
+def _int8_pair(tiny_torch):
+    """The HF int8 copy and the int8 drafter's backend (the lean forward) of the tiny model."""
+    from nodes.backends.torch_backend import TorchBackend
+    from nodes.drafters.int8 import Int8Drafter
+    from nodes.drafters.lean_llama import LeanBackend
+
+    hf = TorchBackend.from_model(quantize_int8(tiny_torch.model,
+                                               _calibration(tiny_torch.tokenizer)),
+                                 tiny_torch.tokenizer, "hf-int8")
+    lean = Int8Drafter.from_verifier(tiny_torch).backend
+    assert isinstance(lean, LeanBackend)
+    return hf, lean
+
+
+def test_the_lean_forward_computes_what_the_hf_int8_copy_does(tiny_torch, prompt_ids):
+    import numpy as np
+
+    hf, lean = _int8_pair(tiny_torch)
+    caches = hf.new_cache(), lean.new_cache()
+    rows = [b.forward(c, prompt_ids) for b, c in zip((hf, lean), caches, strict=True)]
+    np.testing.assert_allclose(rows[1], rows[0], atol=1e-4, rtol=1e-4)
+    # decode token by token, then roll back and feed a few at once: same rows both ways
+    for step in range(3):
+        tok = [int(rows[0][-1].argmax()) if step == 0 else 7 + step]
+        rows = [b.forward(c, tok) for b, c in zip((hf, lean), caches, strict=True)]
+        np.testing.assert_allclose(rows[1], rows[0], atol=1e-4, rtol=1e-4)
+    for b, c in zip((hf, lean), caches, strict=True):
+        b.crop(c, len(prompt_ids) + 1)
+        assert b.cache_length(c) == len(prompt_ids) + 1
+    rows = [b.forward_last(c, [11, 12, 13]) for b, c in zip((hf, lean), caches, strict=True)]
+    np.testing.assert_allclose(rows[1], rows[0], atol=1e-4, rtol=1e-4)
+
+
+def test_the_lean_forward_verifies_and_compacts_trees_like_hf(tiny_torch, prompt_ids):
+    import numpy as np
+
+    hf, lean = _int8_pair(tiny_torch)
+    caches = hf.new_cache(), lean.new_cache()
+    for b, c in zip((hf, lean), caches, strict=True):
+        b.forward(c, prompt_ids)
+    base = len(prompt_ids)
+    tokens, parents = [5, 6, 7, 8, 9], [-1, 0, 0, 2, 2]
+    rows = [b.forward_tree(c, tokens, parents) for b, c in zip((hf, lean), caches, strict=True)]
+    np.testing.assert_allclose(rows[1], rows[0], atol=1e-4, rtol=1e-4)
+    for b, c in zip((hf, lean), caches, strict=True):
+        b.compact(c, base, [0, 2, 4])  # the path 5 -> 7 -> 9
+        assert b.cache_length(c) == base + 3
+    rows = [b.forward(c, [10]) for b, c in zip((hf, lean), caches, strict=True)]
+    np.testing.assert_allclose(rows[1], rows[0], atol=1e-4, rtol=1e-4)
+
+
+def test_the_lean_cache_grows_past_its_first_buffer(tiny_torch):
+    import numpy as np
+
+    hf, lean = _int8_pair(tiny_torch)
+    long = [(i * 37) % 500 + 3 for i in range(300)]  # past the 256 positions allocated first
+    a, b = hf.new_cache(), lean.new_cache()
+    hf.forward(a, long[:200]), lean.forward(b, long[:200])
+    np.testing.assert_allclose(lean.forward(b, long[200:]), hf.forward(a, long[200:]),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_layouts_the_lean_forward_does_not_know_keep_the_hf_modules(tiny_torch):
+    import copy
+
+    from nodes.backends.torch_backend import TorchBackend
+    from nodes.drafters.int8 import Int8Drafter
+    from nodes.drafters.lean_llama import lean_supported
+
+    assert lean_supported(tiny_torch.model)
+    other = copy.copy(tiny_torch)
+    other.model = copy.deepcopy(tiny_torch.model)
+    other.model.config.mlp_bias = True  # a layout the lean forward does not implement
+    assert not lean_supported(other.model)
+    assert isinstance(Int8Drafter.from_verifier(other).backend, TorchBackend)
+
+
 AGREEMENT_PROMPTS = (
     "Describe a rainy afternoon in a small harbour town.",
     "What are three good habits for writing clear emails?",
@@ -86,13 +164,14 @@ def test_smoothed_int8_agrees_with_smollm2_far_more_than_plain_int8(smollm2_fold
     from nodes.drafters.int8 import Int8Drafter
 
     verifier = TorchBackend.load(str(smollm2_folder), device="cpu")
-    smoothed = Int8Drafter.from_verifier(verifier).backend.model
-    plain = quantize_int8(verifier.model)
+    smoothed = Int8Drafter.from_verifier(verifier).backend  # the lean forward
+    plain = TorchBackend.from_model(quantize_int8(verifier.model), verifier.tokenizer, "plain")
 
-    def agreement(model):
+    def agreement(backend):
         hits = total = 0
         for sequence, start in continuations:
-            guess = _logits(model, sequence)[start - 1 : -1].argmax(-1)
+            logits = torch.from_numpy(backend.forward(backend.new_cache(), sequence))
+            guess = logits[start - 1 : -1].argmax(-1)
             hits += int((guess == torch.tensor(sequence[start:])).sum())
             total += len(sequence) - start
         return hits / total

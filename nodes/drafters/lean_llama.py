@@ -1,0 +1,261 @@
+"""A lean decode forward for plain Llama models with int8 weights: the int8 drafter's engine.
+
+Why: on one CPU core, HF's module stack spent ~45 % of an int8 SmolLM2-135M token in Python
+(module calls, cache objects, mask building, 181 separate quantised Linears), and a remote int8
+proposer's speedup is bounded by how fast it drafts (it must draft every committed token). This
+runs the same arithmetic as `quantize_int8`'s HF copy (the same smoothed weights, per-channel
+int8 weights quantised by torch's own dynamic quantiser, per-tensor dynamic activations, the
+down projections in fp32) with q/k/v and gate/up fused into one Linear each (same weights and
+scales, one activation quantisation instead of three) and a preallocated K/V buffer per layer.
+
+Only the layout it can check is taken (`lean_supported`): Llama with no biases, SiLU, and a
+rotary embedding fixed at load; anything else keeps the HF path. A drafter's arithmetic never
+decides the output (the verifier checks every token), only how often it agrees.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nodes.backends.base import Backend
+from nodes.backends.tokenizer import Tokenizer
+
+#: rotary embeddings whose inverse frequencies do not change with the sequence length
+_STATIC_ROPE = frozenset({"default", "linear", "llama3"})
+_FIRST_CAPACITY = 256
+
+
+def lean_supported(model: Any) -> bool:
+    """Whether `model` has the exact layout the lean forward implements."""
+    cfg = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    return (
+        cfg is not None and rotary is not None
+        and getattr(cfg, "model_type", None) == "llama"
+        and not getattr(cfg, "attention_bias", False)
+        and not getattr(cfg, "mlp_bias", False)
+        and getattr(cfg, "hidden_act", None) == "silu"
+        and getattr(rotary, "rope_type", "default") in _STATIC_ROPE
+        and getattr(model, "lm_head", None) is not None
+        and getattr(model.lm_head, "bias", None) is None
+    )
+
+
+@dataclass
+class _Layer:
+    norm_in: torch.Tensor
+    qkv: Any  # packed int8 weights
+    out: Any
+    norm_post: torch.Tensor
+    gate_up: Any
+    down: torch.Tensor  # fp32
+
+
+class LeanCache:
+    """One sequence's K/V: a buffer per layer [kv heads, capacity, head dim], `length` used."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int) -> None:
+        self.length = 0
+        self.keys = [torch.empty(kv_heads, _FIRST_CAPACITY, head_dim) for _ in range(layers)]
+        self.values = [torch.empty(kv_heads, _FIRST_CAPACITY, head_dim) for _ in range(layers)]
+
+    def reserve(self, total: int) -> None:
+        """Room for `total` positions (doubling, so appends stay amortised O(1))."""
+        cap = self.keys[0].shape[1]
+        if total <= cap:
+            return
+        while cap < total:
+            cap *= 2
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                new = torch.empty(old.shape[0], cap, old.shape[2])
+                new[:, : self.length] = old[:, : self.length]
+                buffers[i] = new
+
+
+class LeanLlama:
+    """The decode forward (see the module docstring)."""
+
+    def __init__(self, model: Any) -> None:
+        """Quantise every projection but the MLP down projections (kept fp32, as the smoothed
+        HF copy does); `model` is the fp32 model, smoothed already if it is to be."""
+        cfg = model.config
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
+        self.eps = float(cfg.rms_norm_eps)
+        self.vocab_size = int(cfg.vocab_size)
+        inner = model.model
+        rotary = inner.rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().float().clone()
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self.embed = inner.embed_tokens.weight.detach().float().clone()
+        self.norm_final = inner.norm.weight.detach().float().clone()
+        fused = torch.nn.ModuleDict()
+        for i, layer in enumerate(inner.layers):
+            att, mlp = layer.self_attn, layer.mlp
+            fused[f"{i}_qkv"] = _linear(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight)
+            fused[f"{i}_out"] = _linear(att.o_proj.weight)
+            fused[f"{i}_gate_up"] = _linear(mlp.gate_proj.weight, mlp.up_proj.weight)
+        fused["head"] = _linear(model.lm_head.weight)
+        packed = _quantize(fused)
+        self.head = packed["head"]
+        self.layers = [
+            _Layer(
+                norm_in=layer.input_layernorm.weight.detach().float().clone(),
+                qkv=packed[f"{i}_qkv"],
+                out=packed[f"{i}_out"],
+                norm_post=layer.post_attention_layernorm.weight.detach().float().clone(),
+                gate_up=packed[f"{i}_gate_up"],
+                down=layer.mlp.down_proj.weight.detach().float().clone(),
+            )
+            for i, layer in enumerate(inner.layers)
+        ]
+        self.intermediate = self.layers[0].down.shape[1]
+
+    def new_cache(self) -> LeanCache:
+        return LeanCache(len(self.layers), self.kv_heads, self.head_dim)
+
+    @torch.inference_mode()
+    def forward(self, cache: LeanCache, token_ids: Sequence[int], *, last_only: bool,
+                parents: Sequence[int] | None = None) -> torch.Tensor:
+        """Append the tokens (a chain, or a tree by `parents`) and return their logits
+        [n or 1, vocab]."""
+        n, past = len(token_ids), cache.length
+        if parents is None:
+            depth = torch.arange(n)
+            mask = _chain_mask(n, past)
+        else:
+            depth_np, visible = _tree_layout(parents)
+            depth = torch.from_numpy(depth_np)
+            mask = torch.ones(n, past + n, dtype=torch.bool)
+            mask[:, past:] = torch.from_numpy(visible)
+        cache.reserve(past + n)
+        cos, sin = self._rope(past + depth)
+        x = self.embed[torch.tensor(list(token_ids), dtype=torch.long)]
+        h_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for i, layer in enumerate(self.layers):
+            qkv = _qlinear(_rms(x, layer.norm_in, self.eps), layer.qkv)
+            q = qkv[:, :h_dim].view(n, self.heads, self.head_dim).transpose(0, 1)
+            k = qkv[:, h_dim:h_dim + kv_dim].view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+            v = qkv[:, h_dim + kv_dim:].view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+            keys, values = cache.keys[i], cache.values[i]
+            keys[:, past:past + n] = _rotate(k, cos, sin)
+            values[:, past:past + n] = v
+            att = F.scaled_dot_product_attention(
+                _rotate(q, cos, sin)[None], keys[None, :, : past + n],
+                values[None, :, : past + n], attn_mask=mask, enable_gqa=True)
+            x = x + _qlinear(att[0].transpose(0, 1).reshape(n, h_dim), layer.out)
+            gu = _qlinear(_rms(x, layer.norm_post, self.eps), layer.gate_up)
+            x = x + F.linear(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:],
+                             layer.down)
+        cache.length = past + n
+        if last_only:
+            x = x[-1:]
+        return _qlinear(_rms(x, self.norm_final, self.eps), self.head)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+
+
+class LeanBackend(Backend):
+    """`LeanLlama` behind the backend interface the model drafter drives (CPU, one sequence
+    per cache, trees included)."""
+
+    name = "torch"
+    supports_tree = True
+
+    def __init__(self, lean: LeanLlama, tokenizer: Tokenizer, model_name: str) -> None:
+        self.lean = lean
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.device = "cpu"
+        self.vocab_size = lean.vocab_size
+
+    def new_cache(self) -> LeanCache:
+        return self.lean.new_cache()
+
+    def forward(self, cache: LeanCache, token_ids: Sequence[int]) -> np.ndarray:
+        return self.lean.forward(cache, token_ids, last_only=False).numpy()
+
+    def forward_last(self, cache: LeanCache, token_ids: Sequence[int]) -> np.ndarray:
+        return self.lean.forward(cache, token_ids, last_only=True)[0].numpy()
+
+    def forward_tree(self, cache: LeanCache, token_ids: Sequence[int],
+                     parents: Sequence[int]) -> np.ndarray:
+        return self.lean.forward(cache, token_ids, last_only=False, parents=parents).numpy()
+
+    def compact(self, cache: LeanCache, base: int, keep: Sequence[int]) -> None:
+        idx = torch.tensor([base + i for i in keep], dtype=torch.long)
+        for buffers in (cache.keys, cache.values):
+            for layer in buffers:
+                layer[:, base:base + len(idx)] = layer[:, idx]
+        cache.length = base + len(idx)
+
+    def cache_length(self, cache: LeanCache) -> int:
+        return cache.length
+
+    def crop(self, cache: LeanCache, length: int) -> None:
+        cache.length = min(cache.length, max(length, 0))
+
+
+def _linear(*weights: torch.Tensor) -> torch.nn.Linear:
+    """A bias-free Linear whose rows are the given weights stacked (a fused projection)."""
+    w = torch.cat([x.detach().float() for x in weights], dim=0)
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data.copy_(w)
+    return lin
+
+
+def _quantize(linears: torch.nn.ModuleDict) -> dict[str, Any]:
+    """Packed per-channel int8 weights (torch's dynamic quantiser, as `quantize_int8` uses)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization deprecation notice
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+        spec = {name: per_channel_dynamic_qconfig for name in linears}
+        q = quantize_dynamic(linears, spec, dtype=torch.qint8)
+    return {name: q[name]._packed_params._packed_params for name in linears}
+
+
+def _qlinear(x: torch.Tensor, packed: Any) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=True)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _chain_mask(n: int, past: int) -> torch.Tensor | None:
+    """Causal mask of n new tokens after `past` cached ones (None for one token: it sees all)."""
+    if n == 1:
+        return None
+    return torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
+
+
+def _tree_layout(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Each node's depth and which batch nodes it sees (its ancestors and itself)."""
+    n = len(parents)
+    visible = np.eye(n, dtype=bool)
+    depth = np.zeros(n, dtype=np.int64)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            visible[i] |= visible[p]
+            depth[i] = depth[p] + 1
+    return depth, visible
