@@ -84,6 +84,19 @@ class Backend(ABC):
         """Drop cached positions beyond `length` (rolls back rejected draft tokens)."""
 
 
+def tree_layout(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """A token tree's depths and visibility: `parents[i] < i` (-1: the cached prefix); node i
+    sits at depth[i] and sees the batch nodes visible[i] (its ancestors and itself)."""
+    n = len(parents)
+    visible = np.eye(n, dtype=bool)
+    depth = np.zeros(n, dtype=np.int64)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            visible[i] |= visible[p]
+            depth[i] = depth[p] + 1
+    return depth, visible
+
+
 def load_backend(name: str, model_ref: str | None = None, **kwargs: Any) -> Backend:
     """Load `model_ref` (alias, folder or cached HF repo id) on backend `name`."""
     if name == "torch":

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from nodes import models
-from nodes.backends.base import Backend
+from nodes.backends.base import Backend, tree_layout
 from nodes.backends.tokenizer import Tokenizer
 from nodes.engine.errors import ModelNotFoundError
 
@@ -87,12 +87,7 @@ class TorchBackend(Backend):
         self, cache: Any, token_ids: Sequence[int], parents: Sequence[int]
     ) -> np.ndarray:
         n, past = len(token_ids), self.cache_length(cache)
-        visible = np.eye(n, dtype=bool)  # row i: the batch nodes node i may attend to
-        depth = np.zeros(n, dtype=np.int64)
-        for i, p in enumerate(parents):
-            if p >= 0:
-                visible[i] |= visible[p]
-                depth[i] = depth[p] + 1
+        depth, visible = tree_layout(parents)
         dtype = self.model.dtype
         mask = torch.zeros((1, 1, n, past + n), dtype=dtype, device=self.device)
         mask[0, 0, :, past:].masked_fill_(

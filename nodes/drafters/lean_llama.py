@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nodes.backends.base import Backend
+from nodes.backends.base import Backend, tree_layout
 from nodes.backends.tokenizer import Tokenizer
 
 #: rotary embeddings whose inverse frequencies do not change with the sequence length
@@ -134,7 +134,7 @@ class LeanLlama:
             depth = torch.arange(n)
             mask = _chain_mask(n, past)
         else:
-            depth_np, visible = _tree_layout(parents)
+            depth_np, visible = tree_layout(parents)
             depth = torch.from_numpy(depth_np)
             mask = torch.ones(n, past + n, dtype=torch.bool)
             mask[:, past:] = torch.from_numpy(visible)
@@ -247,15 +247,3 @@ def _chain_mask(n: int, past: int) -> torch.Tensor | None:
     if n == 1:
         return None
     return torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
-
-
-def _tree_layout(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Each node's depth and which batch nodes it sees (its ancestors and itself)."""
-    n = len(parents)
-    visible = np.eye(n, dtype=bool)
-    depth = np.zeros(n, dtype=np.int64)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            visible[i] |= visible[p]
-            depth[i] = depth[p] + 1
-    return depth, visible

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from nodes.backends.base import tree_layout
 from nodes.shard.layout import ShardConfigError, StageSlice
 
 log = logging.getLogger(__name__)
@@ -141,15 +142,8 @@ class StageModel:
 def tree_inputs(past: int, parents: list[int], dtype: torch.dtype,
                 device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The 4-D mask and position ids of a token-tree forward (as TorchBackend.forward_tree)."""
-    import numpy as np
-
     n = len(parents)
-    visible = np.eye(n, dtype=bool)
-    depth = np.zeros(n, dtype=np.int64)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            visible[i] |= visible[p]
-            depth[i] = depth[p] + 1
+    depth, visible = tree_layout(parents)
     mask = torch.zeros((1, 1, n, past + n), dtype=dtype, device=device)
     mask[0, 0, :, past:].masked_fill_(torch.from_numpy(~visible).to(device),
                                       torch.finfo(dtype).min)
