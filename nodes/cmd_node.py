@@ -300,7 +300,7 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
     """
     if config.observer or not config.roles:
         return None
-    from nodes.roles.assemble import RoleSpec, assemble
+    from nodes.roles.assemble import RoleSpec, assemble, return_freed_memory
 
     default = "ngram" if "proposer" in config.roles else "none"
     spec = RoleSpec(roles=config.roles, model=args.model or None,
@@ -310,6 +310,7 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
                     threads=args.threads,
                     max_context=args.max_context)
     roles = assemble(spec)
+    return_freed_memory()  # what loading and quantising freed (assemble's locals are gone)
     config.card_fields = {**config.card_fields, **roles.card}
     if "proposer" in config.roles:
         config.drafter = spec.drafter
