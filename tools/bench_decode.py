@@ -96,7 +96,7 @@ def _hf_runner(backend, **gen_kwargs) -> Callable[[list[int], int], Run]:
     model = backend.model
 
     def run(ids: list[int], n: int) -> Run:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=backend.device)  # prompt lookup builds on its device
         t0 = time.perf_counter()
         out = model.generate(
             x,
@@ -119,7 +119,7 @@ def _hf_runner(backend, **gen_kwargs) -> Callable[[list[int], int], Run]:
 def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int], Run]]]]:
     """(name, backend, factory); factories load lazily so a failing one is skipped alone."""
     from nodes.backends.base import load_backend
-    from nodes.drafters.int8 import Int8Drafter
+    from nodes.drafters.int8 import Int8Drafter, calibration_batches, quantize_int8
     from nodes.drafters.ngram import NgramDrafter
     from nodes.engine.core import Engine
 
@@ -134,6 +134,12 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
         if "int8" not in cache:
             cache["int8"] = Int8Drafter.from_verifier(torch_backend())
         return cache["int8"]
+
+    def hf_int8():
+        """HF's assistant must be an HF model: the same smoothed int8 copy, as HF modules (the
+        drafter's lean forward computes the same logits, nodes/drafters/lean_llama.py)."""
+        verifier = torch_backend()
+        return quantize_int8(verifier.model, calibration_batches(verifier.tokenizer))
 
     def int8_chain():
         return Int8Drafter(int8().backend, name="int8", tree_width=1)
@@ -170,7 +176,7 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
         (
             "hf-assisted-int8",
             "torch",
-            lambda: _hf_runner(torch_backend(), assistant_model=int8().backend.model),
+            lambda: _hf_runner(torch_backend(), assistant_model=hf_int8()),
         ),
     ]
     if not args.no_mlx:

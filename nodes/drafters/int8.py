@@ -40,6 +40,11 @@ def quantize_int8(model: Any, calibration: list[list[int]] | None = None):
     return _quantize_modules(clone, smoothed)
 
 
+def calibration_batches(tokenizer) -> list[list[int]]:
+    """The built-in calibration texts as the chat-formatted token batches smoothing reads."""
+    return [tokenizer.encode(t, chat=True) for t in CALIBRATION_TEXTS]
+
+
 def _prepared_copy(model: Any, calibration: list[list[int]] | None) -> tuple[Any, bool]:
     """An fp32 CPU copy, smoothed when it can be; whether it was."""
     clone = copy.deepcopy(model).to("cpu").eval()
@@ -72,8 +77,7 @@ def int8_backend(verifier: Backend) -> Backend:
     from nodes.backends.torch_backend import TorchBackend
     from nodes.drafters.lean_llama import LeanBackend, LeanLlama, lean_supported
 
-    calibration = [verifier.tokenizer.encode(t, chat=True) for t in CALIBRATION_TEXTS]
-    clone, smoothed = _prepared_copy(verifier.model, calibration)
+    clone, smoothed = _prepared_copy(verifier.model, calibration_batches(verifier.tokenizer))
     name = f"{verifier.model_name}-int8"
     if smoothed and lean_supported(clone):
         return LeanBackend(LeanLlama(clone), verifier.tokenizer, name)
