@@ -405,6 +405,9 @@ class Engine:
         seq.stats.waited_s += waited
         seq.stats.waits += 1
         out = [(slot.tag, c) for c in (self._clean(c, k) for c in cands) if len(c.tokens)]
+        if self.fixed_k is None:
+            seq.cost.record_delivered(slot.name, max((len(c.tokens) for _, c in out), default=0),
+                                      k)
         if log.isEnabledFor(logging.DEBUG):  # no formatting on the wait path unless asked
             log.debug("waited %.1f ms (announced %.1f) for %s: %s", waited * 1000,
                       wait * 1000, slot.name,

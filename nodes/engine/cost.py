@@ -18,7 +18,10 @@ is highest. Drafting already spent is sunk and does not count there.
 A source with nothing to offer yet may say its drafts are due in w seconds (a remote proposer
 answering the commit just pushed); `wait_pays` waits for them only when E(k) / (w + verify(k+1))
 beats a plain step, so a fast proposer is waited for a millisecond and a slow or unhelpful one
-never.
+never. k there is what the source has actually brought after such waits (`record_delivered`),
+not the budget: a model proposer no faster than the verifier brings one token per wait however
+many it is asked for (seen on an H100 verifier with a CPU int8 proposer: 30 ms waits for one
+token each, against a 28 ms plain step).
 
 Verify cost is learnt per fed-token count (it is strongly sublinear on CPU), draft cost per
 drafted token and per source; both belong to the backend, device and drafter and are kept
@@ -71,6 +74,8 @@ class CostModel:
     _verify: dict[int, float] = field(default_factory=dict)  # fed tokens -> EMA seconds
     #: source -> seconds per drafted token (EMA); a dict so forks share it
     _draft: dict[str, float] = field(default_factory=dict)
+    #: source -> draft tokens it brought after a wait for it (EMA); shared by forks like _draft
+    _delivered: dict[str, float] = field(default_factory=dict)
     #: source -> this generation's acceptance and probing state
     _sources: dict[str, _SourceEstimate] = field(default_factory=dict)
 
@@ -92,6 +97,7 @@ class CostModel:
         )
         other._verify = self._verify
         other._draft = self._draft
+        other._delivered = self._delivered
         return other
 
     # ---- estimates --------------------------------------------------------------------------
@@ -191,12 +197,22 @@ class CostModel:
 
     def top_up_pays(self, name: str, have: int, k: int, wait_s: float) -> bool:
         """Whether waiting `wait_s` for k of `name`'s drafts beats verifying the `have` it
-        offers now (committed tokens per second of wait + verify, with the usual margin)."""
+        offers now (committed tokens per second of wait + verify, with the usual margin); k is
+        cut to what `name` has brought after waits so far."""
+        k = min(k, self.delivered(name, k))
         if k <= have or wait_s < 0:
             return False
         now = self.expected_tokens(have, name) / self.verify_cost(have + 1)
         later = self.expected_tokens(k, name) / (wait_s + self.verify_cost(k + 1))
         return later > self.margin * now
+
+    def delivered(self, name: str, default: int) -> int:
+        """Draft tokens `name` is expected to bring after a wait (`default` before any wait).
+        Never below one: a source whose waits brought nothing lately must stay worth a wait
+        when it is fast, or the estimate could never recover (n-gram drafts come and go with
+        what the output quotes)."""
+        got = self._delivered.get(name)
+        return default if got is None else max(1, round(got))
 
     def select(self, values: Sequence[float], forced: Sequence[bool]) -> list[int]:
         """Draft nodes (1-based tree indices) worth one forward, best first, prefix-closed.
@@ -233,6 +249,15 @@ class CostModel:
         per = seconds / drafted
         old = self._draft.get(name)
         self._draft[name] = per if old is None else (1 - _EMA) * old + _EMA * per
+
+    def record_delivered(self, name: str, tokens: int, asked: int) -> None:
+        """After a wait for `name`, asked for `asked`, it offered `tokens` (its longest
+        candidate). A full answer only says `name` can bring at least that many, so it never
+        lowers the estimate (a short ask must not cap later, longer ones)."""
+        old = self._delivered.get(name)
+        if old is not None and tokens >= asked and old > tokens:
+            return
+        self._delivered[name] = tokens if old is None else (1 - _EMA) * old + _EMA * tokens
 
     def record_unheard(self, name: str = POOLED) -> None:
         """`name` was asked for drafts and none of its tokens is in this step's tree."""

@@ -165,3 +165,39 @@ def test_a_wait_is_taken_only_when_it_pays():
     assert not c.wait_pays("fast", 8, 1.0)
     assert not c.wait_pays("wrong", 8, 0.001)  # nothing to gain
     assert not c.wait_pays("fast", 0, 0.001)
+
+
+def test_a_wait_counts_on_what_the_source_brought_after_earlier_waits():
+    """A proposer that is never ahead brings one token per wait, whatever it is asked for: on
+    a verifier whose forwards cost the same for 1 or 17 tokens (a GPU), waiting 30 ms for one
+    token does not beat a 28 ms plain step, though waiting for 16 would."""
+    flat = DraftLengthController(max_k=16)
+    for n in range(1, 18):
+        flat.record_verify(n, 0.028)
+    for _ in range(10):
+        flat.record_acceptance(8, 8, "slow")
+    assert flat.wait_pays("slow", 16, 0.030)  # nothing known yet: the budget counts
+    for _ in range(5):
+        flat.record_delivered("slow", 1, 16)
+    assert flat.delivered("slow", 16) == 1
+    assert not flat.wait_pays("slow", 16, 0.030)
+    assert not flat.top_up_pays("slow", 1, 16, 0.030)  # it has that one already
+    # on a one-thread CPU verifier (two tokens cost ~1.1x one) one token is worth the wait
+    cpu = DraftLengthController(max_k=16)
+    for n in range(1, 18):
+        cpu.record_verify(n, 0.095 if n == 1 else 0.103 + 0.004 * (n - 2))
+    for _ in range(10):
+        cpu.record_acceptance(8, 8, "slow")
+        cpu.record_delivered("slow", 1, 16)
+    assert cpu.wait_pays("slow", 16, 0.030)
+    # a full answer to a short ask does not lower what longer asks count on
+    flat.record_delivered("slow", 6, 6)
+    flat.record_delivered("slow", 2, 2)
+    assert flat.delivered("slow", 16) >= 2
+    assert flat.wait_pays("slow", 16, 0.030) == (flat.delivered("slow", 16) >= 2)
+    # waits that brought nothing leave a fast source worth a millisecond's wait
+    for _ in range(20):
+        flat.record_delivered("fast", 0, 16)
+        flat.record_acceptance(8, 8, "fast")
+    assert flat.delivered("fast", 16) == 1
+    assert flat.wait_pays("fast", 16, 0.001)
