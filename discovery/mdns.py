@@ -20,7 +20,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from zeroconf import (
@@ -35,6 +34,7 @@ from zeroconf import (
 
 from codec.schema import PROTOCOL_VERSION
 from discovery.cards import Card, CardError, check_cluster, check_endpoint, check_node_id
+from discovery.daemon_workers import DaemonWorkers
 from discovery.interfaces import NetChoice
 from discovery.limits import MAX_PROTO, parse_decimal
 
@@ -99,7 +99,7 @@ class Mdns:
         self._zc: Zeroconf | None = None
         self._browser: ServiceBrowser | None = None
         self._info: ServiceInfo | None = None
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specbus-mdns")
+        self._pool = DaemonWorkers(2, "specbus-mdns")  # never holds the process exit
         self._closed = False
         self._count_lock = threading.Lock()  # resolver pool threads count concurrently
         self.seen = 0
@@ -155,10 +155,7 @@ class Mdns:
             return
         if state_change in (ServiceStateChange.Added, ServiceStateChange.Updated):
             if not self._closed:
-                try:
-                    self._pool.submit(self._resolve, name)
-                except RuntimeError:
-                    pass  # pool shut down while closing
+                self._pool.submit(self._resolve, name)  # refused (False) once closing
 
     def _resolve(self, name: str) -> None:
         info = None
@@ -189,7 +186,7 @@ class Mdns:
     def close(self) -> None:
         """Unregister (peers' caches drop us) and stop zeroconf's threads."""
         self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
         if self._zc is None:
             return
         try:

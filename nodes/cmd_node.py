@@ -8,6 +8,7 @@ card is complete; they register their request handlers on `Node` before it start
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from nodes.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 DEFAULT_HTTP = "127.0.0.1:8000"  # a gateway's HTTP address: this machine only
+SHUTDOWN_REPORT_S = 8.0  # a stop slower than this prints every thread's stack (stderr)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -277,6 +279,9 @@ def run(args: argparse.Namespace) -> int:
         while not stop.wait(0.2):
             pass
     finally:
+        # Diagnosis, not a cure: if leaving and closing (interpreter exit included) has not
+        # finished in SHUTDOWN_REPORT_S, every thread's stack goes to stderr.
+        faulthandler.dump_traceback_later(SHUTDOWN_REPORT_S, exit=False)
         telemetry.stop()
         if gateway is not None:
             gateway.close()
