@@ -223,11 +223,16 @@ class StreamClient:
     def _close_dealer(self, endpoint: str) -> None:
         sock = self._dealers.pop(endpoint, None)
         mon = self._monitors.pop(endpoint, None)
+        if sock is not None and mon is not None:
+            # The monitor goes before its reader. libzmq sends monitor events with a blocking
+            # send while holding the socket's monitor lock: an event after the reading PAIR is
+            # closed (a peer's disconnect, common when a cluster stops) blocks libzmq's I/O
+            # thread for good, and disable_monitor then waits for that lock forever, holding
+            # the GIL: a node stuck at stop (seen 1 in 9 six-node stops on loopback).
+            sock.disable_monitor()
         if mon is not None:
             self.loop.remove_reader(mon, close=True)
         if sock is not None:
-            if mon is not None:
-                sock.disable_monitor()
             self.loop.remove_reader(sock, close=True)
         self._up = self._up - {endpoint}
 

@@ -243,3 +243,32 @@ def test_server_sees_cancel_through_lazily_made_event(loop, factory, client):
     assert seen[0].cancelled.wait(BOUND)
     with pytest.raises(RequestCancelled):
         call.result(BOUND)
+
+
+def test_a_dealers_monitor_is_disabled_before_its_reader_closes(loop, server, client,
+                                                                  monkeypatch):
+    """Closing a connection disables the DEALER's monitor before closing the PAIR that reads
+    it. The other order deadlocks when an event comes in between (libzmq sends monitor events
+    with a blocking send under the socket's monitor lock; disable_monitor then waits for the
+    lock holding the GIL): nodes stuck at stop. The order is what this test can pin; the
+    deadlock itself needs an event inside a window of microseconds."""
+    assert client.request(server.endpoint, make("ping"), timeout=BOUND).result()
+    steps: list[tuple[str, int]] = []
+    real_disable, real_remove = zmq.Socket.disable_monitor, loop.remove_reader
+
+    def disable(sock):
+        steps.append(("disable monitor", sock.type))
+        return real_disable(sock)
+
+    def remove_reader(sock, close=True):
+        if close:
+            steps.append(("close", sock.type))
+        return real_remove(sock, close)
+
+    monkeypatch.setattr(zmq.Socket, "disable_monitor", disable)
+    monkeypatch.setattr(loop, "remove_reader", remove_reader)
+    client.forget(server.endpoint)
+    loop.run_sync(lambda: None, timeout=BOUND)  # the forget ran on the loop thread
+    assert steps == [("disable monitor", zmq.DEALER), ("close", zmq.PAIR),
+                     ("close", zmq.DEALER)]
+    assert not client.connected(server.endpoint)
