@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import zmq
 
 from bus.loop import IOLoop, frames_ready, send_frames
-from bus.sockets import SocketFactory, bind
+from bus.sockets import SocketFactory, bind, close_socket
 from codec.errors import CodecError
 from codec.messages import DEFAULT_LIMITS, Limits, Message, decode, encode
 
@@ -107,7 +107,7 @@ class GossipChannel:
         endpoint = bind(self._pub, bind_endpoint)
         self._sub = factory.sub()
         self.loop.add_reader(self._sub, self._on_readable)
-        self.loop.on_close(lambda: self._pub.close(linger=0))
+        self.loop.on_close(lambda: close_socket(self._pub))
         return endpoint
 
     # -- thread-safe API --------------------------------------------------------------------

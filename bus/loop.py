@@ -24,6 +24,8 @@ from typing import Any
 
 import zmq
 
+from bus.sockets import close_socket
+
 log = logging.getLogger(__name__)
 
 ReadHandler = Callable[[zmq.Socket], None]
@@ -201,7 +203,7 @@ class IOLoop:
             del self._readers[sock]
             self._poller.unregister(sock)
         if close:
-            sock.close(linger=0)
+            close_socket(sock)
 
     def on_close(self, fn: Callable[[], None]) -> None:
         """Run `fn()` on the loop thread when it stops (close sockets not registered)."""

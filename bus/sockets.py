@@ -50,6 +50,24 @@ _FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
+def close_socket(sock: zmq.Socket) -> None:
+    """Close at once (linger 0), stopping the socket's monitor first, if it has one.
+
+    libzmq sends monitor events with a blocking send under the socket's monitor lock. A socket
+    still monitored once the PAIR reading its events is gone (closed by its owner, or by a
+    stopped `HandshakeWatch`) blocks libzmq's I/O thread at its next event, for good; a closed
+    socket lives on in libzmq's reaper for a moment and can still report. A monitor stopped
+    before the close reports nothing more.
+    """
+    if sock.closed:
+        return
+    try:
+        sock.monitor(None, 0)  # no monitor: nothing to stop
+    except zmq.ZMQError as exc:  # the context is terminating: nothing is sent any more
+        log.debug("stopping a monitor before close: %s", exc)
+    sock.close(linger=0)
+
+
 class HandshakeWatch:
     """Counts failed CURVE handshakes on server sockets (strangers without the key, or with a
     wrong one, never reach ZAP: the server cannot even read their HELLO).

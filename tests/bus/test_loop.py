@@ -121,3 +121,35 @@ def test_frames_ready_reads_every_waiting_message_then_stops(factory):
     finally:
         a.close(linger=0)
         b.close(linger=0)
+
+
+def test_the_loop_stops_a_sockets_monitor_before_closing_it(loop, factory, monkeypatch):
+    """A socket still monitored after its monitor's reader is gone blocks libzmq's I/O thread at
+    its next event (a blocking send under the socket's monitor lock), and a closed socket can
+    still report for a moment: sockets the loop closes (the watched ROUTER and PUB of a secured
+    node among them) stop monitoring first."""
+    watched = loop.run_sync(lambda: factory.router())
+    reader = loop.run_sync(lambda: watched.get_monitor_socket(zmq.EVENT_ALL))
+    loop.run_sync(lambda: loop.add_reader(watched, lambda s: None))
+    steps: list[tuple[str, object]] = []
+    real_monitor, real_close = zmq.Socket.monitor, zmq.Socket.close
+
+    def monitor(sock, addr, events=zmq.EVENT_ALL):
+        steps.append(("monitor", addr))
+        return real_monitor(sock, addr, events)
+
+    def close(sock, linger=None):
+        steps.append(("close", linger))
+        return real_close(sock, linger)
+
+    monkeypatch.setattr(zmq.Socket, "monitor", monitor)
+    monkeypatch.setattr(zmq.Socket, "close", close)
+    loop.run_sync(lambda: loop.remove_reader(watched))
+    assert steps == [("monitor", None), ("close", 0)]
+    assert watched.closed
+    # the monitor really stopped: libzmq said so to the reader, which was still there
+    assert reader.poll(10_000)
+    frames = reader.recv_multipart()
+    assert int.from_bytes(frames[0][:2], "little") == zmq.EVENT_MONITOR_STOPPED
+    monkeypatch.undo()
+    reader.close(linger=0)
