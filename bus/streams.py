@@ -228,7 +228,7 @@ class StreamClient:
             # send while holding the socket's monitor lock: an event after the reading PAIR is
             # closed (a peer's disconnect, common when a cluster stops) blocks libzmq's I/O
             # thread for good, and disable_monitor then waits for that lock forever, holding
-            # the GIL: a node stuck at stop (seen 1 in 9 six-node stops on loopback).
+            # the GIL: a node stuck at stop (2 of 16 six-node stops on loopback).
             sock.disable_monitor()
         if mon is not None:
             self.loop.remove_reader(mon, close=True)
