@@ -123,6 +123,17 @@ def sparkline(values, width: int = 20) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int(v / hi * (len(SPARK) - 1)))] for v in vals)
 
 
+def rate_text(per_s: float, width: int = 8) -> str:
+    """A rate in `width` characters: one decimal below 1000, then thousands or millions. An
+    n-gram drafter matches in microseconds, so its tokens per drafting second run to six
+    digits; the exact figure there says nothing more than its magnitude."""
+    if per_s < 1000:
+        return f"{per_s:{width}.1f}"
+    if per_s < 1_000_000:
+        return f"{per_s / 1000:{width - 1}.0f}k"
+    return f"{per_s / 1_000_000:{width - 1}.0f}M"
+
+
 def member_rows(view: ClusterView) -> list[tuple[str, ...]]:
     """Rows of the members table: name, id, roles, backend, model, state, inc, hb age, load."""
     rows = []
@@ -160,9 +171,10 @@ def role_lines(view: ClusterView) -> tuple[list[str], list[str]]:
                     f"drafts {ps.get('drafts', 0):5} timeouts {ps.get('timeouts', 0):3} "
                     f"rtt {ps.get('rtt_ms', 0):.2f} ms")
         if isinstance(p, dict):
+            drafting = rate_text(float(p.get("draft_tok_s") or 0.0))
             proposers.append(
                 f"{name:16} sessions {p.get('sessions_open', 0):3} drafts "
-                f"{p.get('drafts_served', 0):6} draft tok/s {p.get('draft_tok_s', 0):8.1f} "
+                f"{p.get('drafts_served', 0):6} draft tok/s {drafting} "
                 f"{sparkline(ns.draft_tok_s):20}")
         cpu = ns.latest.get("cpu_percent", 0)
         rss = ns.latest.get("rss_bytes", 0) / 2**20
