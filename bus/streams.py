@@ -177,6 +177,11 @@ class StreamClient:
         """
         self.loop.call_soon(lambda: self._forget(endpoint))
 
+    def release(self, endpoint: str) -> None:
+        """Close the connection to `endpoint` if no call is in flight on it (thread-safe); the
+        next request reconnects. Connections are made lazily and let go when unused."""
+        self.loop.call_soon(lambda: self._release(endpoint))
+
     def connected(self, endpoint: str) -> bool:
         """Whether the connection to `endpoint` is up now (thread-safe; False before the
         first handshake, after a disconnect, and for endpoints never used)."""
@@ -290,6 +295,11 @@ class StreamClient:
                 pass  # the server will time the request out on its own
         self._finish(call, RequestCancelled(f"request {call.rid} cancelled"))
 
+    def _release(self, endpoint: str) -> None:
+        if endpoint in self._dealers and not any(
+                c.endpoint == endpoint for c in self._pending.values()):
+            self._close_dealer(endpoint)
+
     def _forget(self, endpoint: str) -> None:
         calls = [c for c in self._pending.values() if c.endpoint == endpoint]
         keep = [c for c in calls if c.streaming] if endpoint in self._up else []
@@ -336,6 +346,7 @@ class Request:
         self.rid = message.rid
         self._cancelled: threading.Event | None = None  # made on first use: most never are
         self.finished = False
+        self.dropped = False  # the server dropped it (and answered): later replies go nowhere
         self._cancel_callbacks: list[Callable[[], None]] = []
 
     @property
@@ -348,7 +359,10 @@ class Request:
         return self._cancelled
 
     def reply(self, msg: Message, more: bool = False) -> None:
-        """Send a reply; `more=True` means further replies follow."""
+        """Send a reply; `more=True` means further replies follow. A request the server
+        dropped was answered already: replies still under way from its worker are discarded."""
+        if self.dropped:
+            return
         if self.finished:
             raise RuntimeError(f"request {self.rid} already answered")
         msg.rid = self.rid
@@ -469,10 +483,22 @@ class StreamServer:
         """In-flight requests whose message names `sender` (loop thread only)."""
         return [r for r in self._inflight.values() if r.message.sender == sender]
 
-    def drop(self, req: Request) -> None:
-        """Forget one in-flight request and cancel it, as if its client had (loop thread)."""
-        if self._inflight.pop((req.peer, req.rid), None) is not None:
-            req._cancel()
+    def drop(self, req: Request, code: str = "dropped", why: str = "") -> None:
+        """Forget one in-flight request, answer it with an `error` (`code`, `why`) so that a
+        client still listening learns its stream ended, and cancel its work (loop thread).
+        Every drop answers: a stream that just stops would leave its client waiting forever."""
+        if self._inflight.pop((req.peer, req.rid), None) is None:
+            return
+        if not req.finished:
+            req.finished = req.dropped = True
+            reply = make("error", code=code, message=why or "the server dropped this request",
+                         sender=self.sender, rid=req.rid, session=req.message.session)
+            self._send(req.peer, encode(reply, self.limits), None)
+        req._cancel()
+
+    def requests(self, type_: str) -> list[Request]:
+        """In-flight requests of one message type (loop thread only)."""
+        return [r for r in self._inflight.values() if r.message.type == type_]
 
     def peer_connected(self, peer: bytes) -> bool:
         """Whether the ROUTER still has a connection to `peer` (loop thread only).

@@ -74,6 +74,10 @@ def _str(name: str, v: Any, *, allow_empty: bool = True) -> str:
         raise BadRequest(name, f"must be a string, got {type(v).__name__}")
     if not allow_empty and not v.strip():
         raise BadRequest(name, f"empty {name}: must hold some text")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no UTF-8 (so no msgpack str) can carry it
+        raise BadRequest(name, "holds a lone UTF-16 surrogate, not a character") from None
     return v
 
 

@@ -11,6 +11,10 @@ from __future__ import annotations
 MAX_COUNTER = 2**53 - 1  # largest incarnation or version a card may hold
 MAX_JUMP = 2**20  # largest plausible step between what we know of a node and what it claims
 MAX_MEMBERS = 10_000  # largest cluster we accept (snapshot entries, suspects, view digest)
+#: members one node keeps in its table (observers included). Each costs a SUB connection;
+#: joins beyond it are refused and counted (`refused_joins`), departed members go first. Far
+#: above "a handful of machines", far below what crashed a node (2,000 forged members).
+MAX_TABLE = 256
 MAX_CRC = 2**32 - 1
 MAX_PORT = 65_535
 MAX_PROTO = 2**16 - 1

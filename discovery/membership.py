@@ -96,6 +96,7 @@ class Membership:
         self._inflight: set[str] = set()  # stream endpoints with a snapshot_req in flight
         self._introduced: dict[str, int] = {}  # node id -> incarnation we exchanged cards with
         self._gossip_eps: dict[str, str] = {}  # node id -> PUB endpoint we subscribe to
+        self._streams: dict[str, str] = {}  # node id -> its request endpoint (for release)
         self._last_refute = -1e9
         self._deferred_claim: int | None = None  # a claim to refute once the rate limit allows
         self._last_sync: dict[str, float] = {}  # node id -> when we last asked it to sync
@@ -118,6 +119,7 @@ class Membership:
         with self._lock:
             out["stale"] = self._table.stale
             out["hostile"] += self._table.hostile
+            out["refused_joins"] = self._table.refused
         if self._extra_counters is not None:
             out.update(self._extra_counters())
         return out
@@ -418,6 +420,7 @@ class Membership:
         self._events.publish(events)
 
     def _connect(self, card: Card) -> None:
+        self._streams[card.node_id] = card.endpoints["stream"]
         ep = card.endpoints["gossip"]
         old = self._gossip_eps.get(card.node_id)
         if old == ep:
@@ -437,7 +440,9 @@ class Membership:
             events = self._table.tick(time.monotonic())
         self._after(events)
         for node_id in [n for n in self._gossip_eps if n not in self._table]:
-            self._disconnect(node_id)  # forgotten after dead/left for forget_after
+            self._disconnect(node_id)  # forgotten after dead/left for forget_after, or evicted
+        for node_id in [n for n in self._streams if n not in self._table]:
+            self.client.release(self._streams.pop(node_id))  # its request connection, if idle
         for book in (self._introduced, self._last_sync):
             for node_id in [n for n in book if n not in self._table]:
                 del book[node_id]
@@ -489,6 +494,10 @@ class Membership:
 
     def _on_snapshot(self, call: Call, reply: Message | BusError) -> None:
         self._inflight.discard(call.endpoint)
+        # connect lazily: the introduction's DEALER is closed once nothing else uses it, so a
+        # member costs a request connection only while a role (or a later introduction) does
+        # (forged members once held 2,000 DEALERs redialling bogus endpoints forever)
+        self.client.release(call.endpoint)
         if isinstance(reply, BusError):
             log.debug("snapshot from %s failed: %s", call.endpoint, reply)
             owners = [m for m in self._table.members()

@@ -25,7 +25,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from discovery.cards import Card
-from discovery.limits import is_plausible_step
+from discovery.limits import MAX_TABLE, is_plausible_step
 
 
 class State(enum.StrEnum):
@@ -105,13 +105,16 @@ class _Entry:
 class MemberTable:
     """Other members of one cluster, as seen by the node `self_id`."""
 
-    def __init__(self, self_id: str, cluster: str, timeouts: Timeouts | None = None) -> None:
+    def __init__(self, self_id: str, cluster: str, timeouts: Timeouts | None = None,
+                 max_members: int = MAX_TABLE) -> None:
         self.self_id = self_id
         self.cluster = cluster
         self.timeouts = timeouts or Timeouts()
+        self.max_members = max_members
         self._entries: dict[str, _Entry] = {}
         self.stale = 0  # stale or foreign messages ignored
         self.hostile = 0  # messages claiming an implausible jump, ignored
+        self.refused = 0  # joins refused because the table was full of live members
 
     # -- queries ------------------------------------------------------------------------
     def get(self, node_id: str) -> Member | None:
@@ -135,6 +138,9 @@ class MemberTable:
             return []
         e = self._entries.get(card.node_id)
         if e is None:
+            if len(self._entries) >= self.max_members and not self._evict_departed():
+                self.refused += 1
+                return []
             self._entries[card.node_id] = _Entry(card, State.ALIVE, now, now, card.incarnation)
             return [self._event("join", card.node_id, now)]
         if not self._plausible(e, card.incarnation, card.version):
@@ -216,6 +222,15 @@ class MemberTable:
 
     def forget(self, node_id: str) -> None:
         self._entries.pop(node_id, None)
+
+    def _evict_departed(self) -> bool:
+        """Make room by forgetting the longest-departed dead or left member; False if none."""
+        gone = [(e.since, n) for n, e in self._entries.items()
+                if e.state in (State.DEAD, State.LEFT)]
+        if not gone:
+            return False
+        del self._entries[min(gone)[1]]
+        return True
 
     # -- helpers ------------------------------------------------------------------------
     def _plausible(self, e: _Entry, incarnation: int, version: int | None) -> bool:

@@ -30,6 +30,23 @@ from discovery.table import Member, State
 WATCH_EVERY_S = 0.2  # how often a waiting stream looks at its verifier's state
 
 
+def verifier_gone(node, node_id: str, endpoint: str) -> str | None:
+    """Why the verifier `node_id` serving a stream on `endpoint` is gone for good, or None.
+
+    The one liveness rule of every cluster client (this one, the gateway): gone only when
+    membership no longer counts it alive (dead, left or forgotten) AND our connection to it is
+    down. A stalled process (SIGSTOP, GC pause, VM hiccup) keeps its connection, so it is
+    waited for; a killed one's connection closes at once.
+    """
+    m = node.membership.get(node_id)
+    state = "forgotten" if m is None else m.state.value
+    if m is not None and m.state not in (State.DEAD, State.LEFT):
+        return None
+    if node.client.connected(endpoint):
+        return None
+    return f"membership says {state}; connection closed"
+
+
 class ClusterError(RuntimeError):
     """No verifier could be found or the generation failed on the cluster; `code` is the
     verifier's error code when it answered one (e.g. `bad_request`, `too_long`)."""
@@ -180,17 +197,10 @@ class ClusterClient:
                 return call.next(timeout=wait)
             except RequestTimeout:
                 pass
-            gone = self._gone(target.node_id)
-            if gone and not self.node.client.connected(endpoint):
-                raise ClusterError(f"verifier {target.node_id} died mid-generation "
-                                   f"(membership: {gone}; connection closed)", "verifier_lost")
-
-    def _gone(self, node_id: str) -> str | None:
-        """`dead`/`left`/`forgotten` when membership no longer counts the node alive."""
-        m = self.node.membership.get(node_id)
-        if m is None:
-            return "forgotten"
-        return m.state.value if m.state in (State.DEAD, State.LEFT) else None
+            gone = verifier_gone(self.node, target.node_id, endpoint)
+            if gone is not None:
+                raise ClusterError(f"verifier {target.node_id} died mid-generation ({gone})",
+                                   "verifier_lost")
 
     def generate(self, req: GenerateRequest, verifier: Member | None = None,
                  on_text: Callable[[str], None] | None = None) -> Result:

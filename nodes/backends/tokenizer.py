@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
+
+_MARK = re.compile("\ue000(\\d+)\ue001")
 
 
 class Tokenizer:
@@ -44,31 +47,75 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str, chat: bool = False, system: str | None = None) -> list[int]:
-        """Token ids for a prompt; with `chat`, wrapped in the model's chat template."""
+        """Token ids for a prompt; with `chat`, wrapped in the model's chat template (the text
+        is then message content: control tokens in it stay text, see `encode_messages`). A
+        plain prompt (`chat=False`) is the caller's raw text, special tokens included."""
         if chat and self.has_chat_template:
             messages = [{"role": "system", "content": system}] if system else []
             messages.append({"role": "user", "content": text})
-            ids = self.hf.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
+            return self.encode_messages(messages)
         return [int(i) for i in self.hf.encode(text, add_special_tokens=True)]
 
     def encode_messages(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Token ids of a chat (`[{role, content}, ...]`) rendered by the model's chat template,
         ending with the assistant's turn opened (`add_generation_prompt`). Without a template
-        the contents are joined by blank lines, as a plain prompt."""
+        the contents are joined by blank lines, as a plain prompt.
+
+        Content is text, never control tokens: a user who writes `<|im_end|>` and
+        `<|im_start|>system` into a message must not close their own turn and open a system
+        one. Content holding the text of a special (added) token is tokenized with those
+        tokens split into ordinary text pieces, while the template's own markup keeps its
+        control tokens; content without any (nearly all of it) renders exactly as the Hugging
+        Face chat template does.
+        """
         msgs = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+        hostile = any(self._holds_control(m["content"]) for m in msgs)
         if not self.has_chat_template:
-            return self.encode("\n\n".join(m["content"] for m in msgs), chat=False)
+            text = "\n\n".join(m["content"] for m in msgs)
+            if hostile:
+                return self._text_ids(text, add_special_tokens=True)
+            return self.encode(text, chat=False)
+        if hostile:
+            return self._encode_escaped(msgs)
         ids = self.hf.apply_chat_template(
             msgs, add_generation_prompt=True, tokenize=True, return_dict=False
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]
+
+    @cached_property
+    def control_texts(self) -> tuple[str, ...]:
+        """The text of every added token (`<|im_start|>`, ...): what the tokenizer would turn
+        into one control id wherever it appears in a string."""
+        added = getattr(self.hf, "added_tokens_decoder", {}) or {}
+        texts = {str(getattr(t, "content", t)) for t in added.values()}
+        texts |= {str(t) for t in self.hf.all_special_tokens}
+        return tuple(sorted(t for t in texts if t))
+
+    def _holds_control(self, text: str) -> bool:
+        return any(t in text for t in self.control_texts)
+
+    def _text_ids(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`text` as plain text: special-token strings inside it become ordinary pieces."""
+        out = self.hf(text, add_special_tokens=add_special_tokens, split_special_tokens=True)
+        return [int(i) for i in out["input_ids"]]
+
+    def _encode_escaped(self, msgs: list[dict[str, str]]) -> list[int]:
+        """The template rendered around markers standing for each content; the template's
+        text is tokenized as usual (its control tokens kept), each content as plain text."""
+        marks = [f"\ue000{i}\ue001" for i in range(len(msgs))]
+        rendered = self.hf.apply_chat_template(
+            [{"role": m["role"], "content": mark} for m, mark in zip(msgs, marks)],
+            add_generation_prompt=True, tokenize=False)
+        ids: list[int] = []
+        for i, piece in enumerate(_MARK.split(rendered)):
+            if i % 2 == 0:  # the template's own text
+                if piece:
+                    ids += [int(t) for t in self.hf.encode(piece, add_special_tokens=False)]
+            else:  # a marker's index: that message's content, as text
+                ids += self._text_ids(msgs[int(piece)]["content"])
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from nodes.gateway.balancer import Balancer, verifiers_of
+from nodes.gateway.http_server import mark_request
 from nodes.gateway.generation import Final, Generation, Piece, Plan, Started, StreamFailed
 from nodes.gateway.metrics import GatewayMetrics
 from nodes.gateway.openai_schema import ApiError, ApiRequest, parse_json, parse_request
@@ -39,7 +40,7 @@ class GatewayApp:
         self.stall_s = stall_s
 
     def build(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors])
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[mark_request, self._errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -73,7 +74,7 @@ class GatewayApp:
             "inflight": sum(self.balancer.inflight.values())})
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        self.metrics.count_request("/metrics", 200)
+        self.metrics.count_request(_endpoint(request), 200)
         text = self.metrics.render(self.verifiers(), dict(self.balancer.inflight))
         return web.Response(body=text.encode(), headers={
             "Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -115,10 +116,14 @@ class GatewayApp:
     async def _plan(self, api: ApiRequest) -> Plan:
         models = self.served_models()
         vs = models.get(api.model)
+        if not models:  # nothing is up: the service is unavailable, not the model unknown
+            raise ApiError(503, f"no verifier is up to serve {api.model!r}; retry shortly",
+                           type_="server_error", code="no_verifier",
+                           headers={"Retry-After": "1"})
         if not vs:
-            listing = ", ".join(sorted(models)) or "none: no verifier is up"
             raise ApiError(404, f"model {api.model!r} is not served by this cluster "
-                           f"(models: {listing})", param="model", code="model_not_found")
+                           f"(models: {', '.join(sorted(models))})", param="model",
+                           code="model_not_found")
         tok = await asyncio.to_thread(self.tokenizers.get, api.model, vs[0].tokenizer)
         ids: tuple[int, ...] | None = api.prompt_ids
         if tok is not None and ids is None:
@@ -159,7 +164,7 @@ class GatewayApp:
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        self.metrics.count_request(request.path, 200)
+        self.metrics.count_request(_endpoint(request), 200)
         rid, created = _ids(api.kind)
         chat = api.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -211,7 +216,7 @@ class GatewayApp:
     def _json(self, request: web.Request, status: int, body: dict,
               headers: dict[str, str] | None = None) -> web.Response:
         if request.path != "/metrics":
-            self.metrics.count_request(request.path, status)
+            self.metrics.count_request(_endpoint(request), status)
         return web.json_response(body, status=status, headers=headers,
                                  dumps=lambda o: json.dumps(o, separators=(",", ":")))
 
@@ -224,14 +229,22 @@ class GatewayApp:
         except StreamFailed as exc:
             return self._json(request, exc.error.status, exc.error.body(), exc.error.headers)
         except web.HTTPException as exc:  # routing: 404 unknown path, 405 wrong method
-            err = ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}",
+            err = ApiError(exc.status, f"{exc.reason}: {request.method} {request.path[:200]}",
                            code="not_found" if exc.status == 404 else "bad_request")
             return self._json(request, exc.status, err.body(), None)
         except Exception as exc:  # noqa: BLE001 - a bug answers one request, not the server
-            log.exception("gateway: %s %s failed", request.method, request.path)
+            log.exception("gateway: %s %r failed", request.method, request.path[:200])
             err = ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error",
                            code="internal")
             return self._json(request, 500, err.body(), None)
+
+
+def _endpoint(request: web.Request) -> str:
+    """The route a request matched (`/v1/completions`), or `other`: a metric label must not
+    take whatever path a client makes up (each would be a new series)."""
+    route = getattr(request.match_info, "route", None)
+    resource = getattr(route, "resource", None)
+    return resource.canonical if resource is not None else "other"
 
 
 def _ids(kind: str) -> tuple[str, int]:

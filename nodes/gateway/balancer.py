@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from discovery.table import Member, State
+from nodes.gateway.metrics import MAX_TRACKED, Bounded
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ class Balancer:
             raise ValueError(f"max in-flight per verifier must be >= 1, got {max_inflight}")
         self.max_inflight = max_inflight
         self.inflight: dict[str, int] = {}
-        self.reported: dict[str, int] = {}  # node id -> active + queued from its telemetry
+        #: node id -> active + queued from its telemetry (members only, bounded)
+        self.reported: dict[str, int] = Bounded(MAX_TRACKED)
 
     def load(self, node_id: str) -> int:
         return max(self.inflight.get(node_id, 0), self.reported.get(node_id, 0))

@@ -28,8 +28,10 @@ from typing import Any
 import numpy as np
 
 from bus.streams import BusError, RemoteError
-from codec.messages import Message, make
-from discovery.table import State
+from codec.errors import BadRequest
+from codec.messages import Message
+from codec.structs import ChatMessage, GenerateReq, Sampling
+from nodes.cluster_client import verifier_gone
 from nodes.gateway.balancer import Balancer, NoCapacity, VerifierInfo, verifiers_of
 from nodes.gateway.metrics import GatewayMetrics
 from nodes.gateway.openai_schema import ApiError, ApiRequest
@@ -39,6 +41,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often a waiting generation looks at its verifier's membership state
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+#: verifier error codes that blame the request (answered 400), not the server (5xx)
+CLIENT_ERRORS = ("bad_request", "generation", "too_long", "no_proposer", "unsupported")
 
 
 @dataclass(frozen=True)
@@ -101,16 +105,19 @@ class Generation:
         tried: set[str] = set()
         while True:
             v = self._pick(tried)
-            self.balancer.acquire(v)
-            self.verifiers_used.append(v.node_id)
+            message = self._message()  # built and checked before anything is taken
             queue: asyncio.Queue = asyncio.Queue()
-            call = self.node.client.request(
-                v.endpoint, self._message(),
-                on_reply=self._forward_to(queue))
             resumed = self.failovers > 0
             pieces = ""  # this verifier's text so far (as it streamed it)
             got_any = False
+            call = None
+            # the slot is released on every path out of here, exceptions included: a request
+            # that fails while it is sent must not keep a slot (8 of them locked the gateway)
+            self.balancer.acquire(v)
             try:
+                self.verifiers_used.append(v.node_id)
+                call = self.node.client.request(v.endpoint, message,
+                                                on_reply=self._forward_to(queue))
                 yield Started(v.node_id)
                 while True:
                     item = await self._next(queue, v, got_any)
@@ -159,7 +166,7 @@ class Generation:
                 self._failover(v, str(exc))
             finally:
                 self.balancer.release(v)
-                if not call.done:
+                if call is not None and not call.done:
                     call.cancel()  # thread-safe: tells the verifier to drop the work
             if len(self.ids) >= api.max_tokens:  # lost right after its last token
                 piece = asm.finish(self._decode() if self.plan.tokenizer else None)
@@ -226,34 +233,38 @@ class Generation:
                 return await asyncio.wait_for(queue.get(), POLL_S)
             except TimeoutError:
                 pass
-            m = self.node.membership.get(v.node_id)
-            if m is None or m.state in (State.DEAD, State.LEFT):
-                raise _Lost(f"membership says {m.state.value if m is not None else 'gone'}")
-            # suspect or silent: move only where another verifier can take over; alone, a
-            # verifier that is merely slow (GC pause, busy machine) is better than an error
-            if m.state is State.SUSPECT and self._alternative(v):
-                raise _Lost("membership says suspect")
+            gone = verifier_gone(self.node, v.node_id, v.endpoint)
+            if gone is not None:
+                raise _Lost(gone)
+            # silent but still connected (SIGSTOP, GC pause, a busy machine): move only after
+            # `stall_s` and only where another verifier can take over; alone, a verifier that
+            # is merely slow is better than an error
             if (got_any and time.monotonic() - last > self.stall_s
                     and self._alternative(v)):
                 raise _Lost(f"no reply for {self.stall_s:g}s")
 
     def _message(self) -> Message:
+        """The `generate_req` through its one typed declaration (every field checked there);
+        a field the wire refuses ends the request with a 400 before a slot is taken."""
         api, plan = self.plan.api, self.plan
-        fields: dict[str, Any] = dict(
-            max_tokens=api.max_tokens - len(self.ids), temperature=api.temperature,
-            top_p=api.top_p, stop=list(api.stop))
-        if api.seed is not None:
-            fields["seed"] = api.seed
-        for key in ("speculate", "proposers"):
-            if key in api.extra:
-                fields[key] = api.extra[key]
-        if plan.prompt_ids is not None:
-            ids = np.asarray([*plan.prompt_ids, *self.ids], dtype=np.int32)
-            return make("generate_req", tensors=[ids], **fields)
-        if api.kind == "chat":
-            return make("generate_req", messages=[dict(m) for m in api.messages], chat=True,
-                        **fields)
-        return make("generate_req", prompt=api.prompt or "", chat=False, **fields)
+        common: dict[str, Any] = dict(
+            max_tokens=api.max_tokens - len(self.ids),
+            sampling=Sampling(temperature=api.temperature, top_p=api.top_p, seed=api.seed),
+            stop=tuple(api.stop), speculate=api.extra.get("speculate", True),
+            proposers=api.extra.get("proposers"))
+        try:
+            if plan.prompt_ids is not None:
+                req = GenerateReq(tokens=np.asarray([*plan.prompt_ids, *self.ids],
+                                                    dtype=np.int32), **common)
+            elif api.kind == "chat":
+                req = GenerateReq(messages=tuple(ChatMessage(m["role"], m["content"])
+                                                 for m in api.messages), chat=True, **common)
+            else:
+                req = GenerateReq(prompt=api.prompt or "", chat=False, **common)
+        except BadRequest as exc:
+            raise StreamFailed(ApiError(400, f"{exc.field}: {exc.reason}", param=exc.field,
+                                        code="invalid_value")) from None
+        return req.to_message()
 
     def _decode(self) -> str:
         return self.plan.tokenizer.decode(self.ids)
@@ -277,7 +288,7 @@ def _int(v: Any) -> int:
 
 
 def _remote_error(exc: RemoteError) -> ApiError:
-    if exc.code in ("bad_request", "generation"):
+    if exc.code in CLIENT_ERRORS:  # the request's fault: 4xx, which SDKs do not retry
         return ApiError(400, f"the verifier refused the request: {exc.message}",
                         code=exc.code)
     if exc.code == "busy":

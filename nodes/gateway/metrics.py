@@ -9,7 +9,7 @@ gateway's asyncio thread; telemetry arrives there as messages, never as a shared
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any
 
 
@@ -23,18 +23,49 @@ def _label(v: str) -> str:
     return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')[:100]
 
 
+#: entries kept in each table keyed by something a peer chooses (node ids in telemetry and in
+#: a verifier's per-proposer figures); the least recently updated go first
+MAX_TRACKED = 256
+
+
+class Bounded(OrderedDict):
+    """A dict of at most `limit` entries; setting or touching a key makes it the newest, and
+    the oldest goes when the limit is passed. Missing keys get `factory()` (like defaultdict)."""
+
+    def __init__(self, limit: int, factory=None) -> None:
+        super().__init__()
+        self.limit = limit
+        self.factory = factory
+
+    def __missing__(self, key):
+        if self.factory is None:
+            raise KeyError(key)
+        self[key] = value = self.factory()
+        return value
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
-        self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.requests: dict[tuple[str, int], int] = defaultdict(int)  # keyed by route: bounded
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.failovers = 0
         self.cancelled = 0
         self.stream_errors = 0
-        self.per_verifier: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        self.per_proposer: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        self.proposer_names: dict[str, str] = {}
-        self.telemetry: dict[str, dict[str, Any]] = {}  # node id -> its last `stats` payload
+        self.stats_refused = 0  # telemetry from a sender that is not a member
+        self.per_verifier: dict[str, dict[str, float]] = Bounded(
+            MAX_TRACKED, lambda: defaultdict(float))
+        self.per_proposer: dict[str, dict[str, float]] = Bounded(
+            MAX_TRACKED, lambda: defaultdict(float))
+        self.proposer_names: dict[str, str] = Bounded(MAX_TRACKED)
+        #: node id -> its last `stats` payload
+        self.telemetry: dict[str, dict[str, Any]] = Bounded(MAX_TRACKED)
 
     # -- counting (asyncio thread) ------------------------------------------------------------
     def count_request(self, endpoint: str, status: int) -> None:

@@ -84,15 +84,75 @@ _CHAT_ONLY = ("messages", "max_completion_tokens")
 _COMPLETION_ONLY = ("prompt",)
 
 
+MAX_JSON_DEPTH = 32  # far deeper than any OpenAI body; a 100k-deep one is refused, not a 500
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, refused with a 400 naming the problem when it is not valid
+    UTF-8, not JSON, nested absurdly deep, or holds a string no encoder can send on (a lone
+    surrogate such as `"\\ud800"`, which JSON allows and UTF-8 cannot carry)."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad(None, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad(None, f"request body is not valid UTF-8 (byte {exc.start})",
+                  code="invalid_json") from None
+    if _nesting(text) > MAX_JSON_DEPTH:
+        raise bad(None, f"request body nests deeper than {MAX_JSON_DEPTH} levels",
+                  code="invalid_json")
+    try:
+        body = json.loads(text)
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise bad(None, f"request body is not valid JSON: {str(exc)[:200]}",
+                  code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad(None, f"request body must be a JSON object, got {type(body).__name__}",
                   code="invalid_json")
+    where = _lone_surrogate(body, "")
+    if where is not None:
+        raise bad(where or None, f"{where or 'the body'} holds a lone UTF-16 surrogate, which "
+                  "is not a character; send valid Unicode text", code="invalid_unicode")
     return body
+
+
+def _nesting(text: str) -> int:
+    """Deepest bracket nesting of a JSON text (brackets inside strings count too: an upper
+    bound, which is all the check needs, and linear without recursion)."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _lone_surrogate(v: Any, path: str) -> str | None:
+    """The path of the first string (key or value) holding a lone surrogate, else None."""
+    if isinstance(v, str):
+        return path if _has_surrogate(v) else None
+    if isinstance(v, dict):
+        for k, x in v.items():
+            sub = f"{path}.{k}" if path else str(k)
+            if _has_surrogate(k):
+                return path or "the body"
+            found = _lone_surrogate(x, sub)
+            if found is not None:
+                return found
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            found = _lone_surrogate(x, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _has_surrogate(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
@@ -153,7 +213,7 @@ def _int(body: dict, key: str, default: int | None, lo: int, hi: int) -> int | N
         raise bad(key, f"{key!r} must be an integer, got {json.dumps(v)[:40]}",
                   code="invalid_type")
     if not lo <= v <= hi:
-        raise bad(key, f"{key!r} must be between {lo} and {hi}, got {v}")
+        raise bad(key, f"{key!r} must be between {lo} and {hi}, got {str(v)[:40]}")
     return v
 
 
@@ -161,11 +221,11 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     v = body.get(key)
     if v is None:
         return default
-    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+    if not isinstance(v, int | float) or isinstance(v, bool):
         raise bad(key, f"{key!r} must be a number, got {json.dumps(v)[:40]}",
                   code="invalid_type")
-    if not lo <= v <= hi:
-        raise bad(key, f"{key!r} must be between {lo:g} and {hi:g}, got {v}")
+    if not lo <= v <= hi or not math.isfinite(v):  # compared first: a huge int is no float
+        raise bad(key, f"{key!r} must be between {lo:g} and {hi:g}, got {str(v)[:40]}")
     return float(v)
 
 

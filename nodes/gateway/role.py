@@ -19,6 +19,12 @@ from aiohttp import web
 
 from nodes.gateway.app import GatewayApp
 from nodes.gateway.balancer import Balancer
+from nodes.gateway.http_server import (
+    HEADER_TIMEOUT_S,
+    KEEPALIVE_S,
+    MAX_CONNECTIONS,
+    ConnectionCap,
+)
 from nodes.gateway.metrics import GatewayMetrics
 from nodes.gateway.tokens import TokenizerCache
 
@@ -62,6 +68,8 @@ class GatewayRole:
         self._node = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
+        self._http: asyncio.Server | None = None
+        self.connections: ConnectionCap | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="gateway-http", daemon=True)
@@ -110,12 +118,15 @@ class GatewayRole:
         try:
             app = GatewayApp(self._node, self.balancer, self.metrics, self.tokenizers,
                              self.stall_s).build()
-            self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-            loop.run_until_complete(self._runner.setup())
             # on close, streams still open get a second to end, then their handlers are
             # cancelled (which cancels their verifier work)
-            loop.run_until_complete(web.SockSite(self._runner, self._sock,
-                                                 shutdown_timeout=1.0).start())
+            self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                         shutdown_timeout=1.0)
+            loop.run_until_complete(self._runner.setup())
+            self.connections = ConnectionCap(self._runner.server, MAX_CONNECTIONS,
+                                             HEADER_TIMEOUT_S, KEEPALIVE_S)
+            self._http = loop.run_until_complete(
+                loop.create_server(self.connections, sock=self._sock, backlog=128))
         except Exception as exc:  # noqa: BLE001 - reported to start() in the main thread
             self._error = exc
             self._ready.set()
@@ -125,6 +136,7 @@ class GatewayRole:
         try:
             loop.run_forever()
         finally:
+            self._http.close()  # stop accepting, then let the runner end what is open
             loop.run_until_complete(self._runner.cleanup())
             loop.close()
 
@@ -136,6 +148,9 @@ class GatewayRole:
             loop.call_soon_threadsafe(self._take_stats, msg.sender, stats)
 
     def _take_stats(self, node_id: str, stats: dict) -> None:
+        if self._node.membership.get(node_id) is None:  # not a member: nothing to keep
+            self.metrics.stats_refused += 1
+            return
         self.metrics.on_stats(node_id, stats)
         v = stats.get("verifier")
         if isinstance(v, dict):

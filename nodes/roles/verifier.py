@@ -12,13 +12,17 @@ Each request is parsed into `codec.structs.GenerateReq` and checked against this
 is queued. The proposer links belong to the compute thread; telemetry reads the immutable
 `proposer_snapshot` it publishes after each block and generation.
 
-Client liveness: work whose client is gone is dropped. A client that cancels (or closes) has
-its queued request removed and its running one stopped within a block. A client that vanishes
-without a word is noticed through membership (clients are observer members): when the sender
-of a request leaves, or is declared dead and the ROUTER has no connection to it any more, its
-queued requests are removed and its running one is cancelled (`orphans_dropped`). A client that
-is dead in membership but still connected (stalled: SIGSTOP, GC pause) keeps its work; it is
-checked again every second while membership says dead.
+Client liveness: work whose client is gone is dropped, and every drop is answered with an
+`error` (`client_gone`), so a client that is in fact still listening learns its stream ended.
+A client that cancels (or closes) has its queued request removed and its running one stopped
+within a block. Whether a client is gone is decided by its connection alone: while any
+generation is queued or running, the I/O thread probes each requesting connection every
+`CLIENT_SWEEP_S` (`StreamServer.peer_connected`) and drops the work of those that are gone, so
+an anonymous client (a raw DEALER that never joined) that queues work and vanishes costs at
+most one sweep. Membership only makes it sooner: when the sender of a request leaves or is
+declared dead, its connections are probed at once. A client membership calls dead or left but
+whose connection is alive (a stall: SIGSTOP, GC pause; or a forged `leave` naming it) keeps
+its work.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ log = logging.getLogger(__name__)
 
 ANY_TOKENIZER = "any"  # card value of tokenizer-agnostic drafters (ngram)
 MAX_TOKENS_LIMIT = requests.MAX_TOKENS_LIMIT
-RECHECK_CLIENT_S = 1.0  # how often a dead-but-connected client's work is looked at again
+CLIENT_SWEEP_S = 2.0  # how often the connections with work queued or running are probed
+CLIENT_GONE = "client_gone"
 
 
 @dataclass
@@ -85,6 +90,7 @@ class VerifierRole:
         self._cv = threading.Condition()
         self._closing = False
         self._watching = False  # subscribed to membership events (I/O thread)
+        self._sweeping = False  # a connection sweep is scheduled (I/O thread)
         #: queued + running generations per connection (admission.py)
         self.slots = PeerSlots((admission or AdmissionLimits()).generations_per_peer)
         self._node = None
@@ -133,6 +139,7 @@ class VerifierRole:
             return
         req.on_cancel(lambda: self._unqueue(item))  # a cancelled request leaves the queue
         self._watch_clients()
+        self._arm_sweep()
 
     def _unqueue(self, item) -> bool:
         with self._cv:
@@ -143,7 +150,7 @@ class VerifierRole:
         self.slots.release(item[0].peer)
         return True
 
-    # -- client liveness (events thread -> I/O thread) ----------------------------------------
+    # -- client liveness (I/O thread; membership events hand over to it) ----------------------
     def _watch_clients(self) -> None:
         """I/O thread: subscribe to membership once it exists (it does not at attach time)."""
         node = self._node
@@ -154,33 +161,47 @@ class VerifierRole:
         subscribe(self._on_member_event)
 
     def _on_member_event(self, ev) -> None:
-        """Events thread: hand a departure over to the I/O thread, which owns the requests."""
+        """Events thread: a departure makes the I/O thread probe that sender's connections."""
         if ev.kind in ("dead", "leave"):
             self._node.loop.call_soon(lambda: self._check_client(ev.node_id))
 
-    def _check_client(self, sender: str) -> None:
-        """I/O thread: drop the work of a client that left, or died and lost its connection."""
-        server = self._node.server
-        reqs = [r for r in server.requests_from(sender) if r.message.type == "generate_req"]
+    def _arm_sweep(self) -> None:
+        """I/O thread: make sure a sweep is due while generations are queued or running."""
+        if not self._sweeping and self._node is not None:
+            self._sweeping = True
+            self._node.loop.call_later(CLIENT_SWEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        """I/O thread: drop the work of every connection that is gone, member or not."""
+        self._sweeping = False
+        reqs = self._node.server.requests("generate_req")
         if not reqs:
             return
-        m = self._node.membership.get(sender)
-        state = m.state.value if m is not None else "forgotten"
-        if state in ("alive", "suspect"):
-            return  # back (a stall that ended): keep serving it
-        # a leave is final; a death is believed once the connection is gone too
-        alive_peers = set() if state == "left" else {
-            p for p in {r.peer for r in reqs} if server.peer_connected(p)}
+        self._drop_gone(reqs, "its connection closed")
+        self._arm_sweep()
+
+    def _check_client(self, sender: str) -> None:
+        """I/O thread: a sender membership calls dead or left: probe its connections now."""
+        reqs = [r for r in self._node.server.requests("generate_req")
+                if r.message.sender == sender]
+        if reqs:
+            self._drop_gone(reqs, f"client {sender} left or died and its connection closed")
+
+    def _drop_gone(self, reqs, why: str) -> None:
+        server = self._node.server
+        connected: dict[bytes, bool] = {}
+        dropped = 0
         for r in reqs:
-            if r.peer not in alive_peers:
+            if r.peer not in connected:
+                connected[r.peer] = server.peer_connected(r.peer)
+            if not connected[r.peer]:
                 self.stats.orphans_dropped += 1
-                server.drop(r)  # cancels: a queued one leaves the queue, a running one stops
-        if alive_peers:
-            log.info("client %s is %s but still connected (stalled?): keeping its work",
-                     sender, state)
-            self._node.loop.call_later(RECHECK_CLIENT_S, lambda: self._check_client(sender))
-        else:
-            log.info("client %s %s: dropped %d of its requests", sender, state, len(reqs))
+                dropped += 1
+                # answers `client_gone`, then cancels: a queued one leaves the queue, a
+                # running one stops within a block
+                server.drop(r, CLIENT_GONE, f"dropped: {why}")
+        if dropped:
+            log.info("dropped %d request(s): %s", dropped, why)
 
     # -- compute thread -----------------------------------------------------------------------
     def _next(self):

@@ -130,12 +130,14 @@ def test_least_loaded_with_room_then_429():
         b.pick([a, c], exclude={"a", "c"})
 
 
+def member(node_id, roles, state=State.ALIVE, model="m", observer=False):
+    card = Card(node_id=node_id, cluster="c", incarnation=1, version=1, roles=roles,
+                endpoints={"gossip": "tcp://127.0.0.1:1", "stream": "tcp://127.0.0.1:2"},
+                model=model, observer=observer)
+    return Member(card=card, state=state, last_heard=0.0, since=0.0)
+
+
 def test_only_alive_verifiers_with_a_model_count():
-    def member(node_id, roles, state=State.ALIVE, model="m", observer=False):
-        card = Card(node_id=node_id, cluster="c", incarnation=1, version=1, roles=roles,
-                    endpoints={"gossip": "tcp://127.0.0.1:1", "stream": "tcp://127.0.0.1:2"},
-                    model=model, observer=observer)
-        return Member(card=card, state=state, last_heard=0.0, since=0.0)
     found = verifiers_of([member("v", ("verifier",)), member("p", ("proposer",)),
                           member("d", ("verifier",), State.DEAD), member("s", ("verifier",),
                                                                        State.SUSPECT),
@@ -203,3 +205,73 @@ def test_http_flag_needs_the_gateway_role():
                               "--gateway-max-inflight", "0"])
     with pytest.raises(ValueError, match="max-inflight"):
         _make_gateway(args, config_from_args(args))
+
+
+# -- hostile bodies (issue 21): a 400 naming the problem, never a 500 --------------------------
+@pytest.mark.parametrize("raw, code", [
+    (b'{"model": "m", "stop": ["\\ud800"]}', "invalid_unicode"),  # a lone surrogate
+    (b'{"model": "m", "messages": [{"role": "user", "content": "a\\udfff"}]}',
+     "invalid_unicode"),
+    (b'{"\\ud800": 1}', "invalid_unicode"),
+    (b"[" * 100_000 + b"]" * 100_000, "invalid_json"),  # 100k deep
+    (b'{"a":' * 40 + b"1" + b"}" * 40, "invalid_json"),  # deeper than any OpenAI body
+    (b'{"model": "m", "prompt": "\xed\xa0\x80"}', "invalid_json"),  # a surrogate in UTF-8
+    (b'{"seed": ' + b"9" * 5000 + b"}", "invalid_json"),  # past Python's digit limit
+])
+def test_hostile_bodies_are_400_with_a_code(raw, code):
+    with pytest.raises(ApiError) as exc:
+        parse_json(raw)
+    assert exc.value.status == 400 and exc.value.code == code
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "max_tokens", "seed"])
+def test_a_400_digit_integer_is_a_400(field):
+    body = parse_json(b'{"model": "m", "prompt": "x", "%s": %s}' % (field.encode(), b"9" * 400))
+    with pytest.raises(ApiError) as exc:
+        parse_request("completion", body)
+    assert exc.value.status == 400 and exc.value.param == field
+    assert len(exc.value.message) < 200  # the number is not echoed in full
+
+
+def test_a_request_the_wire_refuses_takes_no_slot():
+    """The lock of issue 21: a request failing while its `generate_req` is built must leave
+    the verifier's slot free (8 such requests once locked the gateway into 429 for good)."""
+    import asyncio
+
+    from nodes.gateway.generation import Generation, Plan, StreamFailed
+
+    class Node:  # the membership and client the generation reads; no socket is reached
+        class membership:  # noqa: N801 - stands in for the membership object
+            @staticmethod
+            def members(include_self=True):
+                return [member("v", ("verifier",))]
+
+    api = parse_request("completion", {"model": "m", "prompt": "x"})
+    api = type(api)(**{**api.__dict__, "stop": ("\ud800",)})  # what no wire can carry
+    balancer = Balancer(1)
+    gen = Generation(Node(), balancer, GatewayMetrics(), Plan(api, None), 15.0, None)
+
+    async def first():
+        return await anext(gen.events())
+
+    for _ in range(4):
+        with pytest.raises(StreamFailed) as exc:
+            asyncio.run(first())
+        assert exc.value.error.status == 400
+    assert balancer.inflight == {}
+
+
+def test_tables_keyed_by_peers_are_bounded():
+    from nodes.gateway.metrics import MAX_TRACKED
+
+    m = GatewayMetrics()
+    for i in range(MAX_TRACKED * 4):
+        m.on_stats(f"fake{i}", {"proposer": {"draft_tokens": 1}})
+        m.count_done(f"v{i}", 1, 1, {"proposers": {f"p{i}": {"drafted": 1, "name": "x"}}})
+    assert len(m.telemetry) == MAX_TRACKED and "fake0" not in m.telemetry
+    assert len(m.per_verifier) == MAX_TRACKED and len(m.per_proposer) == MAX_TRACKED
+    assert len(m.proposer_names) == MAX_TRACKED
+    b = Balancer(8)
+    for i in range(MAX_TRACKED * 4):
+        b.report(f"fake{i}", 1, 1)
+    assert len(b.reported) == MAX_TRACKED
