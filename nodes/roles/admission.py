@@ -4,9 +4,10 @@ Three limits, each refused with a typed error (nodes/engine/errors.py) and count
 - messages per second per connection, a token bucket checked for every request a node
   serves (`RateLimiter`, in `Node._on_request`): `rate_limited`;
 - generations queued or running per connection on a verifier (`PeerSlots`): `busy`;
-- draft sessions per connection and in total on a proposer (`SessionBook`):
-  `too_many_sessions`; a session belongs to the connection that opened it, and another
-  connection naming its id gets `forbidden` (ids are unguessable anyway).
+- draft sessions per connection and in total on a proposer, and their state in bytes with a
+  fair share per connection (`SessionBook`): `too_many_sessions`; a session belongs to the
+  connection that opened it, and another connection naming its id gets `forbidden` (ids are
+  unguessable anyway). Sessions also die with their connection (nodes/roles/liveness.py).
 A "peer" is the ZeroMQ routing identity the ROUTER gave the connection. With a cluster secret
 only members can connect at all; without one this is still the finest identity there is.
 """
@@ -38,11 +39,14 @@ class AdmissionLimits:
     generations_per_peer: int = 8
     sessions_per_peer: int = 16  # open draft sessions per connection
     sessions_total: int = 256  # open draft sessions per proposer
+    #: estimated bytes of all draft sessions' state on a proposer (split fairly when short)
+    session_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         if not (self.rate_per_s > 0 and self.burst >= 1 and self.generations_per_peer >= 1
                 and self.sessions_per_peer >= 1
-                and self.sessions_total >= self.sessions_per_peer):
+                and self.sessions_total >= self.sessions_per_peer
+                and self.session_bytes >= 1 << 20):
             raise ValueError(f"admission limits out of range: {self}")
 
 
@@ -115,14 +119,28 @@ class PeerSlots:
 
 
 class SessionBook:
-    """Which connection owns which draft session, and how many each holds (one owner thread:
-    the proposer's worker)."""
+    """Which connection owns which draft session, what each holds, and who must make room
+    (one owner thread: the proposer's worker).
+
+    Sessions are counted (per connection, in total) and weighed in bytes (an estimate of the
+    drafter's state: tokens x bytes per token). The bytes of all sessions stay within
+    `limits.session_bytes`; when a new session (or a session that grew) does not fit, room is
+    made by closing the least recently used sessions of connections holding more than their
+    fair share (the budget split evenly between the connections holding sessions, the asking
+    one included). A connection that is over its own share is refused instead: 17 connections
+    each opening 16 sessions of 8,000 tokens once took a proposer from 97 MB to 3.67 GB and
+    starved the real verifier.
+    """
 
     def __init__(self, limits: AdmissionLimits) -> None:
         self.limits = limits
         self._owner: dict[str, bytes] = {}
         self._count: dict[bytes, int] = {}
+        self._bytes: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self._held: dict[bytes, int] = {}  # bytes per connection
+        self.total_bytes = 0
         self.refused = {TOO_MANY_SESSIONS: 0, FORBIDDEN: 0}
+        self.evicted = 0
 
     def __len__(self) -> int:
         return len(self._owner)
@@ -135,27 +153,80 @@ class SessionBook:
         self.refused[FORBIDDEN] += 1
         return False
 
-    def refusal(self, peer: bytes) -> str | None:
-        """Why `peer` may not open one more session (None: it may)."""
+    def touch(self, sid: str) -> None:
+        if sid in self._bytes:
+            self._bytes.move_to_end(sid)
+
+    def share(self, peer: bytes) -> int:
+        """Bytes `peer` may hold when the budget is contended."""
+        holders = set(self._held) | {peer}
+        return self.limits.session_bytes // len(holders)
+
+    def refusal(self, peer: bytes, nbytes: int = 0) -> str | None:
+        """Why `peer` may not open one more session of `nbytes` (None: it may, possibly after
+        `make_room`)."""
         if self._count.get(peer, 0) >= self.limits.sessions_per_peer:
             why = f"this connection has {self.limits.sessions_per_peer} draft sessions open"
         elif len(self._owner) >= self.limits.sessions_total:
             why = f"proposer has {self.limits.sessions_total} draft sessions open"
+        elif (self.total_bytes + nbytes > self.limits.session_bytes
+              and self._held.get(peer, 0) + nbytes > self.share(peer)):
+            why = (f"draft sessions of this connection would hold "
+                   f"{(self._held.get(peer, 0) + nbytes) >> 20} MiB, over its fair share "
+                   f"({self.share(peer) >> 20} MiB of {self.limits.session_bytes >> 20} MiB)")
         else:
             return None
         self.refused[TOO_MANY_SESSIONS] += 1
         return why
 
-    def add(self, sid: str, peer: bytes) -> None:
+    def make_room(self, peer: bytes, nbytes: int) -> list[str]:
+        """Sessions to close (least recently used first, of connections over their fair share,
+        never `peer`'s) so that `nbytes` more fit the budget; may fall short."""
+        out: list[str] = []
+        need = self.total_bytes + nbytes - self.limits.session_bytes
+        if need <= 0:
+            return out
+        held = dict(self._held)
+        share = self.share(peer)
+        for sid, size in self._bytes.items():
+            owner = self._owner[sid]
+            if owner == peer or held.get(owner, 0) <= share:
+                continue
+            out.append(sid)
+            held[owner] -= size
+            need -= size
+            if need <= 0:
+                break
+        self.evicted += len(out)
+        return out
+
+    def add(self, sid: str, peer: bytes, nbytes: int = 0) -> None:
         self._owner[sid] = peer
         self._count[peer] = self._count.get(peer, 0) + 1
+        self._bytes[sid] = 0
+        self.resize(sid, nbytes)
+
+    def resize(self, sid: str, nbytes: int) -> None:
+        """A session's state grew (or shrank) to `nbytes`; it becomes the most recent."""
+        peer = self._owner.get(sid)
+        if peer is None:
+            return
+        old = self._bytes.get(sid, 0)
+        self._bytes[sid] = nbytes
+        self._bytes.move_to_end(sid)
+        self._held[peer] = self._held.get(peer, 0) + nbytes - old
+        self.total_bytes += nbytes - old
 
     def remove(self, sid: str) -> None:
         peer = self._owner.pop(sid, None)
         if peer is None:
             return
+        size = self._bytes.pop(sid, 0)
+        self.total_bytes -= size
         n = self._count.get(peer, 0) - 1
         if n > 0:
             self._count[peer] = n
+            self._held[peer] = self._held.get(peer, 0) - size
         else:
             self._count.pop(peer, None)
+            self._held.pop(peer, None)

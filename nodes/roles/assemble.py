@@ -72,6 +72,8 @@ class Roles:
             }
         if self.proposer is not None:
             out["proposer"] = {"sessions_open": self.proposer.open_sessions,
+                               "session_bytes": self.proposer.session_bytes,
+                               "sessions_evicted": self.proposer.sessions_evicted,
                                **self.proposer.stats.as_dict()}
         return out
 

@@ -49,6 +49,7 @@ from nodes.engine.errors import (
 )
 from nodes.roles import requests
 from nodes.roles.admission import FORBIDDEN, TOO_MANY_SESSIONS, AdmissionLimits, SessionBook
+from nodes.roles.liveness import ConnectionSweep
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,8 @@ class ProposerRole:
         self._book = SessionBook(admission or AdmissionLimits())  # worker thread only
         self.stats.refused = self._book.refused
         self._sweep_every = sweep_every
+        self.bytes_per_token = session_bytes_per_token(drafter)
+        self._clients = None  # ConnectionSweep, once attached (I/O thread)
         self._stop = threading.Event()
         self._turn = 0  # round robin over sessions that want drafting
         self._worker = threading.Thread(target=self._run, name="proposer-worker", daemon=True)
@@ -142,6 +145,9 @@ class ProposerRole:
     def attach(self, node) -> None:
         for t in self.TYPES:
             node.register_request(t, self.enqueue)
+        # sessions die with their connection, member or not (a session's stream is the
+        # in-flight `session_open`)
+        self._clients = ConnectionSweep(node, ("session_open",))
         self._worker.start()
 
     def close(self) -> None:
@@ -153,6 +159,16 @@ class ProposerRole:
     def open_sessions(self) -> int:
         return len(self._sessions)
 
+    @property
+    def session_bytes(self) -> int:
+        """Estimated bytes of every open session's state (within the admission budget)."""
+        return self._book.total_bytes
+
+    @property
+    def sessions_evicted(self) -> int:
+        """Sessions closed to make room for a connection within its fair share."""
+        return self._book.evicted
+
     def enqueue(self, req: Request) -> None:
         """I/O thread: parse and check (cheap, O(1) in the token count but for one min/max),
         answer bad input at once, else hand over; never blocks."""
@@ -163,6 +179,8 @@ class ProposerRole:
             req.fail(*requests.wire_error(exc))
             return
         self._queue.put((req, parsed))
+        if self._clients is not None and isinstance(parsed, SessionOpen):
+            self._clients.arm()
 
     def _admit(self, req: Request):
         parsed = _STRUCTS[req.message.type].from_message(req.message)
@@ -225,12 +243,14 @@ class ProposerRole:
             raise UnknownSessionError(
                 f"no open session {parsed.session!r} (expired or never opened)")
         session.expires = time.monotonic() + session.lease_s
+        self._book.touch(session.sid)
         if isinstance(parsed, SessionClose):
             self._close(session, "closed")
             req.reply(Done("closed").to_message())
             return
         self._commit(session, parsed)
         req.reply(Done("extended").to_message())
+        self._regrow(session, req.peer)
 
     def _open(self, req: Request, parsed: SessionOpen) -> None:
         sid = parsed.session
@@ -239,10 +259,13 @@ class ProposerRole:
             return
         if sid in self._sessions:
             self._close(self._sessions[sid], "reopened")
-        why = self._book.refusal(req.peer)
+        nbytes = self._weigh(len(parsed.tokens))
+        why = self._book.refusal(req.peer, nbytes)
         if why is not None:
             req.fail(TOO_MANY_SESSIONS, why)
             return
+        for victim in self._book.make_room(req.peer, nbytes):
+            self._close(self._sessions[victim], "evicted")  # an over-share connection's
         if parsed.tokenizer:
             self.drafter.check_compatible(parsed.tokenizer)
         params = requests.sampling_params(parsed.sampling)
@@ -254,10 +277,21 @@ class ProposerRole:
             sid=sid, owner=req.message.sender, draft=draft, params=params, tokens=tokens,
             lease_s=parsed.lease_s, expires=time.monotonic() + parsed.lease_s, stream=req,
             horizon=horizon)
-        self._book.add(sid, req.peer)
+        self._book.add(sid, req.peer, nbytes)
         self.stats.sessions_opened += 1
         owner = req.message.sender
         self.stats.by_verifier[owner] = self.stats.by_verifier.get(owner, 0) + 1
+
+    def _weigh(self, tokens: int) -> int:
+        """Estimated bytes of a session's state at `tokens` tokens (plus what it drafts)."""
+        return (tokens + DEFAULT_HORIZON) * self.bytes_per_token
+
+    def _regrow(self, s: _Session, peer: bytes) -> None:
+        """A commit grew the session: account it, and make room if the budget is passed."""
+        nbytes = self._weigh(s.committed)
+        self._book.resize(s.sid, nbytes)
+        for victim in self._book.make_room(peer, 0):
+            self._close(self._sessions[victim], "evicted")
 
     def _commit(self, s: _Session, ext: SessionExtend) -> None:
         """Apply a pushed commit exactly once; keep the assumed drafts it confirms, roll back
@@ -349,6 +383,9 @@ class ProposerRole:
             log.info("session %s of %s expired (lease %.1fs)", s.sid, s.owner, s.lease_s)
             self.stats.sessions_expired += 1
             self._close(s, "expired")
+        for s in [s for s in self._sessions.values() if s.stream.cancelled.is_set()]:
+            self.stats.cancelled += 1  # cancelled, or its connection is gone (liveness.py)
+            self._close(s, "cancelled")
 
     def _close(self, session: _Session, why: str) -> None:
         self._sessions.pop(session.sid, None)
@@ -359,6 +396,23 @@ class ProposerRole:
             session.draft.close()
         except Exception:  # noqa: BLE001 - closing must not take the worker down
             log.exception("closing session %s", session.sid)
+
+
+def session_bytes_per_token(drafter: Drafter) -> int:
+    """What one token of a draft session costs this drafter, for the session budget: its own
+    figure when it states one (`bytes_per_token`), else a model drafter's KV cache per token
+    (2 x layers x KV heads x head size x 4 bytes), else an index's few hundred bytes."""
+    own = getattr(drafter, "bytes_per_token", None)
+    if isinstance(own, int) and own > 0:
+        return own
+    cfg = getattr(getattr(getattr(drafter, "backend", None), "model", None), "config", None)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if isinstance(layers, int) and isinstance(heads, int) and heads > 0:
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return 2 * layers * kv * head_dim * 4 + 256
+    return 256
 
 
 def _chunk(s: _Session) -> DraftChunk:

@@ -17,7 +17,7 @@ Client liveness: work whose client is gone is dropped, and every drop is answere
 A client that cancels (or closes) has its queued request removed and its running one stopped
 within a block. Whether a client is gone is decided by its connection alone: while any
 generation is queued or running, the I/O thread probes each requesting connection every
-`CLIENT_SWEEP_S` (`StreamServer.peer_connected`) and drops the work of those that are gone, so
+two seconds (`nodes/roles/liveness.py`) and drops the work of those that are gone, so
 an anonymous client (a raw DEALER that never joined) that queues work and vanishes costs at
 most one sweep. Membership only makes it sooner: when the sender of a request leaves or is
 declared dead, its connections are probed at once. A client membership calls dead or left but
@@ -46,14 +46,13 @@ from nodes.engine.core import Engine, Stats
 from nodes.engine.errors import BUSY, GenerationError, NoProposerError, error_code
 from nodes.roles import requests
 from nodes.roles.admission import AdmissionLimits, PeerSlots
+from nodes.roles.liveness import ConnectionSweep
 from nodes.roles.remote_draft import DraftPolicy, ProposerLink, ProposerSource
 
 log = logging.getLogger(__name__)
 
 ANY_TOKENIZER = "any"  # card value of tokenizer-agnostic drafters (ngram)
 MAX_TOKENS_LIMIT = requests.MAX_TOKENS_LIMIT
-CLIENT_SWEEP_S = 2.0  # how often the connections with work queued or running are probed
-CLIENT_GONE = "client_gone"
 
 
 @dataclass
@@ -90,7 +89,7 @@ class VerifierRole:
         self._cv = threading.Condition()
         self._closing = False
         self._watching = False  # subscribed to membership events (I/O thread)
-        self._sweeping = False  # a connection sweep is scheduled (I/O thread)
+        self._clients: ConnectionSweep | None = None  # probes requesting connections (I/O)
         #: queued + running generations per connection (admission.py)
         self.slots = PeerSlots((admission or AdmissionLimits()).generations_per_peer)
         self._node = None
@@ -139,7 +138,7 @@ class VerifierRole:
             return
         req.on_cancel(lambda: self._unqueue(item))  # a cancelled request leaves the queue
         self._watch_clients()
-        self._arm_sweep()
+        self._sweep().arm()
 
     def _unqueue(self, item) -> bool:
         with self._cv:
@@ -165,43 +164,17 @@ class VerifierRole:
         if ev.kind in ("dead", "leave"):
             self._node.loop.call_soon(lambda: self._check_client(ev.node_id))
 
-    def _arm_sweep(self) -> None:
-        """I/O thread: make sure a sweep is due while generations are queued or running."""
-        if not self._sweeping and self._node is not None:
-            self._sweeping = True
-            self._node.loop.call_later(CLIENT_SWEEP_S, self._sweep)
-
-    def _sweep(self) -> None:
-        """I/O thread: drop the work of every connection that is gone, member or not."""
-        self._sweeping = False
-        reqs = self._node.server.requests("generate_req")
-        if not reqs:
-            return
-        self._drop_gone(reqs, "its connection closed")
-        self._arm_sweep()
-
     def _check_client(self, sender: str) -> None:
         """I/O thread: a sender membership calls dead or left: probe its connections now."""
-        reqs = [r for r in self._node.server.requests("generate_req")
-                if r.message.sender == sender]
-        if reqs:
-            self._drop_gone(reqs, f"client {sender} left or died and its connection closed")
+        self._sweep().check(sender)
 
-    def _drop_gone(self, reqs, why: str) -> None:
-        server = self._node.server
-        connected: dict[bytes, bool] = {}
-        dropped = 0
-        for r in reqs:
-            if r.peer not in connected:
-                connected[r.peer] = server.peer_connected(r.peer)
-            if not connected[r.peer]:
-                self.stats.orphans_dropped += 1
-                dropped += 1
-                # answers `client_gone`, then cancels: a queued one leaves the queue, a
-                # running one stops within a block
-                server.drop(r, CLIENT_GONE, f"dropped: {why}")
-        if dropped:
-            log.info("dropped %d request(s): %s", dropped, why)
+    def _sweep(self) -> ConnectionSweep:
+        if self._clients is None:
+            self._clients = ConnectionSweep(self._node, ("generate_req",), on_drop=self._orphan)
+        return self._clients
+
+    def _orphan(self, _req) -> None:
+        self.stats.orphans_dropped += 1
 
     # -- compute thread -----------------------------------------------------------------------
     def _next(self):

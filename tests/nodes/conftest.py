@@ -10,6 +10,7 @@ class BusHost:
 
     def __init__(self, loop, factory, node_id="host"):
         self.node_id = node_id
+        self.loop = loop
         self.factory = factory
         self._handlers = {}
         self.server = StreamServer(loop, factory, self._dispatch, sender=node_id)

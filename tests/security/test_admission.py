@@ -159,3 +159,85 @@ def test_token_bucket_and_slots_units():
     assert s.acquire(b"a") and s.refused == 1
     with pytest.raises(ValueError):
         AdmissionLimits(sessions_per_peer=10, sessions_total=5)
+
+
+# -- issue 21: draft sessions weighed in bytes, a fair share each, dying with their connection --
+BYTES_PER_TOKEN = 256  # the ngram drafter's estimate (nodes/roles/proposer.py)
+
+
+def budget_host(session_mb: int):
+    loop = IOLoop(name="budget-io").start()
+    h = Host(loop, SocketFactory())
+    limits = AdmissionLimits(sessions_per_peer=16, sessions_total=256,
+                             session_bytes=session_mb << 20)
+    role = ProposerRole(NgramDrafter(), vocab_size=100, admission=limits, sweep_every=0.05)
+    role.attach(h)
+    return loop, h, role
+
+
+def big_opener(sid, tokens=4000):
+    prompt = np.resize(PROMPT, tokens).astype(np.int32)
+    return make("session_open", session=sid, lease_s=300.0, tensors=[prompt])
+
+
+def test_a_session_hog_gets_its_share_and_the_real_verifier_gets_drafts():
+    """17 connections x 16 sessions of 4,000 tokens against a 4 MiB budget (each session ~1 MiB
+    by the estimate): the total never passes the budget, hogs over their share are refused or
+    evicted, and a verifier arriving last still opens a session and gets drafts."""
+    loop, h, role = budget_host(4)
+    try:
+        ep = h.server.endpoint
+        hogs = [h.connection() for _ in range(17)]
+        streams, codes = [], []
+        for n, c in enumerate(hogs):
+            for i in range(16):
+                call = c.request(ep, big_opener(f"hog{n}-{i}"), timeout=30)
+                codes.append(outcome(call))
+                streams.append(call)
+                assert role.session_bytes <= 4 << 20  # the worker's book, read after a reply
+        assert "too_many_sessions" in codes and codes.count("ok") >= 4
+        honest = h.connection()
+        chunk = first_chunk(honest, ep, "real")
+        assert chunk.type == "draft_chunk" and chunk.tensors[0].tolist()[:3] == [7, 8, 5]
+        assert role.session_bytes <= 4 << 20
+        assert role.sessions_evicted > 0  # hogs over their share made room
+    finally:
+        role.close()
+        loop.stop()
+
+
+def test_sessions_die_with_their_connection():
+    """A raw DEALER (never a member) that opens sessions and vanishes without a word loses
+    them within a sweep or two, long before their 300 s lease."""
+    import time
+
+    import zmq
+
+    from codec.messages import decode, encode
+
+    loop, h, role = budget_host(64)
+    ctx = zmq.Context()
+    try:
+        ep = h.server.endpoint
+        raw = ctx.socket(zmq.DEALER)
+        raw.connect(ep)
+        for i in range(4):
+            msg = big_opener(f"g{i}", 100)
+            msg.rid = i + 1
+            raw.send_multipart(encode(msg))
+        for _ in range(4):  # each session's first chunk
+            assert raw.poll(30_000), "no draft chunk"
+            assert decode(raw.recv_multipart(copy=False)).type == "draft_chunk"
+        assert role.open_sessions == 4
+        raw.close(linger=0)  # gone: no cancel, no close, no leave
+        staying = h.connection()
+        assert first_chunk(staying, ep, "stay").type == "draft_chunk"
+        deadline = time.monotonic() + 30
+        while role.open_sessions > 1:
+            assert time.monotonic() < deadline, f"{role.open_sessions} sessions still open"
+            time.sleep(0.05)
+        assert role.stats.sessions_expired == 0  # closed for the connection, not the lease
+    finally:
+        role.close()
+        loop.stop()
+        ctx.term()
