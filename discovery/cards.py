@@ -157,6 +157,9 @@ class Card:
                 raise CardError(f"card field {name!r} must be {kind.__name__}, got {v!r}"[:200])
             if kind is str and len(v) > MAX_TEXT:
                 raise CardError(f"card field {name!r} is longer than {MAX_TEXT} characters")
+            if kind is str and not is_plain_text(v):
+                raise CardError(f"card field {name!r} holds control characters (a terminal "
+                                f"escape, a newline or a bidi override): {printable(v)!r}")
             _check_range(name, v)
             kw[name] = v
         return cls(node_id=node_id, cluster=fields["cluster"], incarnation=inc, version=ver,
@@ -189,6 +192,22 @@ def _check_range(name: str, v: Any) -> None:
             raise CardError(f"card extras cannot be encoded: {exc}"[:200]) from None
         if size > MAX_EXTRAS_BYTES:
             raise OutOfRange(f"card extras take {size} bytes, at most {MAX_EXTRAS_BYTES}")
+
+
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def is_plain_text(text: str) -> bool:
+    """No C0/C1 control character (ESC, newline, ...) and no bidi control: a peer-chosen
+    string that cannot rewrite a terminal, forge a log line or reorder what is shown."""
+    return _CONTROLS.search(text) is None
+
+
+def printable(text: Any, limit: int = 80) -> str:
+    """A peer-chosen value made safe to show (terminal, log, TUI): controls become `?`, and
+    it is cut to `limit` characters. Use it wherever something from the wire is displayed."""
+    out = _CONTROLS.sub("?", str(text))
+    return out if len(out) <= limit else out[: limit - 1] + "…"
 
 
 def check_endpoint(ep: Any) -> bool:

@@ -12,6 +12,7 @@ import logging
 import sys
 import time
 
+from discovery.cards import printable
 from discovery.table import Member
 from nodes.cluster_args import add_cluster_arguments, positive_float
 from nodes.logs import set_node_id
@@ -41,8 +42,9 @@ def member_json(m: Member) -> dict:
 def format_table(rows: list[dict]) -> str:
     cols = ("node_id", "name", "roles", "state", "incarnation", "backend", "model", "stream")
     data = [
-        [r["node_id"], r["name"] or "-", ",".join(r["roles"]) or "-", r["state"],
-         str(r["incarnation"]), r["backend"] or "-", r["model"] or "-",
+        [r["node_id"], printable(r["name"] or "-", 40), printable(",".join(r["roles"]) or "-"),
+         r["state"], str(r["incarnation"]), printable(r["backend"] or "-", 20),
+         printable(r["model"] or "-", 60),
          r["endpoints"].get("stream", "-") + ("  INSECURE" if r["insecure"] else "")]
         for r in rows
     ]

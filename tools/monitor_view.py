@@ -12,10 +12,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from discovery.cards import printable
 from discovery.table import Event, Member
 
 HISTORY = 60  # samples kept per sparkline (about a minute at one stats message per second)
 LOG_LINES = 200
+MAX_STATS = 256  # senders whose telemetry is kept before only members' is
 
 
 @dataclass
@@ -48,6 +50,9 @@ class ClusterView:
 
     def on_stats(self, node_id: str, stats: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
+            if node_id not in self._members and len(self._stats) >= MAX_STATS:
+                # telemetry keyed by whoever sends it: bounded, members' first
+                return {"event": "stats", "node_id": node_id, "ts": time.time(), "stats": {}}
             ns = self._stats.setdefault(node_id, NodeStats())
             ns.latest, ns.at = stats, time.monotonic()
             v, p = stats.get("verifier"), stats.get("proposer")
@@ -166,8 +171,11 @@ def role_lines(view: ClusterView) -> tuple[list[str], list[str]]:
                 f"active {v.get('active', 0)} queued {v.get('queued', 0)} "
                 f"misses {v.get('deadline_misses', 0)}")
             for pid, ps in (v.get("proposers") or {}).items():
+                label = printable(ps.get("name") or pid, 40) if isinstance(ps, dict) else "?"
+                if not isinstance(ps, dict):
+                    continue
                 verifiers.append(
-                    f"  └ {ps.get('name') or pid:14} accept {ps.get('acceptance', 0):4.2f} "
+                    f"  └ {label:14} accept {ps.get('acceptance', 0):4.2f} "
                     f"drafts {ps.get('drafts', 0):5} timeouts {ps.get('timeouts', 0):3} "
                     f"rtt {ps.get('rtt_ms', 0):.2f} ms")
         if isinstance(p, dict):

@@ -272,3 +272,24 @@ def test_a_dealers_monitor_is_disabled_before_its_reader_closes(loop, server, cl
     assert steps == [("disable monitor", zmq.DEALER), ("close", zmq.PAIR),
                      ("close", zmq.DEALER)]
     assert not client.connected(server.endpoint)
+
+
+def test_a_dropped_request_is_answered_with_an_error(loop, factory):
+    """Issue 21: every drop answers; a client still listening learns its stream ended."""
+    from bus.streams import RemoteError
+
+    held = []
+    server = StreamServer(loop, factory, held.append)
+    client = StreamClient(loop, factory, sender="c")
+    call = client.request(server.endpoint, make("ping", payload=""), timeout=10)
+    deadline = time.monotonic() + 10
+    while not held:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    req = held[0]
+    loop.run_sync(lambda: server.drop(req, "client_gone", "dropped: test"))
+    with pytest.raises(RemoteError) as exc:
+        call.result(10)
+    assert exc.value.code == "client_gone"
+    assert req.cancelled.is_set()
+    req.reply(make("pong", payload=""))  # a worker's late reply is discarded, not an error

@@ -241,3 +241,18 @@ def test_a_suspected_seed_too_slow_for_a_snapshot_keeps_its_calls(make_node, see
         raise AssertionError(f"the call to a suspected (not dead) member failed: {exc}") from exc
     assert reply.type == "pong"
     assert wait_until(lambda: view(a).get(b.node_id) == "alive")
+
+
+def test_request_connections_are_made_lazily_and_let_go(make_node, seed_of, view, wait_until):
+    """Issue 21: the DEALER an introduction opens is closed once it is idle, so a member costs
+    no request connection until a role uses it (forged members once held 2,000)."""
+    a = make_node()
+    b = make_node(peers=(seed_of(a),))
+    assert wait_until(lambda: view(a).get(b.node_id) == "alive"
+                      and view(b).get(a.node_id) == "alive")
+    ep_b = b.membership.card.endpoints["stream"]
+    ep_a = a.membership.card.endpoints["stream"]
+    assert wait_until(lambda: not a.client.connected(ep_b) and not b.client.connected(ep_a))
+    # a role's request still reaches it (a new connection, made on demand)
+    reply = a.client.request(ep_b, make("ping", payload="x"), timeout=10).result(10)
+    assert reply.type == "pong"

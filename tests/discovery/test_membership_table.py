@@ -155,3 +155,26 @@ def test_suspects_listed(table):
 def test_timeouts_validated():
     with pytest.raises(ValueError, match="suspect_after"):
         Timeouts(heartbeat=1.0, suspect_after=0.5, dead_after=2.0)
+
+
+# -- issue 21: a bounded table ------------------------------------------------------------------
+def test_the_table_is_bounded_and_refusals_are_counted():
+    t = MemberTable("a", "c", Timeouts(), max_members=3)
+    for n in "bcd":
+        assert kinds(t.on_card(card(n), 0.0, direct=True)) == ["join"]
+    assert t.on_card(card("e"), 0.0, direct=True) == []  # full of live members
+    assert t.refused == 1 and t.get("e") is None
+    t.on_leave("c", 1, 1.0)  # a departed member makes room for the next join
+    assert kinds(t.on_card(card("e"), 2.0, direct=True)) == ["join"]
+    assert t.get("c") is None and {m.node_id for m in t.members()} == {"b", "d", "e"}
+
+
+def test_a_card_with_control_characters_is_refused():
+    from discovery.cards import CardError
+
+    base = card("b").to_map()
+    for field, value in (("name", "evil\x1b[2J"), ("name", "two\nlines"),
+                         ("model", "m\u202egnp.exe"), ("backend", "\x07")):
+        with pytest.raises(CardError, match="control characters"):
+            Card.from_map({**base, field: value})
+    assert Card.from_map({**base, "name": "Mac mini 🙂 (büro)"}).name == "Mac mini 🙂 (büro)"
