@@ -75,6 +75,19 @@ class Backend(ABC):
             raise NotImplementedError(f"backend {self.name!r} cannot compact a token tree")
         self.crop(cache, base + len(keep))
 
+    def capture_hidden(self, cache: Any, layers: Sequence[int]) -> None:
+        """From now on, every forward on `cache` also keeps the hidden states entering the
+        decoder layers `layers` (EAGLE-3's convention: id i is layer i's input, 0 the
+        embeddings) for every fed position, from the same forward; `take_hidden` returns them.
+        Opt-in per cache so that decoding without a head that reads them costs nothing."""
+        raise BadRequestError(f"backend {self.name!r} cannot capture hidden states; "
+                              "use the torch backend for an eagle drafter")
+
+    def take_hidden(self, cache: Any) -> Any:
+        """The hidden states captured by the last forward on `cache` ([n fed, layers, hidden],
+        a framework tensor, feed order) and forget them; None when nothing was captured."""
+        return None
+
     @abstractmethod
     def cache_length(self, cache: Any) -> int:
         """Number of positions held in the cache."""

@@ -12,7 +12,7 @@ import torch
 from nodes import models
 from nodes.backends.base import Backend, tree_layout
 from nodes.backends.tokenizer import Tokenizer
-from nodes.engine.errors import ModelNotFoundError
+from nodes.engine.errors import BadRequestError, ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,8 @@ class TorchBackend(Backend):
         self.model_name = model_name
         self.device = device
         self.vocab_size = int(model.config.vocab_size)
+        self._hooked = False  # pre-hooks on the decoder layers, installed at the first capture
+        self._tap: tuple[tuple[int, ...], list] | None = None  # (layers, captured) this forward
 
     @classmethod
     def load(cls, model_ref: str | None = None, device: str | None = None) -> TorchBackend:
@@ -69,17 +71,83 @@ class TorchBackend(Backend):
 
         return DynamicCache(config=self.model.config)
 
+    # ---- hidden states for heads that read them (EAGLE-3) ------------------------------------
+    @property
+    def decoder_layers(self) -> Any:
+        """The model's decoder layer list (Llama-family layout: `model.model.layers`)."""
+        inner = getattr(self.model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if layers is None:
+            raise BadRequestError(f"model {self.model_name!r}: no decoder layer list found; "
+                                  "hidden states can be captured only from Llama-style models")
+        return layers
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    def capture_hidden(self, cache: Any, layers: Sequence[int]) -> None:
+        layers = tuple(int(i) for i in layers)
+        bad = [i for i in layers if not 0 <= i < self.num_layers]
+        if not layers or bad:
+            raise BadRequestError(f"hidden-state layer ids {list(layers)} out of range for "
+                                  f"{self.model_name!r} ({self.num_layers} layers: 0..."
+                                  f"{self.num_layers - 1})")
+        if not self._hooked:
+            for i, layer in enumerate(self.decoder_layers):
+                layer.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+            self._hooked = True
+        cache.specbus_capture = layers
+        cache.specbus_hidden = None
+
+    def _hook(self, index: int):
+        """A pre-hook keeping layer `index`'s input while a capturing forward runs; a cheap
+        no-op otherwise (one attribute test per layer)."""
+
+        def hook(_module, args, kwargs):
+            tap = self._tap
+            if tap is not None and index in tap[0]:
+                h = args[0] if args else kwargs["hidden_states"]
+                tap[1][tap[0].index(index)] = h[0]
+            return None
+
+        return hook
+
+    def take_hidden(self, cache: Any) -> Any:
+        hidden = getattr(cache, "specbus_hidden", None)
+        if hidden is not None:
+            cache.specbus_hidden = None
+        return hidden
+
+    def _run(self, cache: Any, **kwargs: Any) -> Any:
+        """One model call; on a capturing cache, the listed layers' inputs are kept (the
+        layers' own inputs, not copies made by a second pass) as [n, layers, hidden]."""
+        layers = getattr(cache, "specbus_capture", None)
+        if not layers:
+            return self.model(past_key_values=cache, use_cache=True, **kwargs)
+        self._tap = (layers, [None] * len(layers))
+        try:
+            out = self.model(past_key_values=cache, use_cache=True, **kwargs)
+            cache.specbus_hidden = torch.stack(self._tap[1], dim=1)
+        finally:
+            self._tap = None
+        return out
+
     @torch.inference_mode()
     def forward(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = self._run(cache, input_ids=ids)
         return out.logits[0].float().cpu().numpy()
 
     @torch.inference_mode()
     def forward_last(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
         # logits_to_keep=1 is also what HF generate uses for the prompt
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = self._run(cache, input_ids=ids, logits_to_keep=1)
         return out.logits[0, -1].float().cpu().numpy()
 
     @torch.inference_mode()
@@ -95,8 +163,7 @@ class TorchBackend(Backend):
         )
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         pos = torch.from_numpy(past + depth)[None].to(self.device)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=cache, use_cache=True)
+        out = self._run(cache, input_ids=ids, attention_mask=mask, position_ids=pos)
         return out.logits[0].float().cpu().numpy()
 
     def compact(self, cache: Any, base: int, keep: Sequence[int]) -> None:

@@ -116,6 +116,10 @@ def make_drafter(spec: str | None, verifier: Backend | None = None) -> Drafter |
         from nodes.drafters.ngram import NgramDrafter
 
         return NgramDrafter()
+    if spec == "eagle" or spec.startswith("eagle:"):
+        from nodes.drafters.eagle.source import EagleDrafter
+
+        return EagleDrafter.load(spec[len("eagle:") :] or None, verifier)
     if spec == "int8":
         from nodes.drafters.int8 import Int8Drafter
 

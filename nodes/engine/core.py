@@ -137,6 +137,7 @@ class _Slot:
     offered: int = 0
     tag: int = -1  # this step's source index in the tree's owner sets
     budget: int = 0  # draft tokens asked of it this step
+    columns: list[int] | None = None  # its hidden layers' places in the captured tensor
 
 
 @dataclass
@@ -153,6 +154,8 @@ class SequenceState:
     slots: list[_Slot]
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    #: verifier layers captured for sources that read hidden states (None: no capture)
+    hidden_layers: tuple[int, ...] | None = None
 
     @property
     def committed(self) -> list[int]:
@@ -256,7 +259,7 @@ class Engine:
             slots = [_Slot(_open_source(self.drafter, prompt, sp), self.drafter.name)]
         else:
             slots = []
-        return SequenceState(
+        seq = SequenceState(
             prompt=prompt,
             params=params,
             eos=eos,
@@ -266,6 +269,27 @@ class Engine:
             stats=stats if stats is not None else Stats(),
             slots=slots,
         )
+        self._capture_for(seq)
+        return seq
+
+    def _capture_for(self, seq: SequenceState) -> None:
+        """Opt the sequence's cache into hidden-state capture when a source reads them (the
+        union of their layers, captured once); each such source gets its own columns."""
+        wanted = [tuple(s.source.hidden_layers) for s in seq.slots
+                  if getattr(s.source, "hidden_layers", None)]
+        if not wanted:
+            return
+        layers = tuple(sorted({i for w in wanted for i in w}))
+        try:
+            self.backend.capture_hidden(seq.cache, layers)
+        except Exception:
+            seq.close()
+            raise
+        seq.hidden_layers = layers
+        for slot in seq.slots:
+            own = getattr(slot.source, "hidden_layers", None)
+            if own:
+                slot.columns = [layers.index(i) for i in own]
 
     def step(self, seq: SequenceState) -> Block:
         """One verifier forward for `seq`: plan the tree, forward it, commit what it proved."""
@@ -278,7 +302,8 @@ class Engine:
             stats.verify_s += time.perf_counter() - t0
             first = int(np.argmax(row)) if sp.greedy else sample(probs_from_logits(row, sp)[0],
                                                                  seq.rng)
-            return self._commit(seq, [first], drafted=0, accepted=0)
+            return self._commit(seq, [first], drafted=0, accepted=0, base=0,
+                                hidden=self._take_hidden(seq, None))
 
         tree = self._plan(seq)
         base = backend.cache_length(seq.cache)
@@ -295,6 +320,7 @@ class Engine:
             path, nxt = accept_tree_greedy(logits, tree)
         else:
             path, nxt = accept_tree_sampling(logits, tree, sp, seq.rng)
+        hidden = self._take_hidden(seq, [0, *path])
         if not tree.is_chain():
             backend.compact(seq.cache, base, [0, *path])
             stats.tree_blocks += 1
@@ -312,7 +338,16 @@ class Engine:
         else:
             stats.plain_steps += 1
         return self._commit(seq, new, drafted=tree.drafted, accepted=len(path), tree=tree,
-                            path=path)
+                            path=path, base=base, hidden=hidden)
+
+    def _take_hidden(self, seq: SequenceState, rows: list[int] | None) -> Any:
+        """The captured hidden states of the fed rows `rows` (None: all), in path order."""
+        if seq.hidden_layers is None:
+            return None
+        hidden = self.backend.take_hidden(seq.cache)
+        if hidden is None or rows is None:
+            return hidden
+        return hidden[rows]
 
     # ---- the step's parts -------------------------------------------------------------------
     def _plan(self, seq: SequenceState) -> TokenTree:
@@ -476,12 +511,16 @@ class Engine:
         accepted: int,
         tree: TokenTree | None = None,
         path: list[int] | None = None,
+        base: int = 0,
+        hidden: Any = None,
     ) -> Block:
         new, finish, text = self._finish(seq.generated, new, seq.params, seq.eos)
         seq.generated.extend(new)
         seq.finish_reason = finish
         seq.stats.blocks += 1
         committed = len(seq.prompt) + len(seq.generated)
+        if hidden is not None:  # the rows of what stays cached (a stop rule may cut the path)
+            hidden = hidden[: max(0, committed - 1 - base)]
         # roll back rejected (or cut-off) drafts: keep all committed but the pending one
         self.backend.crop(seq.cache, committed - 1)
         for slot in list(seq.slots):
@@ -491,6 +530,8 @@ class Engine:
                 committed_len=committed,
                 offered=slot.offered if asked else 0,
                 accepted=tree.accepted_by(slot.tag, path) if asked else 0,
+                hidden=None if hidden is None or slot.columns is None
+                else hidden[:, slot.columns],
             )
             if fb.offered and self.fixed_k is None:
                 seq.cost.record_acceptance(tree.depth_of(slot.tag), fb.accepted, slot.name)
@@ -553,6 +594,7 @@ class _Borrowed(DraftSource):
     def __init__(self, inner: DraftSource) -> None:
         self.inner = inner
         self.name = getattr(inner, "name", "source")
+        self.hidden_layers = getattr(inner, "hidden_layers", None)
 
     def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
         return self.inner.propose(committed, budget)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nodes.engine.tree import Candidate
 
@@ -33,12 +33,19 @@ class Feedback:
     committed_len: int  # prompt + generated after this step
     offered: int  # this source's draft tokens that went into the verified tree
     accepted: int  # leading tokens of the accepted path this source had proposed
+    #: for a source with `hidden_layers`: the verifier's hidden states of the positions this
+    #: step added to its cache (the committed path: every committed token but the new pending
+    #: one), a framework tensor [n, len(hidden_layers), hidden]; None otherwise
+    hidden: Any = None
 
 
 class DraftSource(ABC):
     """Per-sequence proposer of candidate continuations."""
 
     name: str = "?"
+    #: verifier layers whose hidden states this source reads (EAGLE-3 heads); the engine then
+    #: captures them in the verify forwards and hands the committed ones over in `Feedback`
+    hidden_layers: tuple[int, ...] | None = None
 
     @abstractmethod
     def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:

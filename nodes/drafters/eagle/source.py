@@ -1,0 +1,165 @@
+"""The EAGLE-3 head as an in-process draft source, and its `Drafter`.
+
+The engine captures the verifier's hidden states at the head's layers in its verify forwards
+and hands the committed ones to the source with each step's `Feedback` (the source declares
+`hidden_layers`). Before drafting, the source feeds the head the entries it has not read yet
+(committed position i: the verifier's features there and token i+1) in one head forward, after
+cropping its cache back to the committed entries (draft entries never stay); then it drafts an
+EAGLE-2 tree (greedy) or a chain sampled from the head's own distribution, whose rows go to the
+engine as `Candidate.probs` for lossless rejection sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nodes.drafters.base import Drafter, DraftSession
+from nodes.drafters.eagle.cache import HeadCache
+from nodes.drafters.eagle.checkpoint import VerifierShape, load_head
+from nodes.drafters.eagle.head import Eagle3Head
+from nodes.drafters.eagle.tree import draft_tree
+from nodes.engine.errors import BadRequestError
+from nodes.engine.sampling import SamplingParams, probs_from_logits, sample
+from nodes.engine.sources import DraftSource, Feedback
+from nodes.engine.tree import Candidate
+
+log = logging.getLogger(__name__)
+
+#: nodes per tree level (and children offered per node)
+TREE_WIDTH = 4
+#: the head trained for the embedded model, shipped as package data (when present)
+SHIPPED_HEAD = Path(__file__).with_name("smollm2_head")
+
+
+class EagleSource(DraftSource):
+    """One generation's head state: its KV cache, the committed tokens and the verifier
+    features not yet read."""
+
+    def __init__(self, head: Eagle3Head, layers: tuple[int, ...], prompt: Sequence[int],
+                 params: SamplingParams, width: int, name: str) -> None:
+        self.head, self.hidden_layers, self.params = head, tuple(layers), params
+        self.width, self.name = width, name
+        self.tokens = [int(t) for t in prompt]
+        self.pending: list[torch.Tensor] = []  # verifier features [k, 3, H] not yet fed
+        self.known = 0  # committed positions whose features arrived
+        self.fed = 0  # committed entries in the head cache
+        self.last: torch.Tensor | None = None  # pre-norm output of the last fed entry
+        p = next(head.parameters())
+        self.cache = HeadCache(head.cfg.num_key_value_heads, head.cfg.dim_head, p.dtype,
+                               p.device)
+        seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
+        self.rng = np.random.default_rng([int(seed) % 2**63, 0xEA61E])
+
+    def feedback(self, fb: Feedback) -> None:
+        self.tokens.extend(int(t) for t in fb.committed)
+        if fb.hidden is not None and len(fb.hidden):
+            self.pending.append(fb.hidden)
+            self.known += len(fb.hidden)
+
+    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
+        if len(committed) != len(self.tokens):
+            self.tokens = [int(t) for t in committed]
+        if budget <= 0 or not self._catch_up():
+            return []
+        with torch.inference_mode():
+            if self.params.greedy and self.width > 1:
+                cands = draft_tree(self.head, self.cache, self.last, self.tokens[-1], budget,
+                                   self.width)
+            else:
+                cands = [self._chain(budget)]
+        self.cache.crop(self.fed)
+        return cands
+
+    def _catch_up(self) -> bool:
+        """Feed the committed entries the head has not read, in one forward."""
+        if self.known != len(self.tokens) - 1:
+            log.debug("%s: features for %d of %d positions; not drafting", self.name,
+                      self.known, len(self.tokens) - 1)
+            return False
+        if self.pending:
+            with torch.inference_mode():
+                feats = torch.cat(self.pending).to(self.cache.k.device, self.cache.k.dtype)
+                self.pending = []
+                n = len(feats)
+                start = self.known - n
+                self.cache.crop(start)
+                dev = self.cache.k.device
+                tokens = torch.tensor(self.tokens[start + 1 : self.known + 1], device=dev)
+                out = self.head.step(self.cache, tokens, feats,
+                                     torch.arange(start, self.known, device=dev))
+                self.last, self.fed = out[-1], self.known
+        return self.last is not None
+
+    def _chain(self, budget: int) -> Candidate:
+        """Greedy: the head's argmax chain. Sampling: tokens drawn from the head's
+        distribution (processed like the verifier's), the rows kept for rejection sampling."""
+        head, greedy = self.head, self.params.greedy
+        target = head.target_ids()
+        vocab = head.cfg.vocab_size
+        ids, rows, conf = [], [], []
+        h = self.last
+        for depth in range(1, budget + 1):
+            logits = head.logits(h[None])[0].float()
+            if greedy:
+                d = int(torch.argmax(logits))
+                tok = int(target[d])
+                conf.append(float(torch.softmax(logits, -1)[d]))
+            else:
+                full = np.full(vocab, -np.inf)
+                full[target.cpu().numpy()] = logits.cpu().numpy()
+                q = probs_from_logits(full, self.params)[0]
+                tok = sample(q, self.rng)
+                rows.append(q.astype(np.float32))
+                conf.append(float(q[tok]))
+            ids.append(tok)
+            if depth == budget:
+                break
+            dev = self.cache.k.device
+            h = head.step(self.cache, torch.tensor([tok], device=dev), h[None],
+                          torch.tensor([self.fed - 1 + depth], device=dev))[0]
+        probs = np.stack(rows) if rows else None
+        return Candidate(np.asarray(ids, dtype=np.int64), probs, np.asarray(conf))
+
+    def close(self) -> None:
+        self.pending = []
+        self.last = None
+
+
+class EagleDrafter(Drafter):
+    """An EAGLE-3 head for one torch verifier (in process: it reads that verifier's hidden
+    states). Serving a head to remote verifiers (hidden states over the wire) is not built."""
+
+    def __init__(self, head: Eagle3Head, layers: tuple[int, ...], fingerprint: str,
+                 name: str = "eagle", tree_width: int = TREE_WIDTH) -> None:
+        self.head, self.layers = head, tuple(layers)
+        self.fingerprint, self.name, self.tree_width = fingerprint, name, tree_width
+
+    @classmethod
+    def load(cls, path: str | Path | None, verifier) -> EagleDrafter:
+        """The head at `path` (None: the one shipped for the embedded model), checked
+        against `verifier` (a torch backend)."""
+        if verifier is None:
+            raise BadRequestError("the eagle drafter needs the verifier model (torch backend)")
+        shape = VerifierShape.of(verifier)
+        if path is None:
+            path = SHIPPED_HEAD
+            if not (path / "config.json").exists():
+                raise BadRequestError("no eagle head is shipped with this install; train one "
+                                      "with `specbus train-drafter` and pass --drafter "
+                                      "eagle:PATH")
+        head, layers = load_head(path, shape, device=getattr(verifier, "device", "cpu"))
+        return cls(head, layers, verifier.fingerprint)
+
+    def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftSession:
+        raise BadRequestError("the eagle drafter runs in process beside its verifier (it reads "
+                              "the verifier's hidden states); serving it remotely is not "
+                              "supported yet")
+
+    def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> EagleSource:
+        return EagleSource(self.head, self.layers, prompt_ids, params, self.tree_width,
+                           self.name)
