@@ -109,13 +109,17 @@ class Drafter(ABC):
 
 
 def make_drafter(spec: str | None, verifier: Backend | None = None) -> Drafter | None:
-    """Build a drafter from `none`, `ngram`, `int8` or `model:<ref>`."""
+    """Build a drafter from `none`, `ngram`, `suffix[:opts]`, `int8` or `model:<ref>`."""
     if spec is None or spec == "none":
         return None
     if spec == "ngram":
         from nodes.drafters.ngram import NgramDrafter
 
         return NgramDrafter()
+    if spec == "suffix" or spec.startswith("suffix:"):
+        from nodes.drafters.suffix import SuffixDrafter
+
+        return SuffixDrafter.from_spec(spec)
     if spec == "eagle" or spec.startswith("eagle:"):
         from nodes.drafters.eagle.source import EagleDrafter
 
@@ -132,4 +136,5 @@ def make_drafter(spec: str | None, verifier: Backend | None = None) -> Drafter |
 
         backend_name = verifier.name if verifier is not None else "torch"
         return ModelDrafter(load_backend(backend_name, spec[len("model:") :]))
-    raise BadRequestError(f"unknown drafter {spec!r}; use none, ngram, int8 or model:<ref>")
+    raise BadRequestError(
+        f"unknown drafter {spec!r}; use none, ngram, suffix[:opts], int8 or model:<ref>")

@@ -1,0 +1,309 @@
+"""Suffix drafting (SuffixDecoding-style): continue the text's tail from this session and from
+everything this drafter saw finished before.
+
+Why: agents, SQL generators and editors repeat themselves across requests; a drafter that only
+looks at the current sequence (ngram) drafts the tenth request of an agent loop as poorly as the
+first. This one matches the tail of prompt + output in two indexes (nodes/drafters/
+suffix_index.py): the session's own text, and a global index, shared by every session of this
+drafter in the process, of earlier sessions' outputs (and prompts, with `prompts=1`), weighted by
+how often each was written, kept within a byte budget.
+
+A draft is a tree built from the occurrences of the longest matched suffix: their continuations
+are counted (weighted) into a trie; the chain follows the heaviest child at each depth and its
+`conf` is that child's share of its parent's count (the empirical continuation probability the
+verifier's tree ranking and cost model read); alternatives are the other children whose path
+probability is at least `min_prob`. Its size follows the match (SuffixDecoding's adaptive
+speculation): at most `factor` x the matched length, so a one-token match drafts one token and a
+long one the whole budget. A path stops where its probability falls under `min_prob`.
+
+The session's text enters the global index when the session closes. In a proposer that is the
+committed text plus the few tokens it drafted ahead past the verifier's last commit (the role
+does not say which were confirmed); those are copies of indexed text, so they only add weight to
+a continuation the index already has.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from nodes.drafters.base import EMPTY_DRAFT, AheadDraft, Branch, Drafter, DraftSession
+from nodes.drafters.suffix_index import MAX_MATCH, START, GlobalIndex, LocalIndex, Match
+from nodes.engine.errors import BadRequestError
+from nodes.engine.sampling import SamplingParams
+from nodes.engine.sources import DraftSource, Feedback
+from nodes.engine.tree import Candidate
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUDGET_MB = 64.0
+#: documents whose continuation led a draft are marked useful (bounds the bookkeeping per draft)
+TOUCH_PER_DRAFT = 8
+
+
+@dataclass(frozen=True)
+class SuffixOptions:
+    budget_mb: float = DEFAULT_BUDGET_MB  # the global index's byte budget, in MiB
+    factor: float = 1.0  # draft at most factor x matched length tokens (SuffixDecoding: 1.0)
+    min_prob: float = 0.1  # drop a path whose empirical probability falls under this
+    width: int = 4  # candidates per position: the chain's token and up to width-1 alternatives
+    prompts: bool = False  # index finished sessions' prompts too, not only their outputs
+
+    def validate(self) -> None:
+        if not self.budget_mb > 0:
+            raise BadRequestError(f"suffix budget must be > 0 MB, got {self.budget_mb}")
+        if not self.factor > 0:
+            raise BadRequestError(f"suffix factor must be > 0, got {self.factor}")
+        if not 0 <= self.min_prob <= 1:
+            raise BadRequestError(f"suffix min_prob must be in [0, 1], got {self.min_prob}")
+        if not 1 <= self.width <= 16:
+            raise BadRequestError(f"suffix width must be in 1..16, got {self.width}")
+
+
+def parse_spec(spec: str) -> SuffixOptions:
+    """`suffix` or `suffix:budget=64,factor=1,min_prob=0.1,width=4,prompts=1`."""
+    name, _, rest = spec.partition(":")
+    if name != "suffix":
+        raise BadRequestError(f"not a suffix drafter spec: {spec!r}")
+    kw: dict = {}
+    types = {"budget": ("budget_mb", float), "factor": ("factor", float),
+             "min_prob": ("min_prob", float), "width": ("width", int),
+             "prompts": ("prompts", lambda v: v.lower() in ("1", "true", "yes", "on"))}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in types:
+            raise BadRequestError(
+                f"bad suffix option {item!r}; use budget=MB, factor=F, min_prob=P, width=N, "
+                "prompts=0|1")
+        field, cast = types[key.strip()]
+        try:
+            kw[field] = cast(value.strip())
+        except ValueError as exc:
+            raise BadRequestError(f"bad suffix option {item!r}: {exc}") from None
+    opts = SuffixOptions(**kw)
+    opts.validate()
+    return opts
+
+
+@dataclass
+class TreeDraft:
+    """A planned draft: the chain, each token's empirical probability, alternatives
+    (at, tokens, conf): `tokens` continue the chain's first `at` tokens."""
+
+    chain: list[int]
+    conf: list[float]
+    branches: list[tuple[int, list[int], list[float]]]
+
+
+def plan_tree(conts: Sequence[tuple[int, ...]], weights: Sequence[float], size: int,
+              width: int, min_prob: float) -> TreeDraft:
+    """Count weighted continuations into a trie and read a tree off it: the heaviest path as
+    the chain, the other children whose path probability is >= `min_prob` (likeliest first,
+    at most width-1) as alternatives, each followed along its own heaviest path. Earlier
+    continuations win ties (callers list the most recent first)."""
+    chain: list[int] = []
+    conf: list[float] = []
+    alts: list[tuple[float, int, int, float, list]] = []  # (path prob, at, token, p, group)
+    merged: dict[tuple[int, ...], float] = {}  # identical continuations counted once
+    for c, w in zip(conts, weights, strict=True):
+        if c:
+            merged[c] = merged.get(c, 0.0) + w
+    group = list(merged.items())
+    path = 1.0
+    for d in range(size):
+        kids = _children(group, d)
+        if not kids:
+            break
+        mass = sum(w for _, w in group)
+        tok, (w, sub) = max(kids.items(), key=lambda kv: kv[1][0])
+        p = w / mass
+        if width > 1:
+            for other, (wo, subo) in kids.items():
+                po = wo / mass
+                if other != tok and path * po >= min_prob:
+                    alts.append((path * po, d, other, po, subo))
+        if path * p < min_prob:
+            break
+        chain.append(tok)
+        conf.append(p)
+        path *= p
+        group = sub
+    alts.sort(key=lambda a: -a[0])
+    branches = []
+    for prob, at, tok, p, sub in alts[: width - 1]:
+        if at > len(chain):
+            continue
+        toks, confs = [tok], [p]
+        for d in range(at + 1, size):
+            kids = _children(sub, d)
+            if not kids:
+                break
+            mass = sum(w for _, w in sub)
+            nxt, (w, sub2) = max(kids.items(), key=lambda kv: kv[1][0])
+            if prob * w / mass < min_prob:
+                break
+            prob *= w / mass
+            toks.append(nxt)
+            confs.append(w / mass)
+            sub = sub2
+        branches.append((at, toks, confs))
+    return TreeDraft(chain, conf, branches)
+
+
+def _children(group, d: int) -> dict[int, list]:
+    """Token at depth d -> [weight, continuations through it], in first-seen order."""
+    kids: dict[int, list] = {}
+    for c, w in group:
+        if len(c) > d:
+            k = kids.get(c[d])
+            if k is None:
+                kids[c[d]] = [w, [(c, w)]]
+            else:
+                k[0] += w
+                k[1].append((c, w))
+    return kids
+
+
+class SuffixSession(DraftSession):
+    """A session's local index and its view of the drafter's global one."""
+
+    def __init__(self, drafter: SuffixDrafter, prompt_ids: Sequence[int]) -> None:
+        self.drafter = drafter
+        self.opts = drafter.opts
+        self.prompt_len = len(prompt_ids)
+        self.local = LocalIndex(prompt_ids)
+        self.closed = False
+
+    def extend(self, delta: Sequence[int]) -> None:
+        self.local.extend(delta)
+
+    def truncate(self, length: int) -> None:
+        self.local.truncate(max(length, 0))
+        self.prompt_len = min(self.prompt_len, len(self.local.tokens))
+
+    def _global_context(self) -> list[int]:
+        """The tail as the global index stores it: ... prompt, START, output."""
+        toks, plen = self.local.tokens, self.prompt_len
+        out = len(toks) - plen
+        if out >= MAX_MATCH:
+            return toks[len(toks) - MAX_MATCH :]
+        keep = max(plen - (MAX_MATCH - out - 1), 0)
+        return [*toks[keep:plen], START, *toks[plen:]]
+
+    def plan(self, k: int, width: int) -> TreeDraft:
+        """The draft tree for up to k chain tokens: from the index whose match is longer
+        (both, counted together, on a tie)."""
+        if k <= 0 or not self.local.tokens:
+            return TreeDraft([], [], [])
+        local = self.local.match(self.local.tokens)
+        index = self.drafter.index
+        glob = index.lookup(self._global_context()) if index.docs else Match(0, [], [])
+        m = max(local.length, glob.length)
+        if m == 0:
+            return TreeDraft([], [], [])
+        size = min(k, max(1, math.floor(self.opts.factor * m)))
+        conts: list[tuple[int, ...]] = []
+        weights: list[float] = []
+        if local.length == m:
+            conts += [tuple(self.local.tokens[p : p + size]) for p in local.positions]
+            weights += local.weights
+        gconts = []
+        if glob.length == m:
+            gconts = index.continuations(glob.positions, size)
+            conts += gconts
+            weights += glob.weights
+        tree = plan_tree(conts, weights, size, width, self.opts.min_prob)
+        if gconts and tree.chain:
+            led = [p for p, c in zip(glob.positions, gconts, strict=True)
+                   if c[:1] == (tree.chain[0],)]
+            index.touch(led[:TOUCH_PER_DRAFT])
+        return tree
+
+    def draft(self, k: int) -> tuple[np.ndarray, None]:
+        tree = self.plan(k, 1)
+        if not tree.chain:
+            return EMPTY_DRAFT, None
+        return np.asarray(tree.chain, dtype=np.int32), None
+
+    def draft_ahead(self, k: int, width: int = 1) -> AheadDraft:
+        tree = self.plan(k, width)
+        if not tree.chain and not tree.branches:
+            return AheadDraft(EMPTY_DRAFT)
+        return AheadDraft(np.asarray(tree.chain, dtype=np.int32),
+                          np.asarray(tree.conf, dtype=np.float32),
+                          tuple(Branch(at, tuple(t), tuple(c)) for at, t, c in tree.branches))
+
+    def close(self) -> None:
+        """Give the finished text to the global index (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.drafter.index.add(self.local.tokens, self.prompt_len, self.opts.prompts)
+
+
+class SuffixSource(DraftSource):
+    """The session as the engine's tree source: the chain and each alternative as candidates
+    with their empirical probabilities. It learns each step's commit from `feedback`, so the
+    last block is in the text the global index receives at `close`."""
+
+    name = "suffix"
+
+    def __init__(self, session: SuffixSession, told: int, width: int) -> None:
+        self.session = session
+        self.told = told
+        self.width = width
+
+    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
+        self._sync(committed)
+        if budget <= 0:
+            return []
+        tree = self.session.plan(budget, self.width)
+        if not tree.chain:
+            return []
+        out = [Candidate(np.asarray(tree.chain, dtype=np.int64),
+                         conf=np.asarray(tree.conf, dtype=np.float64))]
+        for at, toks, conf in tree.branches:
+            out.append(Candidate(np.asarray(tree.chain[:at] + toks, dtype=np.int64),
+                                 conf=np.asarray(tree.conf[:at] + conf, dtype=np.float64)))
+        return out
+
+    def _sync(self, committed: Sequence[int]) -> None:
+        if len(committed) > self.told:
+            self.session.extend(committed[self.told :])
+            self.told = len(committed)
+
+    def feedback(self, fb: Feedback) -> None:
+        if fb.committed and self.told + len(fb.committed) == fb.committed_len:
+            self.session.extend(fb.committed)
+            self.told = fb.committed_len
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class SuffixDrafter(Drafter):
+    """Model-free and tokenizer-agnostic (ids only); one global index per drafter object."""
+
+    name = "suffix"
+    fingerprint = None
+    ahead_chunk = 0  # cheap: a proposer drafts up to its horizon in one go
+
+    def __init__(self, opts: SuffixOptions | None = None) -> None:
+        self.opts = opts or SuffixOptions()
+        self.opts.validate()
+        self.tree_width = self.opts.width
+        self.index = GlobalIndex(int(self.opts.budget_mb * 2**20))
+
+    @classmethod
+    def from_spec(cls, spec: str) -> SuffixDrafter:
+        return cls(parse_spec(spec))
+
+    def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> SuffixSession:
+        return SuffixSession(self, [int(t) for t in prompt_ids])
+
+    def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> SuffixSource:
+        return SuffixSource(self.open(prompt_ids, params), len(prompt_ids), self.opts.width)

@@ -1,0 +1,446 @@
+"""Suffix indexes for the suffix drafter: where has the text's current tail occurred before?
+
+Two indexes answer the same question, "which earlier positions follow the longest suffix of this
+context, and how often", over different text:
+
+* `LocalIndex`: one session's prompt + output, grown token by token and rolled back by
+  `truncate` (a proposer drafting ahead assumes tokens, then learns the verifier disagreed).
+* `GlobalIndex`: finished generations of earlier sessions (documents), weighted by how often the
+  same document was written, within a byte budget: whole documents are evicted, least recently
+  useful first (inserted, re-inserted or drafted from).
+
+Both are hash chains, as in LZ77 compressors, rather than suffix trees: for each anchor length n
+(the `levels`) a head table maps the hash of n tokens to the latest position those n tokens
+precede, and `prev[p]` links each position to the previous one with the same hash. A lookup
+walks the chain of the longest anchor the context's tail has, verifies the tokens (hashes
+collide) and extends each match backwards up to `max_match` tokens. Why not a suffix tree: in
+Python a tree costs hundreds of bytes per node and a node per token per depth; a chain costs
+4 bytes per token per level in an `array('i')` (read from Python at list speed), and documents
+are inserted and the whole index rebuilt with numpy when eviction compacts it.
+
+Token ids are non-negative; two markers sit in the global buffer: `SEP` between documents (no
+match crosses it) and `START` where an output begins (a match may run through it, so a new
+output's first tokens find earlier outputs that began the same way, even when prompts are not
+indexed; nothing is ever drafted past a marker).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import logging
+import math
+import threading
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SEP = -1  # between documents in the global buffer
+START = -2  # the first output token follows it
+
+#: anchor lengths of the session index: every n up to 4 (so a one-token match drafts, as the
+#: ngram drafter does), then sparser; a hit is extended past its anchor anyway
+LOCAL_LEVELS = (1, 2, 3, 4, 6, 8, 12, 16)
+#: anchor lengths of the global index: each costs 4 bytes per indexed token (plus its head)
+GLOBAL_LEVELS = (2, 4, 8, 16)
+#: longest match measured backwards; the draft size follows it
+MAX_MATCH = 32
+#: chain entries looked at per lookup (most recent first): bounds the work per draft
+MAX_WALK = 32
+#: fraction of the budget eviction brings the index back to, so compaction is not run per insert
+LOW_WATER = 0.8
+#: bytes counted per document for its bookkeeping (the `_Doc`, list and dict entries; measured
+#: with tracemalloc: tests/engine/test_suffix_index.py)
+DOC_OVERHEAD = 240
+
+_P = 0x100000001B3  # FNV-64 prime: the polynomial hash's multiplier
+_C = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads the polynomial hash over the table bits
+_M = (1 << 64) - 1
+_OFF = 3  # token + 3 > 0 for the markers too
+
+
+def poly_hash(window: Sequence[int]) -> int:
+    """The global index's hash of a token window, as `_bucket_array` computes it in numpy."""
+    h = 0
+    for t in window:
+        h = (h * _P + t + _OFF) & _M
+    return h
+
+
+@dataclass
+class Match:
+    """The longest suffix of a context found in an index, and where it continues."""
+
+    length: int  # tokens matched (markers included)
+    positions: list[int]  # continuation starts, most recent first
+    weights: list[float]  # one per position (documents written several times weigh more)
+
+
+class _ChainIndex:
+    """What both indexes share: the token buffer, per-level `prev` chains and the lookup."""
+
+    levels: tuple[int, ...]
+    tokens: Sequence[int]
+    prev: list
+
+    def _first(self, ctx: Sequence[int], li: int) -> int:
+        raise NotImplementedError
+
+    def match(self, ctx: Sequence[int], max_match: int = MAX_MATCH,
+              max_walk: int = MAX_WALK) -> Match:
+        """The longest suffix of `ctx` (at least one anchor long) that occurs before a
+        continuation: all its occurrences among the first `max_walk` entries of the longest
+        anchor's chain that has any, most recent first."""
+        toks, n_ctx = self.tokens, len(ctx)
+        if type(ctx) is not type(toks):  # slices of the same type compare in C
+            ctx = type(toks)("i", ctx) if isinstance(toks, array) else list(ctx)
+        for li in range(len(self.levels) - 1, -1, -1):
+            n = self.levels[li]
+            if n > n_ctx:
+                continue
+            prev = self.prev[li]
+            best, hits = 0, []
+            p, walked = self._first(ctx, li), 0
+            while p >= 0 and walked < max_walk:
+                walked += 1
+                m, lim = 0, min(max_match, n_ctx, p)
+                if toks[p - lim : p] == ctx[n_ctx - lim :]:
+                    m = lim  # the common case in repetitive text: one comparison in C
+                while m + 8 <= lim and toks[p - m - 8 : p - m] == ctx[n_ctx - m - 8 : n_ctx - m]:
+                    m += 8
+                while m < lim and toks[p - m - 1] == ctx[n_ctx - m - 1]:
+                    m += 1
+                if m >= n:  # else a hash collision
+                    if m > best:
+                        best, hits = m, [p]
+                    elif m == best:
+                        hits.append(p)
+                p = prev[p]
+            if hits:
+                return Match(best, hits, self._weights(hits))
+        return Match(0, [], [])
+
+    def _weights(self, positions: list[int]) -> list[float]:
+        return [1.0] * len(positions)
+
+    def continuation(self, p: int, n: int) -> tuple[int, ...]:
+        """Up to n tokens from position p, stopping at a marker."""
+        seg = self.tokens[p : p + n]
+        if isinstance(seg, array):
+            seg = seg.tolist()
+        if seg and min(seg) < 0:
+            seg = seg[: next(i for i, t in enumerate(seg) if t < 0)]
+        return tuple(seg)
+
+
+class LocalIndex(_ChainIndex):
+    """One session's prompt + committed (and assumed) tokens; extend and truncate in place.
+
+    Position p's entries (one per level n <= p) say "the n tokens before p continue with token
+    p"; they are added when token p is appended, so the tip's own suffix is never its match."""
+
+    def __init__(self, tokens: Sequence[int] = (), levels: tuple[int, ...] = LOCAL_LEVELS):
+        self.levels = levels
+        self.tokens: list[int] = []
+        self.prev: list[list[int]] = [[] for _ in levels]
+        self.heads: list[dict[int, int]] = [{} for _ in levels]
+        self.extend(tokens)
+
+    def _first(self, ctx: Sequence[int], li: int) -> int:
+        n = self.levels[li]
+        return self.heads[li].get(hash(tuple(ctx[len(ctx) - n :])), -1)
+
+    def extend(self, delta: Sequence[int]) -> None:
+        toks = self.tokens
+        for t in delta:
+            p = len(toks)
+            for li, n in enumerate(self.levels):
+                if n <= p:
+                    key = hash(tuple(toks[p - n : p]))
+                    head = self.heads[li]
+                    self.prev[li].append(head.get(key, -1))
+                    head[key] = p
+                else:
+                    self.prev[li].append(-1)
+            toks.append(int(t))
+
+    def truncate(self, length: int) -> None:
+        """Forget tokens past `length`: unwinding newest first, each removed position is the
+        head of its chain, so its `prev` is the head again."""
+        toks, length = self.tokens, max(length, 0)
+        for p in range(len(toks) - 1, length - 1, -1):
+            for li, n in enumerate(self.levels):
+                if n <= p:
+                    key = hash(tuple(toks[p - n : p]))
+                    before = self.prev[li][p]
+                    if before < 0:
+                        del self.heads[li][key]
+                    else:
+                        self.heads[li][key] = before
+        del toks[length:]
+        for prev in self.prev:
+            del prev[length:]
+
+
+@dataclass
+class _Doc:
+    start: int  # first position in the buffer
+    end: int  # one past its trailing SEP
+    key: bytes  # content digest: a document written again adds weight, not bytes
+    weight: float = 1.0
+    used: int = 0  # the index clock when it was last inserted or drafted from
+
+
+class GlobalIndex(_ChainIndex):
+    """Earlier sessions' finished text, shared by every session of one drafter, within a byte
+    budget. Thread-safe (one lock): a proposer's worker and an in-process engine may share it."""
+
+    def __init__(self, budget_bytes: int, levels: tuple[int, ...] = GLOBAL_LEVELS) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"suffix index budget must be > 0 bytes, got {budget_bytes}")
+        self.levels = levels
+        self.budget = budget_bytes
+        self.lock = threading.Lock()
+        self.docs: list[_Doc] = []  # in buffer order
+        self.starts: list[int] = []
+        self.by_key: dict[bytes, _Doc] = {}
+        self.clock = 0
+        self.evicted = 0  # documents evicted so far
+        self.weight_total = 0.0
+        self._reset(array("i", [SEP]))
+
+    # -- building --------------------------------------------------------------------------
+
+    def _reset(self, tokens: array, bits: int | None = None) -> None:
+        """Adopt `tokens` as the buffer and relink every position (numpy)."""
+        self.tokens = tokens
+        if bits is None:
+            bits = max(10, math.ceil(math.log2(max(len(tokens), 2))))
+        self.bits = bits
+        self.heads = [array("i", [-1]) * (1 << bits) for _ in self.levels]
+        self.prev = [array("i", [-1]) * len(tokens) for _ in self.levels]
+        self._link_range(0)
+
+    def _link_range(self, lo: int) -> None:
+        """Link every position from `lo` (whose windows lie inside one document)."""
+        buf = np.frombuffer(self.tokens, dtype=np.int32)[max(lo - max(self.levels), 0):]
+        base = len(self.tokens) - len(buf)
+        seg = buf.astype(np.int64)
+        seps = np.concatenate(([0], np.cumsum(seg == SEP)))
+        for li, n in enumerate(self.levels):
+            if len(seg) <= n:
+                continue
+            q = np.arange(n, len(seg))  # continuation index inside seg
+            ok = (seps[q] - seps[q - n] == 0) & (seg[q] >= 0) & (q + base >= lo)
+            buckets = _bucket_array(seg, n, self.bits)[ok]
+            pos = (q[ok] + base).astype(np.int64)
+            head = np.frombuffer(self.heads[li], dtype=np.int32)
+            prev = np.frombuffer(self.prev[li], dtype=np.int32)
+            _link(pos, buckets, head, prev)
+            del head, prev  # release the buffers before the arrays grow again
+        del buf
+
+    def add(self, tokens: Sequence[int], output_start: int, share_prompt: bool = False) -> bool:
+        """Index a finished generation: `tokens` = prompt + output, the output from
+        `output_start`. The prompt goes in only with `share_prompt`. Returns False when there
+        was nothing to index (no output)."""
+        output = [int(t) for t in tokens[output_start:]]
+        if not output:
+            return False
+        doc = ([int(t) for t in tokens[:output_start]] if share_prompt else []) + [START] + output
+        per_token = 4 * (1 + 2 * len(self.levels))  # buffer, prev, and heads sized to tokens
+        cap = max(int(self.budget * LOW_WATER / 2) // per_token, 2)
+        if len(doc) + 1 > cap:  # bigger than half the budget: keep the end of it
+            doc = doc[len(doc) + 1 - cap :]
+        key = hashlib.blake2b(np.asarray(doc, dtype=np.int32).tobytes(), digest_size=16).digest()
+        with self.lock:
+            self.clock += 1
+            old = self.by_key.get(key)
+            if old is not None:
+                old.weight += 1.0
+                old.used = self.clock
+                self.weight_total += 1.0
+                return True
+            start = len(self.tokens)
+            self.tokens.extend(doc)
+            self.tokens.append(SEP)
+            for prev in self.prev:
+                prev.extend(array("i", [-1]) * (len(doc) + 1))
+            d = _Doc(start, len(self.tokens), key, 1.0, self.clock)
+            self.docs.append(d)
+            self.starts.append(start)
+            self.by_key[key] = d
+            self.weight_total += 1.0
+            if len(self.tokens) > 2 * (1 << self.bits):
+                self._reset(self.tokens)  # grow the heads: chains stay short
+            else:
+                self._link_range(start)
+            if self.nbytes() > self.budget:
+                self._evict()
+        return True
+
+    def _evict(self) -> None:
+        """Drop least recently useful documents until the index, rebuilt, is under LOW_WATER
+        of the budget, then compact the buffer and relink (one numpy pass)."""
+        target = self.budget * LOW_WATER
+        ntok, ndocs = len(self.tokens), len(self.docs)
+        dropped = set()
+        for d in sorted(self.docs, key=lambda d: d.used):
+            if self._projected(ntok, ndocs) <= target:
+                break
+            ntok -= d.end - d.start
+            ndocs -= 1
+            dropped.add(id(d))
+        live = [d for d in self.docs if id(d) not in dropped]
+        old = np.frombuffer(self.tokens, dtype=np.int32)
+        parts = [np.asarray([SEP], dtype=np.int32)]
+        pos = 1
+        for d in live:
+            parts.append(old[d.start : d.end])
+            d.start, d.end = pos, pos + (d.end - d.start)
+            pos = d.end
+        fresh = array("i")
+        fresh.frombytes(np.concatenate(parts).tobytes())
+        del old
+        self.evicted += len(self.docs) - len(live)
+        for d in self.docs:
+            if id(d) in dropped:
+                del self.by_key[d.key]
+                self.weight_total -= d.weight
+        self.docs = live
+        self.starts = [d.start for d in live]
+        self._reset(fresh)
+        log.debug("suffix index: evicted to %d documents, %d tokens, %d bytes",
+                  len(self.docs), len(self.tokens), self.nbytes())
+
+    def _projected(self, ntokens: int, ndocs: int) -> int:
+        """`nbytes` of an index rebuilt over `ntokens` buffer tokens (`_reset`'s head size)."""
+        bits = max(10, math.ceil(math.log2(max(ntokens, 2))))
+        levels = len(self.levels)
+        return 4 * ntokens * (1 + levels) + 4 * levels * (1 << bits) + DOC_OVERHEAD * ndocs
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _first(self, ctx: Sequence[int], li: int) -> int:
+        n = self.levels[li]
+        h = poly_hash(ctx[len(ctx) - n :])
+        return self.heads[li][((h * _C) & _M) >> (64 - self.bits)]
+
+    def lookup(self, ctx: Sequence[int], max_match: int = MAX_MATCH,
+               max_walk: int = MAX_WALK) -> Match:
+        with self.lock:
+            if not self.docs:
+                return Match(0, [], [])
+            return self.match(ctx, max_match, max_walk)
+
+    def match(self, ctx: Sequence[int], max_match: int = MAX_MATCH,
+              max_walk: int = MAX_WALK) -> Match:
+        """As `_ChainIndex.match`, but the walked positions are verified and extended in one
+        numpy comparison (4x faster than per-position slices on chains of 32)."""
+        n_ctx = len(ctx)
+        buf = np.frombuffer(self.tokens, dtype=np.int32)
+        try:
+            for li in range(len(self.levels) - 1, -1, -1):
+                n = self.levels[li]
+                if n > n_ctx:
+                    continue
+                prev, walk, toks = self.prev[li], [], self.tokens
+                last, first = ctx[n_ctx - 1], ctx[n_ctx - n]
+                p, walked = self._first(ctx, li), 0
+                while p >= 0 and walked < max_walk:
+                    walked += 1
+                    if toks[p - 1] == last and toks[p - n] == first:  # most collisions
+                        walk.append(p)
+                    p = prev[p]
+                if not walk:
+                    continue
+                lim = min(max_match, n_ctx)
+                pos = np.asarray(walk, dtype=np.int64)
+                back = np.asarray(ctx[n_ctx - lim :][::-1], dtype=np.int32)
+                idx = np.maximum(pos[:, None] - np.arange(1, lim + 1)[None, :], 0)
+                eq = buf[idx] == back[None, :]  # position 0 is SEP: never equal
+                m = np.where(eq.all(axis=1), lim, eq.argmin(axis=1))
+                m[m < n] = 0  # hash collisions
+                best = int(m.max())
+                if best:
+                    hits = pos[m == best].tolist()
+                    return Match(best, hits, self._weights(hits))
+            return Match(0, [], [])
+        finally:
+            del buf  # the buffer must be free to grow on the next insert
+
+    def continuations(self, positions: Sequence[int], n: int) -> list[tuple[int, ...]]:
+        """Up to n tokens after each position, cut at the first marker (one numpy gather)."""
+        if not positions or n <= 0:
+            return [() for _ in positions]
+        with self.lock:
+            buf = np.frombuffer(self.tokens, dtype=np.int32)
+            idx = np.minimum(np.asarray(positions, dtype=np.int64)[:, None] + np.arange(n),
+                             len(buf) - 1)  # the buffer ends with SEP
+            rows = buf[idx]
+            del buf
+        marker = rows < 0
+        ends = np.where(marker.any(axis=1), marker.argmax(axis=1), n).tolist()
+        return [tuple(r[:e]) for r, e in zip(rows.tolist(), ends, strict=True)]
+
+    def _doc_of(self, p: int) -> _Doc:
+        return self.docs[bisect.bisect_right(self.starts, p) - 1]
+
+    def _weights(self, positions: list[int]) -> list[float]:
+        return [self._doc_of(p).weight for p in positions]
+
+    def touch(self, positions: Sequence[int]) -> None:
+        """The documents holding these positions were just drafted from: useful lately."""
+        with self.lock:
+            self.clock += 1
+            for p in positions:
+                if 0 < p < len(self.tokens) and self.docs:
+                    self._doc_of(p).used = self.clock
+
+    def nbytes(self) -> int:
+        """Bytes the index holds: buffer, chains, head tables, per-document bookkeeping."""
+        arrays = [self.tokens, *self.prev, *self.heads]
+        return sum(a.buffer_info()[1] * a.itemsize for a in arrays) + DOC_OVERHEAD * len(
+            self.docs)
+
+    @property
+    def indexed_tokens(self) -> int:
+        return len(self.tokens)
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"documents": len(self.docs), "tokens": len(self.tokens),
+                    "bytes": self.nbytes(), "budget": self.budget, "evicted": self.evicted}
+
+
+def _bucket_array(seg: np.ndarray, n: int, bits: int) -> np.ndarray:
+    """`poly_hash` of every n-token window of `seg` (window ending before index q, for q from
+    n), reduced to `bits` bits: the same arithmetic in uint64, which wraps like `& _M`."""
+    vals = (seg + _OFF).astype(np.uint64)
+    length = len(seg) - n
+    h = np.zeros(length, dtype=np.uint64)
+    for i in range(n):
+        h = h * np.uint64(_P) + vals[i : i + length]
+    return ((h * np.uint64(_C)) >> np.uint64(64 - bits)).astype(np.int64)
+
+
+def _link(pos: np.ndarray, buckets: np.ndarray, head: np.ndarray, prev: np.ndarray) -> None:
+    """Chain ascending positions into their buckets as if pushed one by one: each position's
+    `prev` is the one before it in its bucket (or the bucket's old head), the last is the head."""
+    if not len(pos):
+        return
+    order = np.lexsort((pos, buckets))
+    b, p = buckets[order], pos[order]
+    first = np.ones(len(b), dtype=bool)
+    first[1:] = b[1:] != b[:-1]
+    last = np.ones(len(b), dtype=bool)
+    last[:-1] = first[1:]
+    before = np.empty(len(p), dtype=np.int32)
+    before[1:] = p[:-1]
+    before[first] = head[b[first]]
+    prev[p] = before
+    head[b[last]] = p[last]
