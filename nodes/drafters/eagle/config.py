@@ -20,7 +20,7 @@ ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
 
 def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's low, middle and high layers (vLLM's default: 2, L/2, L-3)."""
-    return (min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))
+    return tuple(sorted((min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))))
 
 
 @dataclass(frozen=True)

@@ -98,16 +98,17 @@ class Eagle3Head(nn.Module):
         return feature
 
     def project(self, tokens: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor):
-        """q [heads, n, d], k and v [kv_heads, n, d] (rotated) and the residual [n, hidden]
-        for entries (token, fused feature) at `positions`."""
+        """q [..., heads, n, d], k and v [..., kv_heads, n, d] (rotated) and the residual
+        [..., n, hidden] for entries (token, fused feature) at `positions` ([n], shared by
+        any leading batch dimensions)."""
         cfg, layer = self.cfg, self.midlayer
         x = torch.cat([layer.input_layernorm(self.embed(tokens)), layer.hidden_norm(feature)],
                       dim=-1)
-        n, hd = x.shape[0], cfg.dim_head
+        lead, hd = x.shape[:-1], cfg.dim_head
         attn = layer.self_attn
-        q = attn.q_proj(x).view(n, cfg.num_attention_heads, hd).transpose(0, 1)
-        k = attn.k_proj(x).view(n, cfg.num_key_value_heads, hd).transpose(0, 1)
-        v = attn.v_proj(x).view(n, cfg.num_key_value_heads, hd).transpose(0, 1)
+        q = attn.q_proj(x).view(*lead, cfg.num_attention_heads, hd).transpose(-3, -2)
+        k = attn.k_proj(x).view(*lead, cfg.num_key_value_heads, hd).transpose(-3, -2)
+        v = attn.v_proj(x).view(*lead, cfg.num_key_value_heads, hd).transpose(-3, -2)
         cos, sin = self.rope(positions, x.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v, feature
 
@@ -117,10 +118,10 @@ class Eagle3Head(nn.Module):
         return ((emb.cos() * self._rope_scale).to(dtype), (emb.sin() * self._rope_scale).to(dtype))
 
     def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Attention output [heads, n, d] -> the layer's pre-norm output [n, hidden]."""
-        n = attended.shape[1]
+        """Attention output [..., heads, n, d] -> the layer's pre-norm output [..., n, hidden]."""
         layer = self.midlayer
-        h = residual + layer.self_attn.o_proj(attended.transpose(0, 1).reshape(n, -1))
+        flat = attended.transpose(-3, -2).flatten(-2)
+        h = residual + layer.self_attn.o_proj(flat)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""`specbus train-drafter`: train an EAGLE-3 head for a verifier, offline.
+
+Data is made from the verifier itself (its answers to built-in prompts, and its
+continuations of any `--text` files), teacher-forced through it once to capture the three
+hidden states and its next-token distributions (nodes/drafters/eagle/data.py); the head is
+trained with EAGLE-3's training-time test (nodes/drafters/eagle/train.py) and written in the
+published layout (config.json + fp16 model.safetensors) that `--drafter eagle:DIR` loads.
+Work files (the data, the optimizer state) live in DIR/.train, so an interrupted run resumes
+where it was: run the same command again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="verifier model reference (default: "
+                        "the embedded smollm2-135m)")
+    parser.add_argument("--out", required=True, help="output folder for the head")
+    parser.add_argument("--prompts", type=int, default=0,
+                        help="use the first N built-in prompts (default: all)")
+    parser.add_argument("--text", action="append", default=[],
+                        help="a local text file whose paragraphs the verifier continues "
+                        "(repeatable)")
+    parser.add_argument("--max-new", type=int, default=128,
+                        help="tokens per generated response (default 128)")
+    parser.add_argument("--gen-batch", type=int, default=16, help="generation batch size")
+    parser.add_argument("--temperatures", default="0,0.8",
+                        help="one response per prompt per temperature (default 0,0.8)")
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size")
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps at most")
+    parser.add_argument("--minutes", type=float, default=60.0,
+                        help="training wall time at most (data making not counted)")
+    parser.add_argument("--ttt", type=int, default=3, help="training-time-test unroll steps")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per optimizer step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--save-every", type=int, default=50, help="checkpoint interval")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fresh", action="store_true", help="ignore a previous run's state")
+
+
+def run(args: argparse.Namespace) -> int:
+    from nodes.engine.errors import GenerationError
+
+    try:
+        return _run(args)
+    except (GenerationError, ValueError, OSError) as exc:
+        print(f"specbus train-drafter: {exc}", file=sys.stderr)
+        return 2
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from nodes.backends.torch_backend import TorchBackend
+    from nodes.drafters.eagle import data as D
+    from nodes.drafters.eagle import train as T
+    from nodes.drafters.eagle.checkpoint import save_head
+    from nodes.drafters.eagle.config import default_layer_ids
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(args.out)
+    work = out / ".train"
+    work.mkdir(parents=True, exist_ok=True)
+    backend = TorchBackend.load(args.model, device=device)
+    layers = default_layer_ids(backend.num_layers)
+    data_file, state_file = work / "data.pt", work / "state.pt"
+
+    t0 = time.monotonic()
+    if data_file.exists() and not args.fresh:
+        blob = torch.load(data_file, weights_only=False)
+        _say(f"data: reusing {data_file} ({len(blob['train'])} + {len(blob['held'])} sequences)")
+    else:
+        blob = _make_data(args, backend, layers, D)
+        torch.save(blob, data_file)
+    data_s = time.monotonic() - t0
+    train, held, draft_ids = blob["train"], blob["held"], blob["draft_ids"]
+
+    head = T.new_head(backend, draft_ids, layers, seed=args.seed)
+    head.to(device)
+    head.shared_embedding = head.shared_embedding.to(device)
+    state = opt = None
+    if state_file.exists() and not args.fresh:
+        saved = torch.load(state_file, weights_only=False)
+        head.load_state_dict(saved["head"])
+        opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=args.lr,
+                                betas=(0.9, 0.95))
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+        _say(f"resuming at step {state.step} ({state.elapsed_s:.0f} s trained)")
+
+    def save(st, optimizer) -> None:
+        tmp = state_file.with_suffix(".tmp")
+        torch.save({"head": head.state_dict(), "opt": optimizer.state_dict(), "state": st}, tmp)
+        os.replace(tmp, state_file)
+
+    tokens = sum(len(e.tokens) for e in train)
+    _say(f"training on {len(train)} sequences ({tokens} tokens), held out {len(held)}; "
+         f"draft vocab {len(draft_ids)}, layers {list(layers)}, device {device}")
+    state, opt = T.train_loop(head, train, held, steps=args.steps, ttt=args.ttt,
+                              batch_size=args.batch, lr=args.lr, max_seconds=args.minutes * 60,
+                              device=device, optimizer=opt, state=state, save=save,
+                              save_every=args.save_every, report=_say, seed=args.seed)
+    save(state, opt)
+    held_acc = T.evaluate(head, held, args.ttt, device)
+    meta = {
+        "tokenizer_fingerprint": backend.fingerprint,
+        "verifier": backend.model_name,
+        "layer_ids": list(layers),
+        "training": {
+            "sequences": len(train), "tokens": tokens, "held_out_sequences": len(held),
+            "steps": state.step, "epochs": state.epoch, "train_seconds": round(state.elapsed_s),
+            "data_seconds": round(data_s), "ttt": args.ttt, "batch": args.batch,
+            "lr": args.lr, "device": device, "draft_vocab": len(draft_ids),
+            "held_out_top1_per_depth": [round(a, 4) for a in held_acc],
+        },
+    }
+    save_head(out, head, meta)
+    _say(f"held-out top-1 per draft depth: {' / '.join(f'{a:.3f}' for a in held_acc)}; "
+         f"head written to {out}")
+    return 0
+
+
+def _make_data(args, backend, layers, D) -> dict:
+    prompts = D.PROMPTS[: args.prompts] if args.prompts else D.PROMPTS
+    texts = []
+    for path in args.text:
+        texts += [p for p in Path(path).read_text().split("\n\n") if len(p.split()) > 20]
+    temps = tuple(float(t) for t in args.temperatures.split(","))
+    t0 = time.monotonic()
+    seqs = D.make_responses(backend, prompts, max_new=args.max_new, batch=args.gen_batch,
+                            temperatures=temps, texts=texts, seed=args.seed)
+    n_inputs = len(prompts) + len(texts)
+    _say(f"data: {len(seqs.tokens)} responses in {time.monotonic() - t0:.0f} s")
+    draft_ids = D.draft_vocab(seqs, args.draft_vocab, backend.vocab_size)
+    examples = D.teacher_force(backend, seqs, layers, draft_ids)
+    # hold out whole inputs (all their responses), so held-out text is unseen in training
+    held_inputs = {i for i in range(n_inputs) if i % 10 == 9} or {n_inputs - 1}
+    train = [e for k, e in enumerate(examples) if k % n_inputs not in held_inputs]
+    held = [e for k, e in enumerate(examples) if k % n_inputs in held_inputs]
+    _say(f"data: teacher-forced {len(examples)} sequences in {time.monotonic() - t0:.0f} s")
+    return {"train": train, "held": held, "draft_ids": draft_ids}
