@@ -1,0 +1,81 @@
+"""The suffix drafter in the engine, on the tiny random Llama: greedy output equals Hugging Face
+`generate(do_sample=False)` whatever the global index holds, and an answer written once is
+drafted whole the second time it is asked for (counted in verifier forwards, never timed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nodes.drafters.suffix import SuffixDrafter, SuffixOptions
+from nodes.engine import Engine, GenerationParams
+from nodes.engine.core import Stats
+from tests.engine.conftest import hf_greedy
+
+N = 32
+EOS_NONE = frozenset({49151})
+PARAMS = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_torch, prompt_ids):
+    return hf_greedy(tiny_torch, prompt_ids, N, eos_id=49151)
+
+
+def run(engine, prompt_ids):
+    out, stats = [], Stats()
+    for block in engine.stream(prompt_ids, PARAMS, stats=stats):
+        assert block.cache_len == block.committed_len - 1
+        out.extend(block.token_ids)
+    assert stats.drafter_errors == 0
+    return out, stats
+
+
+def fill(drafter: SuffixDrafter, reference, vocab: int) -> None:
+    """Earlier outputs: unrelated ones, and related ones (the answer with wrong turns)."""
+    for i in range(6):
+        s = drafter.open([1, 2, 3], None)
+        s.extend([(i * 977 + j * 131) % vocab for j in range(40)])
+        s.close()
+    for cut in (5, 12, 20):
+        s = drafter.open([1, 2, 3], None)
+        s.extend(reference[:cut] + [(t + 1) % vocab for t in reference[cut:]])
+        s.close()
+
+
+@pytest.mark.parametrize("width", [1, 4])
+@pytest.mark.parametrize("k", [4, None])
+@pytest.mark.parametrize("indexed", ["empty", "filled"])
+def test_suffix_chains_and_trees_match_hf(tiny_torch, prompt_ids, reference, width, k, indexed):
+    drafter = SuffixDrafter(SuffixOptions(width=width, factor=2.0))
+    if indexed == "filled":
+        fill(drafter, reference, tiny_torch.vocab_size)
+    out, stats = run(Engine(tiny_torch, drafter, fixed_k=k), prompt_ids)
+    assert out == reference
+    if indexed == "filled":
+        assert stats.accepted > 0
+
+
+def test_the_second_identical_request_is_drafted_whole(tiny_torch, prompt_ids, reference):
+    drafter = SuffixDrafter()
+    engine = Engine(tiny_torch, drafter, fixed_k=16)
+    first, s1 = run(engine, prompt_ids)
+    assert drafter.index.stats()["documents"] == 1  # the finished output, at close
+    second, s2 = run(engine, prompt_ids)
+    assert first == second == reference
+    # prefill, then the ramp: [START, t0] matched (2 tokens drafted), then 5, 11, the rest
+    assert s2.accepted >= N - 5
+    assert s2.blocks <= 5 < s1.blocks, (s1.blocks, s2.blocks)
+    shared = SuffixDrafter(SuffixOptions(prompts=True))
+    engine = Engine(tiny_torch, shared, fixed_k=16)
+    run(engine, prompt_ids)
+    _, s3 = run(engine, prompt_ids)
+    # the prompt indexed too: the answer is matched from its first token on
+    assert s3.accepted == N - 3 and s3.blocks == 3, s3  # prefill + 2 blocks of <= 16
+
+
+def test_a_source_sees_the_last_block_before_close(tiny_torch, prompt_ids, reference):
+    drafter = SuffixDrafter()
+    run(Engine(tiny_torch, drafter, fixed_k=4), prompt_ids)
+    doc = drafter.index.docs[0]
+    stored = list(drafter.index.tokens[doc.start + 1 : doc.end - 1])  # between START and SEP
+    assert stored == reference
