@@ -38,7 +38,7 @@ class TorchBackend(Backend):
         self.device = device
         self.vocab_size = int(model.config.vocab_size)
         self._hooked = False  # pre-hooks on the decoder layers, installed at the first capture
-        self._tap: tuple[tuple[int, ...], list] | None = None  # (layers, captured) this forward
+        self._tap: dict[int, Any] | None = None  # layer -> its input, during a capturing forward
 
     @classmethod
     def load(cls, model_ref: str | None = None, device: str | None = None) -> TorchBackend:
@@ -110,9 +110,9 @@ class TorchBackend(Backend):
 
         def hook(_module, args, kwargs):
             tap = self._tap
-            if tap is not None and index in tap[0]:
+            if tap is not None and index in tap:
                 h = args[0] if args else kwargs["hidden_states"]
-                tap[1][tap[0].index(index)] = h[0]
+                tap[index] = h[0]
             return None
 
         return hook
@@ -129,10 +129,10 @@ class TorchBackend(Backend):
         layers = getattr(cache, "specbus_capture", None)
         if not layers:
             return self.model(past_key_values=cache, use_cache=True, **kwargs)
-        self._tap = (layers, [None] * len(layers))
+        self._tap = dict.fromkeys(layers)
         try:
             out = self.model(past_key_values=cache, use_cache=True, **kwargs)
-            cache.specbus_hidden = torch.stack(self._tap[1], dim=1)
+            cache.specbus_hidden = torch.stack([self._tap[i] for i in layers], dim=1)
         finally:
             self._tap = None
         return out
