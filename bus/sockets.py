@@ -30,7 +30,16 @@ class SocketOptions:
 
     linger_ms: int = 0
     sndhwm: int = 1000
-    rcvhwm: int = 1000
+    # No receive high-water mark. In libzmq 4.3.5 (and its master as of 2026) an engine whose
+    # input stopped at the receive HWM and whose peer then hangs up is marked `_io_error`, and
+    # its next ZMTP heartbeat (or a PING read later) runs `out_event`, which asserts
+    # `!_io_error` and aborts the process (src/stream_engine_base.cpp:310; libzmq #3937).
+    # Any peer could reach that: flood a node faster than its I/O thread reads, then leave
+    # (2,000 forged members killed gateways and verifiers so). Without a receive HWM input
+    # never stops; what bounds memory instead is the I/O thread reading everything that is
+    # ready and the application's own limits (rate per connection, chunks per session,
+    # bounded tables), and a flooding proposer's connection is closed (remote_draft.py).
+    rcvhwm: int = 0
     # a message may carry a header plus max_message_bytes of tensors
     max_msg_bytes: int = DEFAULT_LIMITS.max_message_bytes + DEFAULT_LIMITS.max_header_bytes
     tcp_keepalive_idle_s: int = 10

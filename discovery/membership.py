@@ -35,19 +35,22 @@ import logging
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
+
+import msgpack
 
 from bus.gossip import GossipChannel
 from bus.loop import IOLoop, Timer
 from bus.streams import BusError, Call, Request, StreamClient
-from codec.messages import Message, make
+from codec.messages import DEFAULT_LIMITS, Message, make
 from codec.schema import PROTOCOL_VERSION
 from discovery.cards import Card, CardError, check_endpoint
 from discovery.counters import Counters
 from discovery.events import EventBus, Subscriber
 from discovery.identity import Identity, IncarnationExhausted
-from discovery.limits import MAX_COUNTER, MAX_MEMBERS, is_plausible_step
+from discovery.limits import MAX_COUNTER, MAX_MEMBERS, MAX_TABLE, is_plausible_step
 from discovery.mdns import PeerAd
 from discovery.table import Event, Member, MemberTable, State, Timeouts
 from discovery.wire import Heartbeat, Leave, parse_heartbeat, parse_leave
@@ -59,9 +62,12 @@ SNAPSHOT_TIMEOUT_S = 2.0
 SEED_RETRY_S = 1.0
 DISCOVERED_RETRY_FOR_S = 30.0  # keep retrying an mDNS-found endpoint until it answers
 CARD_REPUBLISH_S = 5.0  # anti-entropy for peers that missed a card update
+MAX_INTRODUCING = 16  # introductions (snapshot requests) in flight at once
 SYNC_MIN_INTERVAL_S = 1.0  # digest mismatch: at most one snapshot request per peer per second
 COUNTERS = ("dropped", "hostile", "foreign", "refutations", "snapshots_served",
-            "snapshots_received", "introductions")
+            "snapshots_received", "introductions", "snapshot_cut")
+#: bytes of cards one snapshot carries (under the codec's header limit, with room to spare)
+SNAPSHOT_BYTES = DEFAULT_LIMITS.max_header_bytes * 3 // 4
 UPDATABLE = ("backend", "model", "tokenizer", "vocab", "tok_s", "load", "free_mem", "extras")
 
 
@@ -94,6 +100,7 @@ class Membership:
         self._seq = 0
         self._timers: list[Timer] = []
         self._inflight: set[str] = set()  # stream endpoints with a snapshot_req in flight
+        self._queued_intros: OrderedDict[str, None] = OrderedDict()  # waiting for a turn
         self._introduced: dict[str, int] = {}  # node id -> incarnation we exchanged cards with
         self._gossip_eps: dict[str, str] = {}  # node id -> PUB endpoint we subscribe to
         self._streams: dict[str, str] = {}  # node id -> its request endpoint (for release)
@@ -382,10 +389,20 @@ class Membership:
         return [{**held.card.to_map(), "state": held.state.value}]
 
     def _snapshot_maps(self) -> list[dict]:
+        """Our card and the alive members' (suspects are left out: likely dead, let them prove
+        it), longest-known first, within what one message header carries: a table full of
+        forged members once made every snapshot too big to send, so no introduction worked."""
         out = [{**self._card.to_map(), "state": State.ALIVE.value}]
-        for m in self._table.members():
-            if m.state is State.ALIVE:  # suspects are left out: likely dead, let them prove it
-                out.append({**m.card.to_map(), "state": m.state.value})
+        room = SNAPSHOT_BYTES - len(msgpack.packb(out[0]))
+        alive = sorted((m for m in self._table.members() if m.state is State.ALIVE),
+                       key=lambda m: m.since)
+        for m in alive:
+            entry = {**m.card.to_map(), "state": m.state.value}
+            room -= len(msgpack.packb(entry))
+            if room < 0:
+                self._counters.inc("snapshot_cut")
+                break
+            out.append(entry)
         return out
 
     def _on_self_report(self, incarnation: int, version: int) -> None:
@@ -483,8 +500,15 @@ class Membership:
             self._introduce(m.card.endpoints["stream"])
 
     def _introduce(self, stream: str) -> None:
-        """Send our card to a peer's StreamServer and ask for its snapshot."""
+        """Send our card to a peer's StreamServer and ask for its snapshot. At most
+        `MAX_INTRODUCING` at once (each holds a connection, three sockets, for up to
+        `SNAPSHOT_TIMEOUT_S`); the rest wait their turn: a burst of forged cards once opened
+        hundreds at once and ran the node out of ZeroMQ sockets."""
         if self._left or stream in self._inflight or stream == self._card.endpoints["stream"]:
+            return
+        if len(self._inflight) >= MAX_INTRODUCING:
+            if len(self._queued_intros) < MAX_TABLE:
+                self._queued_intros[stream] = None
             return
         self._inflight.add(stream)
         self._counters.inc("introductions")
@@ -494,6 +518,9 @@ class Membership:
 
     def _on_snapshot(self, call: Call, reply: Message | BusError) -> None:
         self._inflight.discard(call.endpoint)
+        while self._queued_intros and len(self._inflight) < MAX_INTRODUCING:
+            stream, _ = self._queued_intros.popitem(last=False)
+            self._introduce(stream)
         # connect lazily: the introduction's DEALER is closed once nothing else uses it, so a
         # member costs a request connection only while a role (or a later introduction) does
         # (forged members once held 2,000 DEALERs redialling bogus endpoints forever)

@@ -62,8 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model the verifier runs (and int8 quantizes): alias, folder or "
                              "cached HF repo id (default: the embedded smollm2-135m)")
     parser.add_argument("--drafter", default="",
-                        help="ngram | int8 | model:REF | none; a proposer's drafter "
-                             "(default ngram), or a verifier's own fallback (default none)")
+                        help="ngram | suffix[:OPTS] | int8 | model:REF | none; a proposer's "
+                             "drafter (default ngram), or a verifier's own fallback (default "
+                             "none)")
+    parser.add_argument("--suffix-budget", type=positive_float, default=None, metavar="MB",
+                        help="memory for the suffix drafter's index of earlier outputs (default "
+                             "64; the same as --drafter suffix:budget=MB)")
     parser.add_argument("--backend", default="", choices=("", "torch", "mlx"),
                         help="torch (default) or mlx")
     parser.add_argument("--max-draft", type=int, default=16,
@@ -71,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-width", type=_tree_width, default=None, metavar="N",
                         help="proposer: candidates per drafted position sent to verifiers, "
                              "the chain's token and up to N-1 alternatives (default: the "
-                             "drafter's own, 3 for model drafters, 1 for ngram; 1: chains only)")
+                             "drafter's own, 3 for model drafters, 4 for suffix, 1 for ngram; 1: "
+                             "chains only)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads for this node's models (default: torch's choice; "
                              "use 1 when several model nodes share a machine's cores)")
@@ -91,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="silence before a member is suspect (default: %(default)s)")
     parser.add_argument("--dead-after", type=positive_float, default=Timeouts.dead_after,
                         help="silence before a member is dead (default: %(default)s)")
+    parser.add_argument("--forget-after", type=positive_float, default=Timeouts.forget_after,
+                        help="seconds a dead or departed member is remembered (and its gossip "
+                             "connection kept, to hear it come back) (default: %(default)s)")
     parser.add_argument("--http", default=None, metavar="HOST:PORT",
                         help=f"where a gateway serves HTTP (default {DEFAULT_HTTP}, this "
                              "machine only; another address only when given here; port 0: "
@@ -117,6 +125,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-events", action="store_true",
                         help="print one JSON line per membership event on stdout "
                              "(for scripts, tests and benchmarks)")
+
+
+def _with_suffix_budget(drafter: str, budget_mb: float | None) -> str:
+    """`--suffix-budget MB` as the suffix drafter's own option (the roles take a drafter spec,
+    so the budget travels inside it); refused with any other drafter."""
+    if budget_mb is None:
+        return drafter
+    if drafter != "suffix" and not drafter.startswith("suffix:"):
+        raise SystemExit("specbus node: --suffix-budget needs --drafter suffix")
+    return f"{drafter}{',' if ':' in drafter else ':'}budget={budget_mb:g}"
 
 
 def _tree_width(text: str) -> int:
@@ -167,7 +185,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
     observer = args.role == ("observer",)
     try:
         timeouts = Timeouts(heartbeat=args.heartbeat, suspect_after=args.suspect_after,
-                            dead_after=args.dead_after)
+                            dead_after=args.dead_after, forget_after=args.forget_after)
     except ValueError as exc:
         raise SystemExit(f"specbus node: {exc}") from None
     return NodeConfig(
@@ -308,8 +326,9 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
     from nodes.roles.assemble import RoleSpec, assemble, return_freed_memory
 
     default = "ngram" if "proposer" in config.roles else "none"
+    drafter = _with_suffix_budget(args.drafter or default, args.suffix_budget)
     spec = RoleSpec(roles=config.roles, model=args.model or None,
-                    backend=args.backend or "torch", drafter=args.drafter or default,
+                    backend=args.backend or "torch", drafter=drafter,
                     max_draft=args.max_draft, tree_width=args.tree_width,
                     lease_s=args.session_lease,
                     threads=args.threads,

@@ -69,6 +69,11 @@ class Telemetry:
                         "replies": client.dropped},
             "rtt_ms": dict(self.rtt_ms),
         }
+        if node.membership is not None:  # the table's size and what it refused (issue 21)
+            counters = node.membership.counters
+            out["membership"] = {
+                "members": len(node.membership.members(include_self=False)),
+                **{k: counters.get(k, 0) for k in ("refused_joins", "hostile", "dropped")}}
         for provider in self.providers:
             try:
                 out.update(provider())
@@ -85,13 +90,16 @@ class Telemetry:
         self.node.gossip.publish(stats_topic(card.cluster), msg)
 
     def _ping_peers(self) -> None:
+        """RTT over the request connections that are up: a ping never opens one (connections
+        are made when a role uses a member, and let go; pinging every member would hold one
+        to each, forged members included)."""
+        client = self.node.client
         for m in self.node.membership.members(include_self=False):
-            if m.state.value != "alive":
+            endpoint = m.card.endpoints.get("stream")
+            if m.state.value != "alive" or not endpoint or not client.connected(endpoint):
                 self.rtt_ms.pop(m.node_id, None)
                 continue
-            endpoint = m.card.endpoints.get("stream")
-            if endpoint:
-                self._ping(m.node_id, endpoint)
+            self._ping(m.node_id, endpoint)
 
     def _ping(self, node_id: str, endpoint: str) -> None:
         t0 = time.perf_counter()

@@ -52,6 +52,7 @@ from nodes.roles.remote_draft import DraftPolicy, ProposerLink, ProposerSource
 log = logging.getLogger(__name__)
 
 ANY_TOKENIZER = "any"  # card value of tokenizer-agnostic drafters (ngram)
+MAX_PROPOSERS_USED = 8  # proposers one generation drafts with (a tree merges them all)
 MAX_TOKENS_LIMIT = requests.MAX_TOKENS_LIMIT
 
 
@@ -333,11 +334,28 @@ class VerifierRole:
         return None  # the engine opens a session on its own drafter, if any
 
     def _compatible_links(self, only: list[str] | None) -> list[ProposerLink]:
+        """The proposers a generation drafts with: alive, compatible, at most
+        `MAX_PROPOSERS_USED` (those whose drafts were accepted first, then the least failed).
+        Each link holds a connection of its own, so a link whose proposer is no longer a
+        worker is closed and forgotten: forged proposer cards cost at most that many
+        connections, for as long as they stay in the (bounded) member table."""
         if self._node is None or self._node.membership is None:
             return []
+        workers = self._node.membership.workers()
+        present = {m.node_id for m in workers}
+        for node_id in [n for n in self.links if n not in present]:
+            self.links.pop(node_id).close()
+        out = self._links_of(workers, only)
+        if only is None and len(out) > MAX_PROPOSERS_USED:
+            out.sort(key=lambda k: (-k.accepted, k.errors + k.timeouts + k.bad_replies,
+                                    k.node_id))
+            out = out[:MAX_PROPOSERS_USED]
+        return out
+
+    def _links_of(self, workers, only: list[str] | None) -> list[ProposerLink]:
         fp = self.engine.backend.fingerprint
         out = []
-        for m in self._node.membership.workers():
+        for m in workers:
             card = m.card
             if "proposer" not in card.roles or m.is_self:
                 continue

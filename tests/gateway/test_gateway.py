@@ -210,6 +210,66 @@ def test_unknown_path_is_a_json_404(raw):
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
 
 
+# -- hostile requests (issue 21) ------------------------------------------------------------------
+def test_requests_the_wire_refuses_never_lock_the_gateway(raw):
+    """8 chat requests whose stop holds a lone surrogate once took every balancer slot (the
+    gateway answered 429 until restarted; it allows one request per verifier here)."""
+    bad = (b'{"model": "%s", "max_tokens": 4, "stop": ["\\ud800"], '
+           b'"messages": [{"role": "user", "content": "hi"}]}' % MODEL.encode())
+    for _ in range(8):
+        status, _, body = raw.request("POST", "/v1/chat/completions", bad)
+        assert status == 400 and json.loads(body)["error"]["code"] == "invalid_unicode"
+    status, _, body = raw.json("POST", "/v1/completions", {
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    assert status == 200, body
+    assert raw.json("GET", "/health")[2]["inflight"] == 0
+
+
+@pytest.mark.parametrize("raw_body", [
+    b"[" * 100_000 + b"]" * 100_000,
+    b'{"model": "%s", "prompt": "x", "temperature": %s}' % (MODEL.encode(), b"9" * 400),
+    b'{"model": "%s", "prompt": "\xff\xfe"}' % MODEL.encode(),
+])
+def test_absurd_bodies_are_400_not_500(raw, raw_body):
+    status, headers, body = raw.request("POST", "/v1/completions", raw_body)
+    assert status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error"
+
+
+def test_a_prompt_over_the_context_is_400_too_long(raw):
+    """An SDK retries 5xx: a request that can never fit must be a 4xx."""
+    status, _, body = raw.json("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "word " * 6000, "max_tokens": 4096, "temperature": 0})
+    assert status == 400 and body["error"]["code"] == "too_long", body
+
+
+def test_oversized_headers_get_the_openai_error_object(raw):
+    status, headers, body = raw.request("POST", "/v1/completions", {"model": MODEL},
+                                        headers={"X-Big": "a" * 20_000})
+    assert 400 <= status < 500
+    assert headers["Content-Type"].startswith("application/json")
+    assert json.loads(body)["error"]["code"] == "bad_http"
+
+
+def test_metrics_label_requests_by_route_not_by_path(raw):
+    for i in range(5):
+        raw.request("GET", f"/made/up/{i}")
+    lines = [k for k in metrics(raw) if k.startswith("specbus_gateway_requests_total")]
+    assert not any("/made/up" in k for k in lines)
+    assert any('endpoint="other"' in k for k in lines)
+
+
+def test_a_connection_that_never_sends_its_request_is_closed(raw):
+    import socket
+
+    s = socket.create_connection((raw.host, raw.port), timeout=60)
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+        s.settimeout(60)
+        assert s.recv(1024) == b""  # closed by the gateway (header deadline), not by us
+    finally:
+        s.close()
+
+
 # -- load: all verifiers busy -------------------------------------------------------------------
 def _first_chunk(resp) -> dict:
     return json.loads(next(sse_events(resp)))
@@ -378,3 +438,5 @@ def test_no_verifier_left_ends_the_stream_with_an_error_event(raw, cluster):
     assert err["code"] == "no_verifier" and "failed mid-generation" in err["message"]
     status, _, body = raw.json("GET", "/health")
     assert status == 503 and body["status"] == "no_verifier"
+    status, headers, body = raw.json("POST", "/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert status == 503 and body["error"]["code"] == "no_verifier"  # not a 404 for the model
