@@ -13,8 +13,11 @@ are counted (weighted) into a trie; the chain follows the heaviest child at each
 `conf` is that child's share of its parent's count (the empirical continuation probability the
 verifier's tree ranking and cost model read); alternatives are the other children whose path
 probability is at least `min_prob`. Its size follows the match (SuffixDecoding's adaptive
-speculation): at most `factor` x the matched length, so a one-token match drafts one token and a
-long one the whole budget. A path stops where its probability falls under `min_prob`.
+speculation): from the global index at most `factor` x the matched length, so a one-token match
+drafts one token and a long one the whole budget; from the session's own text up to the budget
+by default (`local_factor=0`), as the ngram drafter, because an answer that copies its prompt
+does so in runs that a short match starts. A path stops where its probability falls under
+`min_prob`.
 
 The session's text enters the global index when the session closes. In a proposer that is the
 committed text plus the few tokens it drafted ahead past the verifier's last commit (the role
@@ -49,6 +52,10 @@ TOUCH_PER_DRAFT = 8
 class SuffixOptions:
     budget_mb: float = DEFAULT_BUDGET_MB  # the global index's byte budget, in MiB
     factor: float = 1.0  # draft at most factor x matched length tokens (SuffixDecoding: 1.0)
+    #: the same for matches in the session's own text; 0: up to the budget, as the ngram
+    #: drafter does (an input-grounded answer copies its prompt in runs that a short match
+    #: starts: measured in docs/engine.md "Suffix drafter")
+    local_factor: float = 0.0
     min_prob: float = 0.1  # drop a path whose empirical probability falls under this
     width: int = 4  # candidates per position: the chain's token and up to width-1 alternatives
     prompts: bool = False  # index finished sessions' prompts too, not only their outputs
@@ -58,6 +65,8 @@ class SuffixOptions:
             raise BadRequestError(f"suffix budget must be > 0 MB, got {self.budget_mb}")
         if not self.factor > 0:
             raise BadRequestError(f"suffix factor must be > 0, got {self.factor}")
+        if not self.local_factor >= 0:
+            raise BadRequestError(f"suffix local_factor must be >= 0, got {self.local_factor}")
         if not 0 <= self.min_prob <= 1:
             raise BadRequestError(f"suffix min_prob must be in [0, 1], got {self.min_prob}")
         if not 1 <= self.width <= 16:
@@ -65,20 +74,21 @@ class SuffixOptions:
 
 
 def parse_spec(spec: str) -> SuffixOptions:
-    """`suffix` or `suffix:budget=64,factor=1,min_prob=0.1,width=4,prompts=1`."""
+    """`suffix` or `suffix:budget=64,factor=1,local_factor=0,min_prob=0.1,width=4,prompts=1`."""
     name, _, rest = spec.partition(":")
     if name != "suffix":
         raise BadRequestError(f"not a suffix drafter spec: {spec!r}")
     kw: dict = {}
     types = {"budget": ("budget_mb", float), "factor": ("factor", float),
+             "local_factor": ("local_factor", float),
              "min_prob": ("min_prob", float), "width": ("width", int),
              "prompts": ("prompts", lambda v: v.lower() in ("1", "true", "yes", "on"))}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq or key.strip() not in types:
             raise BadRequestError(
-                f"bad suffix option {item!r}; use budget=MB, factor=F, min_prob=P, width=N, "
-                "prompts=0|1")
+                f"bad suffix option {item!r}; use budget=MB, factor=F, local_factor=F, "
+                "min_prob=P, width=N, prompts=0|1")
         field, cast = types[key.strip()]
         try:
             kw[field] = cast(value.strip())
@@ -205,7 +215,8 @@ class SuffixSession(DraftSession):
         m = max(local.length, glob.length)
         if m == 0:
             return TreeDraft([], [], [])
-        size = min(k, max(1, math.floor(self.opts.factor * m)))
+        factor = self.opts.local_factor if local.length == m else self.opts.factor
+        size = k if factor == 0 else min(k, max(1, math.floor(factor * m)))
         conts: list[tuple[int, ...]] = []
         weights: list[float] = []
         if local.length == m:

@@ -55,12 +55,14 @@ def test_weights_count_like_repeats():
 
 def test_draft_size_follows_the_match_length():
     tokens = [4, 1, 2, 3, 5, 6, 7, 8, 9, 0, 4]  # the tip [4] matched once, 1 token long
-    s = SuffixDrafter().open(tokens, SP)
+    s = SuffixDrafter(SuffixOptions(local_factor=1.0)).open(tokens, SP)
     assert s.draft(8)[0].tolist() == [1]
     s.extend([1, 2, 3])  # now [4, 1, 2, 3] is matched: 4 tokens
     assert s.draft(8)[0].tolist() == [5, 6, 7, 8]
-    long = SuffixDrafter(SuffixOptions(factor=3.0)).open(tokens + [1, 2, 3], SP)
+    long = SuffixDrafter(SuffixOptions(local_factor=3.0)).open(tokens + [1, 2, 3], SP)
     assert long.draft(8)[0].tolist() == [5, 6, 7, 8, 9, 0, 4, 1]
+    ngram_like = SuffixDrafter().open(tokens, SP)  # default: up to the budget, as ngram
+    assert ngram_like.draft(8)[0].tolist() == [1, 2, 3, 5, 6, 7, 8, 9]
 
 
 def test_draft_ahead_carries_conf_and_branches():
@@ -171,11 +173,11 @@ def test_nbytes_is_what_tracemalloc_sees():
 
 def test_specs_parse_and_bad_ones_are_refused():
     assert parse_spec("suffix") == SuffixOptions()
-    opts = parse_spec("suffix:budget=8,factor=2,min_prob=0.2,width=2,prompts=1")
-    assert opts == SuffixOptions(8.0, 2.0, 0.2, 2, True)
+    opts = parse_spec("suffix:budget=8,factor=2,local_factor=1,min_prob=0.2,width=2,prompts=1")
+    assert opts == SuffixOptions(8.0, 2.0, 1.0, 0.2, 2, True)
     d = make_drafter("suffix:budget=1")
     assert isinstance(d, SuffixDrafter) and d.index.budget == 1 << 20
-    for bad in ("suffix:budget=0", "suffix:speed=1", "suffix:width=99", "suffix:factor=x",
+    for bad in ("suffix:budget=0", "suffix:speed=1", "suffix:local_factor=-1", "suffix:width=99", "suffix:factor=x",
                 "suffix:budget"):
         with pytest.raises(BadRequestError):
             make_drafter(bad)
@@ -190,7 +192,8 @@ DOCS = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=40), min_size=1
 def test_every_draft_continues_the_indexed_text_after_the_matched_suffix(docs, tail, budget_kb):
     """Whatever was indexed and evicted, each drafted path (chain, and chain prefix + branch)
     follows the matched suffix somewhere in a document still indexed."""
-    d = SuffixDrafter(SuffixOptions(budget_mb=budget_kb / 1024, factor=4.0, width=4))
+    d = SuffixDrafter(SuffixOptions(budget_mb=budget_kb / 1024, factor=4.0, local_factor=4.0,
+                                    width=4))
     for doc in docs:
         s = d.open([9], SP)
         s.extend(doc)
