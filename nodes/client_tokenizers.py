@@ -1,11 +1,12 @@
-"""The gateway's own tokenizers: prompt token ids it knows, so a failover can resume exactly.
+"""A cluster client's own tokenizers: prompt token ids it knows, so a failover can resume
+exactly (used by the gateway and the CLI's cluster client).
 
 A verifier that dies mid-generation takes the prompt's token ids with it; to resume on another
-verifier from "prompt + tokens streamed so far" the gateway must know those ids itself. It loads
+verifier from "prompt + tokens streamed so far" the client must know those ids itself. It loads
 the tokenizer (only the tokenizer, never the weights) of each model its verifiers serve, when the
 model resolves locally (nodes/models.py, offline) and its fingerprint equals the one on the
 verifiers' cards; then it sends token ids instead of text. Without one it sends the text (or chat
-messages) as is, and a failed verifier ends the stream with an error instead.
+messages) as is, and a failed verifier ends the generation with an error instead.
 """
 
 from __future__ import annotations
@@ -47,14 +48,14 @@ class TokenizerCache:
         try:
             tok = Tokenizer(models.resolve(model).path)
         except Exception as exc:  # noqa: BLE001 - any failure means "no local tokenizer"
-            log.warning("gateway: no local tokenizer for %s (%s: %s); requests go as text and "
+            log.warning("client: no local tokenizer for %s (%s: %s); requests go as text and "
                         "cannot fail over", model, type(exc).__name__, exc)
             return None
         if tok.fingerprint != fingerprint:
-            log.warning("gateway: local tokenizer of %s has fingerprint %s, verifiers say %s; "
+            log.warning("client: local tokenizer of %s has fingerprint %s, verifiers say %s; "
                         "not used", model, tok.fingerprint, fingerprint)
             return None
-        log.info("gateway: tokenizing %s locally (fingerprint %s)", model, fingerprint)
+        log.info("tokenizing %s locally (fingerprint %s)", model, fingerprint)
         return tok
 
 
@@ -64,18 +65,6 @@ def encode_prompt(tok, text: str) -> list[int]:
 
 
 def encode_messages(tok, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Chat turns through the model's chat template, ready for the assistant's answer.
-
-    Uses `Tokenizer.encode_messages` where it exists (the verifier's own rendering); until then
-    the same call on the Hugging Face tokenizer (add_generation_prompt=True).
-    """
-    own = getattr(tok, "encode_messages", None)
-    if own is not None:
-        return [int(i) for i in own([dict(m) for m in messages])]
-    if not tok.has_chat_template:
-        raise ValueError("this model has no chat template; use /v1/completions")
-    ids = tok.hf.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True,
-                                     tokenize=True, return_dict=False)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    """Chat turns through the model's chat template, ready for the assistant's answer, exactly
+    as the verifier renders them (content stays text: `Tokenizer.encode_messages`)."""
+    return [int(i) for i in tok.encode_messages([dict(m) for m in messages])]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ from discovery.interfaces import DEFAULT_INTERFACE
 from discovery.table import Member, State
 
 WATCH_EVERY_S = 0.2  # how often a waiting stream looks at its verifier's state
+LOST = "verifier_lost"  # ClusterError code: the serving verifier is gone (failover may follow)
 
 
 def verifier_gone(node, node_id: str, endpoint: str) -> str | None:
@@ -113,6 +114,7 @@ class ClusterClient:
                  secret_file: str | None = None, insecure: bool = False) -> None:
         from nodes.node import Node, NodeConfig
 
+        self._tokenizers = None  # TokenizerCache, made on the first failover-ready request
         self.node = Node(NodeConfig(cluster=cluster, observer=True, interface=interface,
                                     peers=peers, mdns=mdns, secret_file=secret_file,
                                     insecure=insecure))
@@ -177,9 +179,9 @@ class ClusterClient:
                 yield msg
                 if not msg.more:
                     return
-        except BusError as exc:
+        except BusError as exc:  # a verifier's error reply keeps its code; the bus's own is a loss
             raise ClusterError(f"generation on {target.node_id} failed: {exc}",
-                               getattr(exc, "code", None)) from exc
+                               getattr(exc, "code", None) or LOST) from exc
         finally:
             if not call.done:
                 call.cancel()
@@ -200,16 +202,110 @@ class ClusterClient:
             gone = verifier_gone(self.node, target.node_id, endpoint)
             if gone is not None:
                 raise ClusterError(f"verifier {target.node_id} died mid-generation ({gone})",
-                                   "verifier_lost")
+                                   LOST)
 
     def generate(self, req: GenerateRequest, verifier: Member | None = None,
-                 on_text: Callable[[str], None] | None = None) -> Result:
-        last = None
-        for msg in self.stream(req, verifier):
-            if msg.type == "token_chunk" and on_text is not None and msg.get("text"):
-                on_text(msg["text"])
-            last = msg
-        if last is None or last.type != Done.TYPE:
-            raise ClusterError("the verifier ended the stream without a final result")
-        done = Done.from_message(last)
-        return Result(done.text or "", done.finish_reason, dict(done.stats))
+                 on_text: Callable[[str], None] | None = None,
+                 failover: bool = True) -> Result:
+        """Generate through `verifier` (default: the least loaded), handing text to `on_text`
+        as it is committed.
+
+        Failover, as the gateway does: when the serving verifier is lost mid-generation (the
+        liveness rule of `verifier_gone`), the generation resumes on another verifier of the
+        same model from the prompt's token ids plus every token received, with `max_tokens`
+        reduced by as many. Greedy decoding is deterministic, so the text is exactly the
+        uninterrupted one. It needs the prompt's token ids: this client tokenizes with the
+        model's own tokenizer when it resolves here with the verifiers' fingerprint
+        (nodes/client_tokenizers.py); without one a lost verifier is an error, as before. (A
+        stop string that straddles the point of resumption is not seen.)
+        """
+        target = verifier or self.verifiers()[0]
+        tok = self._tokenizer(target) if failover else None
+        prompt_ids = _prompt_ids(req, tok)
+        work = req if prompt_ids is None else replace(
+            req, prompt=None, messages=None, tokens=list(prompt_ids))
+        ids: list[int] = []
+        used: list[str] = []
+        shown = ""
+        while True:
+            used.append(target.node_id)
+            last = None
+            try:
+                for msg in self.stream(work, target):
+                    if msg.type == TokenChunk.TYPE and msg.tensors:
+                        ids.extend(int(t) for t in msg.tensors[0])
+                    if msg.type == TokenChunk.TYPE and on_text is not None:
+                        shown = _show(on_text, msg, tok, ids, shown, len(used) > 1)
+                    last = msg
+            except ClusterError as exc:
+                if exc.code != LOST or prompt_ids is None:
+                    raise
+                left = req.max_tokens - len(ids)
+                if left <= 0:  # lost right after its last token
+                    return self._result(tok, ids, "length", {}, used, on_text, shown)
+                target = self._another(target, used, exc)
+                work = replace(work, tokens=[*prompt_ids, *ids], max_tokens=left)
+                continue
+            if last is None or last.type != Done.TYPE:
+                raise ClusterError("the verifier ended the stream without a final result")
+            done = Done.from_message(last)
+            if len(used) == 1:
+                if on_text is not None and tok is not None:
+                    _show(on_text, last, tok, ids, shown, True)
+                return Result(done.text or "", done.finish_reason,
+                              {**done.stats, "failovers": 0, "verifiers": used})
+            return self._result(tok, ids, done.finish_reason, dict(done.stats), used, on_text,
+                                shown)
+
+    def _result(self, tok, ids, finish, stats, used, on_text, shown) -> Result:
+        text = tok.decode(ids)
+        if on_text is not None and text.startswith(shown) and len(text) > len(shown):
+            on_text(text[len(shown):])
+        return Result(text, finish, {**stats, "token_ids": list(ids),
+                                     "failovers": len(used) - 1, "verifiers": used})
+
+    def _another(self, lost: Member, used: list[str], why: ClusterError) -> Member:
+        """An alive verifier of the lost one's model not tried yet, or the error."""
+        others = [m for m in self.node.membership.workers()
+                  if "verifier" in m.card.roles and m.card.model == lost.card.model
+                  and m.card.tokenizer == lost.card.tokenizer and m.node_id not in used]
+        if not others:
+            raise ClusterError(f"{why} and no other verifier of {lost.card.model!r} is "
+                               "available", LOST)
+        return min(others, key=lambda m: (m.card.load, m.node_id))
+
+    def _tokenizer(self, target: Member):
+        if self._tokenizers is None:
+            from nodes.client_tokenizers import TokenizerCache
+
+            self._tokenizers = TokenizerCache()
+        return self._tokenizers.get(target.card.model, target.card.tokenizer)
+
+
+def _prompt_ids(req: GenerateRequest, tok) -> list[int] | None:
+    """The prompt as the verifier would tokenize it, when this client can (else None)."""
+    if req.tokens is not None:
+        return [int(t) for t in req.tokens]
+    if tok is None:
+        return None
+    if req.messages is not None:
+        return tok.encode_messages(req.messages)
+    return tok.encode(req.prompt, chat=req.chat)
+
+
+def _show(on_text, msg: Message, tok, ids: list[int], shown: str, decode: bool) -> str:
+    """Hand the new text to `on_text`; returns the text shown so far. Before a failover the
+    verifier's own pieces are shown; after one (or at the end, with a tokenizer) the text is
+    decoded here, holding back a trailing half character."""
+    if not decode or tok is None:
+        piece = msg.get("text") or ""
+        if piece:
+            on_text(piece)
+        return shown + piece
+    text = tok.decode(ids)
+    if msg.more and text.endswith("\ufffd"):
+        return shown
+    if text.startswith(shown) and len(text) > len(shown):
+        on_text(text[len(shown):])
+        return text
+    return shown

@@ -110,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="a streaming verifier silent this long is taken for stalled and "
                              "the generation resumes elsewhere (default 15)")
+    parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                        help="let browser pages from ORIGIN (e.g. http://localhost:3000; * for "
+                             "any) call the gateway; repeatable (default: none)")
     parser.add_argument("--gateway-no-tokenizer", action="store_true",
                         help="never tokenize in the gateway: send text/messages to verifiers "
                              "(no exact failover)")
@@ -165,6 +168,8 @@ def _make_gateway(args: argparse.Namespace, config: NodeConfig):
     if "gateway" not in config.roles:
         if args.http is not None:
             raise ValueError("--http needs the gateway role (--role gateway or ROLE,gateway)")
+        if args.cors_origin:
+            raise ValueError("--cors-origin needs the gateway role")
         return None
     from nodes.gateway.role import GatewayRole, parse_http
 
@@ -173,7 +178,8 @@ def _make_gateway(args: argparse.Namespace, config: NodeConfig):
     host, port = parse_http(args.http or DEFAULT_HTTP)
     try:
         gateway = GatewayRole(host, port, max_inflight=args.gateway_max_inflight,
-                              stall_s=args.gateway_stall, tokenize=not args.gateway_no_tokenizer)
+                              stall_s=args.gateway_stall, tokenize=not args.gateway_no_tokenizer,
+                              cors_origins=tuple(args.cors_origin))
     except OSError as exc:
         raise ValueError(f"cannot listen on {host}:{port} for HTTP: {exc}") from None
     extras = {**(config.card_fields.get("extras") or {}), **gateway.card_extras}

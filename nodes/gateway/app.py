@@ -19,9 +19,9 @@ from aiohttp import web
 from nodes.gateway.balancer import Balancer, verifiers_of
 from nodes.gateway.http_server import mark_request
 from nodes.gateway.generation import Final, Generation, Piece, Plan, Started, StreamFailed
-from nodes.gateway.metrics import GatewayMetrics
+from nodes.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from nodes.gateway.openai_schema import ApiError, ApiRequest, parse_json, parse_request
-from nodes.gateway.tokens import TokenizerCache, encode_messages, encode_prompt
+from nodes.client_tokenizers import TokenizerCache, encode_messages, encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -32,18 +32,22 @@ class GatewayApp:
     """Routes plus the state they share (all on the asyncio thread)."""
 
     def __init__(self, node, balancer: Balancer, metrics: GatewayMetrics,
-                 tokenizers: TokenizerCache, stall_s: float = 15.0) -> None:
+                 tokenizers: TokenizerCache, stall_s: float = 15.0,
+                 cors_origins: tuple[str, ...] = ()) -> None:
         self.node = node
         self.balancer = balancer
         self.metrics = metrics
         self.tokenizers = tokenizers
         self.stall_s = stall_s
+        self.cors_origins = frozenset(cors_origins)
 
     def build(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[mark_request, self._errors])
+        app = web.Application(client_max_size=MAX_BODY,
+                              middlewares=[mark_request, self._cors, self._errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         return app
@@ -59,11 +63,17 @@ class GatewayApp:
         return out
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": model, "object": "model", "created": 0, "owned_by": "specbus",
-                 "specbus": {"verifiers": [v.node_id for v in vs],
-                             "tokenizer": vs[0].tokenizer}}
-                for model, vs in sorted(self.served_models().items())]
+        data = [_model_object(model, vs) for model, vs in sorted(self.served_models().items())]
         return self._json(request, 200, {"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """`GET /v1/models/{id}` (the SDKs' `models.retrieve`)."""
+        name = request.match_info["model"]
+        vs = self.served_models().get(name)
+        if not vs:
+            raise ApiError(404, f"model {name[:200]!r} is not served by this cluster",
+                           param="model", code="model_not_found")
+        return self._json(request, 200, _model_object(name, vs))
 
     async def health(self, request: web.Request) -> web.Response:
         models = self.served_models()
@@ -75,9 +85,8 @@ class GatewayApp:
 
     async def prometheus(self, request: web.Request) -> web.Response:
         self.metrics.count_request(_endpoint(request), 200)
-        text = self.metrics.render(self.verifiers(), dict(self.balancer.inflight))
-        return web.Response(body=text.encode(), headers={
-            "Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        body = self.metrics.render(self.verifiers(), dict(self.balancer.inflight))
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     # -- generation endpoints -------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -160,9 +169,10 @@ class GatewayApp:
 
     async def _stream(self, request: web.Request, api: ApiRequest, events,
                       first: Started) -> web.StreamResponse:
+        origin = request.get("cors_origin")
         resp = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no"})
+            "X-Accel-Buffering": "no", **(_cors_headers(origin) if origin else {})})
         await resp.prepare(request)
         self.metrics.count_request(_endpoint(request), 200)
         rid, created = _ids(api.kind)
@@ -221,6 +231,27 @@ class GatewayApp:
                                  dumps=lambda o: json.dumps(o, separators=(",", ":")))
 
     @web.middleware
+    async def _cors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Browser chat UIs: origins named with `--cors-origin` (none by default) get the
+        preflight answered and `Access-Control-Allow-Origin` on every response."""
+        origin = request.headers.get("Origin")
+        allowed = origin is not None and (origin in self.cors_origins
+                                          or "*" in self.cors_origins)
+        if allowed and request.method == "OPTIONS":
+            return web.Response(status=204, headers={
+                **_cors_headers(origin),
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": request.headers.get(
+                    "Access-Control-Request-Headers", "Authorization, Content-Type"),
+                "Access-Control-Max-Age": "600"})
+        if allowed:
+            request["cors_origin"] = origin  # a stream is prepared inside its handler
+        resp = await handler(request)
+        if allowed and not resp.prepared:
+            resp.headers.update(_cors_headers(origin))
+        return resp
+
+    @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         try:
             return await handler(request)
@@ -237,6 +268,15 @@ class GatewayApp:
             err = ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error",
                            code="internal")
             return self._json(request, 500, err.body(), None)
+
+
+def _model_object(model: str, vs: list) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "specbus",
+            "specbus": {"verifiers": [v.node_id for v in vs], "tokenizer": vs[0].tokenizer}}
+
+
+def _cors_headers(origin: str) -> dict[str, str]:
+    return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
 
 
 def _endpoint(request: web.Request) -> str:

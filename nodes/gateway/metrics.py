@@ -12,15 +12,16 @@ import math
 from collections import OrderedDict, defaultdict
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
 
 def _num(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         return None
     return float(v)
-
-
-def _label(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')[:100]
 
 
 #: entries kept in each table keyed by something a peer chooses (node ids in telemetry and in
@@ -102,55 +103,62 @@ class GatewayMetrics:
         self.telemetry.pop(node_id, None)
 
     # -- rendering ------------------------------------------------------------------------------
-    def render(self, verifiers: list, inflight: dict[str, int]) -> str:
-        """Prometheus text exposition format 0.0.4."""
-        lines: list[str] = []
+    def render(self, verifiers: list, inflight: dict[str, int]) -> bytes:
+        """The Prometheus text exposition of every figure, through `prometheus_client` (its
+        format, escaping and content type, `CONTENT_TYPE`); built from this object's state
+        at scrape time, on the asyncio thread that owns it."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Snapshot(list(self._families(verifiers, inflight))))
+        return generate_latest(registry)
 
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[dict, float]]) -> None:
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
-                lines.append(f"{name}{{{lab}}} {value:g}" if lab else f"{name} {value:g}")
+    def _families(self, verifiers: list, inflight: dict[str, int]):
+        def family(name: str, kind: str, help_: str, labels: tuple[str, ...],
+                   samples: list[tuple[tuple[str, ...], float]]):
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            fam = cls(name, help_, labels=list(labels))
+            for values, value in samples:
+                fam.add_metric([str(v)[:100] for v in values], value)
+            return fam
 
-        metric("specbus_gateway_requests_total", "counter",
-               "HTTP requests by endpoint and status",
-               [({"endpoint": e, "status": str(s)}, n)
-                for (e, s), n in sorted(self.requests.items())])
-        metric("specbus_gateway_tokens_total", "counter", "Tokens served",
-               [({"kind": "prompt"}, self.prompt_tokens),
-                ({"kind": "completion"}, self.completion_tokens)])
-        metric("specbus_gateway_failovers_total", "counter",
-               "Generations resumed on another verifier", [({}, self.failovers)])
-        metric("specbus_gateway_cancelled_total", "counter",
-               "Generations cancelled because the client went away", [({}, self.cancelled)])
-        metric("specbus_gateway_stream_errors_total", "counter",
-               "Streams ended by an error event", [({}, self.stream_errors)])
+        yield family("specbus_gateway_requests_total", "counter",
+                     "HTTP requests by endpoint and status", ("endpoint", "status"),
+                     [((e, str(st)), n) for (e, st), n in sorted(self.requests.items())])
+        yield family("specbus_gateway_tokens_total", "counter", "Tokens served", ("kind",),
+                     [(("prompt",), self.prompt_tokens),
+                      (("completion",), self.completion_tokens)])
+        for name, help_, value in (
+                ("failovers", "Generations resumed on another verifier", self.failovers),
+                ("cancelled", "Generations cancelled because the client went away",
+                 self.cancelled),
+                ("stream_errors", "Streams ended by an error event", self.stream_errors)):
+            yield family(f"specbus_gateway_{name}_total", "counter", help_, (), [((), value)])
         drafted = sum(v["drafted"] for v in self.per_verifier.values())
         accepted = sum(v["accepted"] for v in self.per_verifier.values())
-        metric("specbus_gateway_acceptance", "gauge",
-               "Accepted / drafted tokens over all generations served",
-               [({}, accepted / drafted if drafted else 0.0)])
+        yield family("specbus_gateway_acceptance", "gauge",
+                     "Accepted / drafted tokens over all generations served", (),
+                     [((), accepted / drafted if drafted else 0.0)])
 
         names = {v.node_id: v for v in verifiers}
         ids = sorted(set(names) | set(self.per_verifier))
+        vlabels = ("verifier", "name", "model")
 
-        def vl(node_id: str) -> dict:
+        def vl(node_id: str) -> tuple[str, str, str]:
             info = names.get(node_id)
-            return {"verifier": node_id, "name": info.name if info else "",
-                    "model": info.model if info else ""}
+            return node_id, info.name if info else "", info.model if info else ""
 
-        metric("specbus_verifier_up", "gauge", "1 for an alive verifier the gateway can use",
-               [(vl(i), 1.0 if i in names else 0.0) for i in ids])
-        metric("specbus_verifier_gateway_inflight", "gauge",
-               "Requests this gateway has in flight on the verifier",
-               [(vl(i), inflight.get(i, 0)) for i in ids])
-        for key, kind, help_ in (("generations", "counter", "Generations served via this gateway"),
-                                 ("tokens", "counter", "Completion tokens served"),
-                                 ("drafted", "counter", "Draft tokens verified"),
-                                 ("accepted", "counter", "Draft tokens accepted")):
-            metric(f"specbus_verifier_{key}_total", kind, help_,
-                   [(vl(i), self.per_verifier[i][key]) for i in ids if i in self.per_verifier])
+        yield family("specbus_verifier_up", "gauge",
+                     "1 for an alive verifier the gateway can use", vlabels,
+                     [(vl(i), 1.0 if i in names else 0.0) for i in ids])
+        yield family("specbus_verifier_gateway_inflight", "gauge",
+                     "Requests this gateway has in flight on the verifier", vlabels,
+                     [(vl(i), inflight.get(i, 0)) for i in ids])
+        for key, help_ in (("generations", "Generations served via this gateway"),
+                           ("tokens", "Completion tokens served"),
+                           ("drafted", "Draft tokens verified"),
+                           ("accepted", "Draft tokens accepted")):
+            yield family(f"specbus_verifier_{key}_total", "counter", help_, vlabels,
+                         [(vl(i), self.per_verifier[i][key]) for i in ids
+                          if i in self.per_verifier])
         for name, key, help_ in (
                 ("active", "active", "Generations running (verifier telemetry)"),
                 ("queued", "queued", "Generations queued (verifier telemetry)"),
@@ -165,14 +173,15 @@ class GatewayMetrics:
                 n = _num(v.get(key)) if isinstance(v, dict) else None
                 if n is not None:
                     samples.append((vl(i), n))
-            metric(f"specbus_verifier_{name}", "gauge", help_, samples)
+            yield family(f"specbus_verifier_{name}", "gauge", help_, vlabels, samples)
 
         pids = sorted(self.per_proposer)
         for key in ("drafted", "accepted", "verified", "timeouts"):
-            metric(f"specbus_proposer_{key}_total", "counter",
-                   f"Per-proposer {key} tokens/replies in generations served via this gateway",
-                   [({"proposer": p, "name": self.proposer_names.get(p, "")},
-                     self.per_proposer[p][key]) for p in pids])
+            yield family(f"specbus_proposer_{key}_total", "counter",
+                         f"Per-proposer {key} tokens/replies in generations served via this "
+                         "gateway", ("proposer", "name"),
+                         [((p, self.proposer_names.get(p, "")), self.per_proposer[p][key])
+                          for p in pids])
         samples = []
         for node_id, stats in sorted(self.telemetry.items()):
             p = stats.get("proposer")
@@ -181,8 +190,17 @@ class GatewayMetrics:
             for key in ("draft_tokens", "drafts_served", "sessions_open"):
                 n = _num(p.get(key))
                 if n is not None:
-                    samples.append(({"proposer": node_id, "figure": key}, n))
-        metric("specbus_proposer_telemetry", "gauge",
-               "Proposer figures from its telemetry (draft_tokens, drafts_served, sessions_open)",
-               samples)
-        return "\n".join(lines) + "\n"
+                    samples.append(((node_id, key), n))
+        yield family("specbus_proposer_telemetry", "gauge",
+                     "Proposer figures from its telemetry (draft_tokens, drafts_served, "
+                     "sessions_open)", ("proposer", "figure"), samples)
+
+
+class _Snapshot:
+    """A prometheus_client collector over families built for one scrape."""
+
+    def __init__(self, families: list) -> None:
+        self._families = families
+
+    def collect(self):
+        return iter(self._families)

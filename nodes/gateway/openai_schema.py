@@ -198,8 +198,12 @@ def _is_neutral(key: str, value: Any, neutral: Any) -> bool:
         return True
     if key == "response_format":
         return value == {"type": "text"}
-    if key in ("echo", "logprobs"):
-        return value is False
+    if key in ("echo", "logprobs", "parallel_tool_calls"):
+        return value is False  # tools clients send these defaults; they change nothing here
+    if key == "service_tier":
+        return value in ("auto", "default")
+    if key == "top_logprobs":
+        return value == 0 and not isinstance(value, bool)
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
     return value == neutral
@@ -314,8 +318,11 @@ def _messages(v: Any) -> tuple[dict[str, str], ...]:
         if role not in CHAT_ROLES:
             raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(CHAT_ROLES)}, "
                       f"got {json.dumps(role)[:40]}")
+        content = m.get("content")
+        if content is None and role == "assistant":  # tool-using clients send this: no text
+            content = ""
         out.append({"role": "system" if role == "developer" else role,
-                    "content": _content(m.get("content"), where)})
+                    "content": _content(content, where)})
     return tuple(out)
 
 

@@ -26,7 +26,7 @@ from nodes.gateway.http_server import (
     ConnectionCap,
 )
 from nodes.gateway.metrics import GatewayMetrics
-from nodes.gateway.tokens import TokenizerCache
+from nodes.client_tokenizers import TokenizerCache
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,10 @@ def parse_http(text: str) -> tuple[str, int]:
     """`HOST:PORT` (port 0: any free port) -> (host, port); ValueError otherwise."""
     host, sep, port = text.rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+    if not sep or not host or not port.isdigit():
         raise ValueError(f"--http must be HOST:PORT, got {text!r}")
+    if not 0 <= int(port) < 65536:
+        raise ValueError(f"--http port {port} is out of range (0-65535; 0 picks a free one)")
     try:
         ipaddress.ip_address(host)
     except ValueError:
@@ -49,7 +51,9 @@ def parse_http(text: str) -> tuple[str, int]:
 
 class GatewayRole:
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, max_inflight: int = 8,
-                 stall_s: float = 15.0, tokenize: bool = True) -> None:
+                 stall_s: float = 15.0, tokenize: bool = True,
+                 cors_origins: tuple[str, ...] = ()) -> None:
+        self.cors_origins = tuple(cors_origins)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -117,7 +121,7 @@ class GatewayRole:
         self._loop = loop
         try:
             app = GatewayApp(self._node, self.balancer, self.metrics, self.tokenizers,
-                             self.stall_s).build()
+                             self.stall_s, self.cors_origins).build()
             # on close, streams still open get a second to end, then their handlers are
             # cancelled (which cancels their verifier work)
             self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,

@@ -90,7 +90,7 @@ def cluster(tmp_path_factory):
             c.spawn("gw", "--role", "gateway", "--http", "127.0.0.1:0",
                     "--gateway-max-inflight", "1"),
             c.spawn("gw-text", "--role", "gateway", "--http", "127.0.0.1:0",
-                    "--gateway-no-tokenizer"),
+                    "--gateway-no-tokenizer", "--cors-origin", "http://ui.example"),
         ]
         for node in (v2, *gateways):  # loaded in parallel, seeded by v1
             node.wait_ready()

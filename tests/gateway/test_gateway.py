@@ -210,6 +210,32 @@ def test_unknown_path_is_a_json_404(raw):
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
 
 
+def test_models_retrieve(oai):
+    m = oai.models.retrieve(MODEL)
+    assert m.id == MODEL and m.object == "model"
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("no-such-model")
+
+
+def test_cors_only_for_the_origins_named(text_gateway, raw):
+    pre = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "content-type, authorization"}
+    status, headers, _ = text_gateway.request("OPTIONS", "/v1/chat/completions", None, pre)
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == "http://ui.example"
+    assert "POST" in headers["Access-Control-Allow-Methods"]
+    status, headers, _ = text_gateway.request("GET", "/v1/models", None,
+                                              {"Origin": "http://ui.example"})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://ui.example"
+    # another origin, or a gateway without --cors-origin: nothing is allowed
+    status, headers, _ = text_gateway.request("OPTIONS", "/v1/chat/completions", None,
+                                              {**pre, "Origin": "http://evil.example"})
+    assert "Access-Control-Allow-Origin" not in headers
+    status, headers, _ = raw.request("OPTIONS", "/v1/chat/completions", None, pre)
+    assert status == 405 and "Access-Control-Allow-Origin" not in headers
+
+
 # -- hostile requests (issue 21) ------------------------------------------------------------------
 def test_requests_the_wire_refuses_never_lock_the_gateway(raw):
     """8 chat requests whose stop holds a lone surrogate once took every balancer slot (the

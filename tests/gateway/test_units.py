@@ -148,22 +148,40 @@ def test_only_alive_verifiers_with_a_model_count():
 
 # -- metrics -----------------------------------------------------------------------------------
 def test_prometheus_text_has_the_figures():
+    from prometheus_client.parser import text_string_to_metric_families
+
     m = GatewayMetrics()
     m.count_request("/v1/completions", 200)
     m.count_done("v1", 5, 10, {"drafted": 8, "accepted": 6,
                                "proposers": {"p1": {"drafted": 8, "accepted": 6, "name": "ng"}}})
     m.on_stats("v1", {"verifier": {"active": 1, "queued": 2, "generations": 3}})
     m.on_stats("p1", {"proposer": {"draft_tokens": 40, "drafts_served": 9}})
-    text = m.render([info("v1")], {"v1": 1})
-    lines = set(text.splitlines())
-    assert 'specbus_gateway_requests_total{endpoint="/v1/completions",status="200"} 1' in lines
-    assert 'specbus_gateway_tokens_total{kind="completion"} 10' in lines
-    assert "specbus_gateway_acceptance 0.75" in lines
-    assert 'specbus_verifier_queued{verifier="v1",name="v1",model="m"} 2' in lines
-    assert 'specbus_verifier_gateway_inflight{verifier="v1",name="v1",model="m"} 1' in lines
-    assert 'specbus_proposer_accepted_total{proposer="p1",name="ng"} 6' in lines
-    assert 'specbus_proposer_telemetry{proposer="p1",figure="draft_tokens"} 40' in lines
-    assert all(line.startswith("#") or " " in line for line in lines if line)
+    text = m.render([info("v1")], {"v1": 1}).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def value(metric, **labels):
+        return samples[(metric, tuple(sorted(labels.items())))]
+
+    v1 = {"verifier": "v1", "name": "v1", "model": "m"}
+    assert value("specbus_gateway_requests_total", endpoint="/v1/completions",
+                 status="200") == 1
+    assert value("specbus_gateway_tokens_total", kind="completion") == 10
+    assert value("specbus_gateway_acceptance") == 0.75
+    assert value("specbus_verifier_queued", **v1) == 2
+    assert value("specbus_verifier_gateway_inflight", **v1) == 1
+    assert value("specbus_proposer_accepted_total", proposer="p1", name="ng") == 6
+    assert value("specbus_proposer_telemetry", proposer="p1", figure="draft_tokens") == 40
+
+
+def test_prometheus_labels_are_escaped():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = GatewayMetrics()
+    m.count_done("v1", 1, 1, {"proposers": {"p1": {"drafted": 1, "name": 'a"b\nc\\'}}})
+    fams = list(text_string_to_metric_families(m.render([], {}).decode()))
+    names = {s.labels.get("name") for f in fams for s in f.samples if "proposer" in s.labels}
+    assert names == {'a"b\nc\\'}
 
 
 # -- the role's socket and flags ---------------------------------------------------------------
@@ -275,3 +293,28 @@ def test_tables_keyed_by_peers_are_bounded():
     for i in range(MAX_TRACKED * 4):
         b.report(f"fake{i}", 1, 1)
     assert len(b.reported) == MAX_TRACKED
+
+
+# -- what a new user's tools send (issue 22) -----------------------------------------------------
+def test_harmless_defaults_that_tools_send_are_accepted():
+    api = parse_request("chat", {
+        "model": "m", "parallel_tool_calls": False, "top_logprobs": 0, "service_tier": "auto",
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": None},
+                     {"role": "user", "content": "again"}]})
+    assert [m["content"] for m in api.messages] == ["hi", "", "again"]
+    for key, value in (("parallel_tool_calls", True), ("top_logprobs", 3),
+                       ("service_tier", "flex")):
+        with pytest.raises(ApiError) as exc:
+            parse_request("chat", {"model": "m", key: value,
+                                   "messages": [{"role": "user", "content": "hi"}]})
+        assert exc.value.param == key
+    with pytest.raises(ApiError):  # only an assistant turn may be empty
+        parse_request("chat", {"model": "m", "messages": [{"role": "user", "content": None}]})
+
+
+def test_http_port_out_of_range_says_so():
+    from nodes.gateway.role import parse_http
+
+    with pytest.raises(ValueError, match="out of range"):
+        parse_http("127.0.0.1:99999")

@@ -193,6 +193,32 @@ def test_sessions_of_a_killed_verifier_expire_on_the_proposer(cluster, client):
     p.signal(signal.SIGTERM)
 
 
+def test_the_cluster_client_resumes_when_its_verifier_is_killed(cluster, client):
+    """`specbus generate --cluster` (ClusterClient.generate) fails over as the gateway does:
+    with two verifiers of the model up, SIGKILL of the serving one mid-generation, and the
+    text is still complete and greedy byte-identical to an uninterrupted run."""
+    doomed = cluster.start_node("v-cli-doomed", "--role", "verifier", "--threads", "1",
+                                seed=True)
+    client.wait_for(lambda ms: any(m.node_id == doomed.node_id for m in ms), 60)
+    verifiers = client.verifiers()
+    target = next(m for m in verifiers if m.node_id == doomed.node_id)
+    other = next(m for m in verifiers if m.node_id != doomed.node_id)
+    req = GenerateRequest(LONG_OPEN_ENDED, max_tokens=64, speculate=False)
+    expected = client.generate(req, other)
+    pieces: list[str] = []
+
+    def on_text(text: str) -> None:
+        pieces.append(text)
+        if len(pieces) == 3:
+            doomed.signal(signal.SIGKILL)
+
+    result = client.generate(req, target, on_text=on_text)
+    assert doomed.proc.wait(30) is not None
+    assert result.stats["failovers"] == 1 and result.stats["verifiers"][0] == doomed.node_id
+    assert result.text == expected.text
+    assert "".join(pieces) == expected.text  # what the command printed, as it came
+
+
 def wait_until(pred, timeout: float) -> bool:
     """Poll `pred`: a generous bound for "it happens", never a speed verdict."""
     end = time.monotonic() + timeout
