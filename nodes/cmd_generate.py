@@ -19,25 +19,38 @@ from nodes.engine.errors import GenerationError
 log = logging.getLogger(__name__)
 
 
+LOCAL_ONLY = ("model", "drafter", "backend", "max_draft")  # the cluster's verifier decides these
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local", action="store_true", help="verifier and drafter in this process")
-    parser.add_argument("--prompt", required=True, help="prompt text")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="prompt text")
+    what.add_argument("--messages", type=_messages_file, metavar="FILE",
+                      help="a conversation: a JSON file holding an OpenAI-style list of "
+                           "{role, content} messages (system, user, assistant)")
     parser.add_argument("--system", default=None, help="system message (chat mode)")
-    parser.add_argument(
-        "--drafter", default="ngram", help="none | ngram | int8 | model:<ref> (default: ngram)"
-    )
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="alias, folder or cached HF repo id (default: the embedded smollm2-135m)",
-    )
-    parser.add_argument("--backend", default="torch", choices=("torch", "mlx"))
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--max-draft", type=int, default=16, help="longest draft block")
+    local = parser.add_argument_group("local mode (--local only)")
+    local.add_argument("--drafter", default=None,
+                       help="none | ngram | suffix | int8 | eagle[:PATH] | model:<ref> "
+                            "(default: ngram)")
+    local.add_argument("--model", default=None,
+                       help="alias, folder or cached HF repo id (default: the embedded "
+                            "smollm2-135m)")
+    local.add_argument("--backend", default=None, choices=("torch", "mlx"),
+                       help="default: torch")
+    local.add_argument("--max-draft", type=int, default=None,
+                       help="longest draft block (default 16)")
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="most tokens to generate (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus sampling mass, in (0, 1] (default 1: off)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample among the k most likely tokens (default 0: off)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed for sampling: same seed, same request, same text "
+                             "(default: a fresh one)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument(
         "--chat",
@@ -58,6 +71,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "them slow (output is still verified: tests, demos)")
 
 
+def _messages_file(path: str) -> list[dict[str, str]]:
+    """`--messages FILE`: read and check an OpenAI-style conversation (argparse type)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"{path} is not valid JSON: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("messages"), list):
+        data = data["messages"]  # a whole request body is fine too
+    from codec.errors import BadRequest
+    from codec.structs import chat_messages
+
+    try:
+        return [m.as_dict() for m in chat_messages("messages", data)]
+    except BadRequest as exc:
+        raise argparse.ArgumentTypeError(f"{path}: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         return _run_local(args) if args.local else _run_cluster(args)
@@ -71,10 +104,13 @@ def _request(args: argparse.Namespace):
     from codec.errors import BadRequest
     from nodes.cluster_client import GenerateRequest
 
-    if not args.prompt.strip():
+    prompt, messages = args.prompt, args.messages
+    if messages is not None:
+        if args.system:
+            messages = [{"role": "system", "content": args.system}, *messages]
+    elif not prompt.strip():
         raise BadRequest("prompt", "empty prompt: must hold some text")
-    prompt, messages = args.prompt, None
-    if args.system and args.chat:  # the verifier renders them with its chat template
+    elif args.system and args.chat:  # the verifier renders them with its chat template
         prompt, messages = None, [{"role": "system", "content": args.system},
                                   {"role": "user", "content": args.prompt}]
     req = GenerateRequest(
@@ -95,6 +131,11 @@ def _run_cluster(args: argparse.Namespace) -> int:
     from nodes.engine.errors import BadRequestError
     from nodes.node import parse_peer
 
+    given = [f"--{k.replace('_', '-')}" for k in LOCAL_ONLY if getattr(args, k) is not None]
+    if given:
+        raise BadRequestError(f"{', '.join(given)} only apply with --local: in cluster mode the "
+                              "verifier's model and the cluster's proposers are used (pick "
+                              "proposers with --proposer)", "local")
     req = _request(args)
     try:
         peers = tuple(parse_peer(p) for p in args.peer)
@@ -130,15 +171,20 @@ def _run_local(args: argparse.Namespace) -> int:
 
     # validate cheap things before loading a model: the same typed path as the wire
     params = generation_params(_request(args).typed())
+    req = _request(args)
+    drafter = args.drafter or "ngram"
     engine = load_engine(
         LocalConfig(
             args.model,
-            args.backend,
-            None if args.drafter == "none" else args.drafter,
-            args.max_draft,
+            args.backend or "torch",
+            None if drafter == "none" else drafter,
+            16 if args.max_draft is None else args.max_draft,
         )
     )
-    ids = encode_prompt(engine, args.prompt, chat=args.chat, system=args.system)
+    if req.messages is not None:
+        ids = engine.backend.tokenizer.encode_messages(req.messages)
+    else:
+        ids = encode_prompt(engine, args.prompt, chat=args.chat, system=args.system)
 
     shown = [0]
     # hold back what could be the start of a stop string until the block that settles it
