@@ -1,0 +1,39 @@
+"""An EAGLE-3 head on the real SmolLM2-135M (slow): a random head of the real shape (hidden
+576, 9 heads / 3 KV heads, layers 2/15/27, an 8192-token draft vocabulary) round-trips
+through the published layout and keeps greedy output identical to HF, with trees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nodes.drafters.base import make_drafter
+from nodes.drafters.eagle.checkpoint import save_head
+from nodes.drafters.eagle.train import new_head
+from nodes.engine import Engine, GenerationParams
+from tests.engine.conftest import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_folder):
+    from nodes.backends.torch_backend import TorchBackend
+
+    return TorchBackend.load(str(smollm2_folder), device="cpu")
+
+
+def test_a_random_head_of_the_real_shape_is_lossless_on_smollm2(smollm2, tmp_path):
+    ids = torch.sort(torch.randperm(smollm2.vocab_size,
+                                    generator=torch.Generator().manual_seed(0))[:8192]).values
+    head = new_head(smollm2, ids, (2, 15, 27))
+    save_head(tmp_path, head, {"tokenizer_fingerprint": smollm2.fingerprint})
+    assert (tmp_path / "model.safetensors").stat().st_size < 25e6
+    drafter = make_drafter(f"eagle:{tmp_path}", smollm2)
+    assert drafter.layers == (2, 15, 27)
+    prompt = smollm2.tokenizer.encode("Write a short poem about the sea.", chat=True)
+    eos = min(smollm2.tokenizer.eos_token_ids)
+    params = GenerationParams(max_tokens=24)
+    gen = Engine(smollm2, drafter, fixed_k=6).generate(prompt, params)
+    assert gen.token_ids == hf_greedy(smollm2, prompt, 24, eos)
+    assert gen.stats.tree_blocks > 0 and gen.stats.drafter_errors == 0
