@@ -112,7 +112,11 @@ def _once(args: argparse.Namespace) -> int:
         att.stop()
     if args.json:
         print(json.dumps(snap, default=str))
-    else:
+    if not att.view.members():  # as `members` does: an empty table is an answer, not success
+        print(f"specbus monitor: no members of cluster {args.cluster!r} seen within "
+              f"{args.wait:g}s", file=sys.stderr)
+        return 1
+    if not args.json:
         print(render_text(att.view))
     return 0
 

@@ -69,3 +69,32 @@ def test_the_verifiers_refusal_reaches_the_cli_and_the_next_request_is_served(ve
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert len(result["token_ids"]) == 4 and result["prompt_tokens"] > 5
+
+
+@pytest.mark.parametrize("flags", [["--model", "/nope"], ["--drafter", "int8"],
+                                   ["--backend", "mlx"], ["--max-draft", "4"]])
+def test_local_only_flags_in_cluster_mode_are_an_error(flags):
+    out = specbus("--prompt", "hello", "--cluster", "nowhere", "--no-mdns", "--wait", "0.1",
+                  *flags)
+    assert out.returncode == 2, out.stderr
+    assert f"{flags[0]} only apply with --local" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_messages_file_is_checked_and_sent_as_a_conversation(tmp_path, verifier_node,
+                                                             tiny_backend):  # noqa: F811
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"role": "wizard", "content": "hi"}]))
+    out = specbus("--messages", str(bad), "--cluster", "nowhere", "--no-mdns")
+    assert out.returncode == 2 and "role" in out.stderr and "Traceback" not in out.stderr
+    chat = [{"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another one?"}]
+    good = tmp_path / "chat.json"
+    good.write_text(json.dumps(chat))
+    out = specbus("--messages", str(good), "--cluster", "wire-cli", "--no-mdns", "--peer",
+                  verifier_node.server.endpoint, "--wait", "30", "--max-tokens", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    # the whole conversation went, rendered by the verifier's chat template
+    assert result["prompt_tokens"] == len(tiny_backend.tokenizer.encode_messages(chat))
+    assert len(result["token_ids"]) == 4

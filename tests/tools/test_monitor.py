@@ -132,3 +132,12 @@ def test_tui_lists_nodes_and_updates_when_one_is_killed(two_proposers):
             await pilot.press("q")
 
     asyncio.run(scenario())
+
+
+def test_once_on_an_empty_cluster_says_so_and_fails():
+    out = subprocess.run(
+        [sys.executable, "-m", "nodes.cli", "monitor", "--cluster", "nobody-here-7f3a",
+         "--no-mdns", "--once", "--wait", "0.5"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 1
+    assert "no members of cluster 'nobody-here-7f3a'" in out.stderr and out.stdout == ""
