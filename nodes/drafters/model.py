@@ -166,17 +166,7 @@ class ModelSession(DraftSession):
                 frontier.append(len(toks) - 1)
             if not frontier:
                 break
-        children = {p for p in parents[1:]}
-        leaves = sorted((i for i in range(1, len(toks)) if i not in children),
-                        key=lambda i: -score[i])
-        out = []
-        for leaf in leaves:
-            path = []
-            while leaf > 0:
-                path.append(toks[leaf])
-                leaf = parents[leaf]
-            out.append(Candidate(np.asarray(path[::-1], dtype=np.int64)))
-        return out
+        return leaf_candidates(toks, parents, score)
 
     def _probs(self, row: np.ndarray) -> np.ndarray:
         if self.params.greedy:
@@ -184,6 +174,26 @@ class ModelSession(DraftSession):
             e = np.exp(x - x.max())
             return e / e.sum()
         return probs_from_logits(row, self.params)[0]
+
+
+def leaf_candidates(toks: Sequence[int], parents: Sequence[int], score: Sequence[float],
+                    conf: Sequence[float] | None = None) -> list[Candidate]:
+    """A drafted tree (node 0 the root, not a draft) as root-to-leaf candidates, the
+    best-scoring leaf first; `conf`, when given, is each node's draft probability."""
+    children = set(parents[1:])
+    leaves = sorted((i for i in range(1, len(toks)) if i not in children),
+                    key=lambda i: -score[i])
+    out = []
+    for leaf in leaves:
+        path = []
+        while leaf > 0:
+            path.append(leaf)
+            leaf = parents[leaf]
+        path.reverse()
+        out.append(Candidate(np.asarray([toks[i] for i in path], dtype=np.int64), None,
+                             None if conf is None else
+                             np.asarray([conf[i] for i in path], dtype=np.float64)))
+    return out
 
 
 class ModelTreeSource(DraftSource):

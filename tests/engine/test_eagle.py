@@ -112,7 +112,7 @@ def test_the_engine_hands_over_the_committed_paths_hidden_states(tiny_torch, pro
     torch.testing.assert_close(got, hf_hidden(tiny_torch, committed[:-1]), atol=1e-4, rtol=1e-4)
 
 
-# ---- lossless greedy with a wrong head ------------------------------------------------------------
+# ---- lossless greedy with a wrong head ---------------------------------------------------------
 @pytest.mark.parametrize("fixed_k", [None, 1, 4, 12])
 @pytest.mark.parametrize("width", [1, 4])
 def test_greedy_equals_hf_with_a_random_head(tiny_torch, prompt_ids, foreign_head, fixed_k,

@@ -17,7 +17,7 @@ import torch
 
 from nodes.drafters.eagle.cache import HeadCache
 from nodes.drafters.eagle.head import Eagle3Head
-from nodes.drafters.model import BRANCH_RATIO
+from nodes.drafters.model import BRANCH_RATIO, leaf_candidates
 from nodes.engine.tree import Candidate
 
 
@@ -58,7 +58,7 @@ def draft_tree(head: Eagle3Head, cache: HeadCache, last: torch.Tensor, pending: 
             break
         frontier = added
         logits = _feed_level(head, cache, base, frontier, toks, parents, slot, hidden)
-    return _leaf_paths(toks, parents, score, conf)
+    return leaf_candidates(toks, parents, score, conf)
 
 
 def _feed_level(head: Eagle3Head, cache: HeadCache, base: int, level: list[int],
@@ -85,19 +85,3 @@ def _feed_level(head: Eagle3Head, cache: HeadCache, base: int, level: list[int],
         slot[node] = held + row
         hidden[node] = out[row]
     return head.logits(out)
-
-
-def _leaf_paths(toks, parents, score, conf) -> list[Candidate]:
-    children = set(parents[1:])
-    leaves = sorted((i for i in range(1, len(toks)) if i not in children),
-                    key=lambda i: -score[i])
-    out = []
-    for leaf in leaves:
-        path = []
-        while leaf > 0:
-            path.append(leaf)
-            leaf = parents[leaf]
-        path.reverse()
-        out.append(Candidate(np.asarray([toks[i] for i in path], dtype=np.int64), None,
-                             np.asarray([conf[i] for i in path], dtype=np.float64)))
-    return out
