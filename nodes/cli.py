@@ -17,7 +17,8 @@ from nodes.logs import LEVELS, configure_logging
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "node": ("nodes.cmd_node", "run a verifier and/or proposer node until SIGINT/SIGTERM"),
+    "node": ("nodes.cmd_node", "run a node (verifier, proposer and/or gateway: the "
+                               "OpenAI-compatible API) until SIGINT/SIGTERM"),
     "generate": ("nodes.cmd_generate", "generate text, locally or through a cluster"),
     "members": ("tools.members", "join briefly as an observer and print the membership table"),
     "monitor": ("tools.monitor", "attach to the bus and watch the cluster live"),

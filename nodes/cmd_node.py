@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 import zmq
 
 from bus.security import read_secret_file, resolve_secret_path
+from discovery.interfaces import resolve_interface
 from discovery.table import Event, Timeouts
 from nodes.cluster_args import add_cluster_arguments, cpu_list, peer_arg, positive_float
 from nodes.logs import set_node_id
@@ -68,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix-budget", type=positive_float, default=None, metavar="MB",
                         help="memory for the suffix drafter's index of earlier outputs (default "
                              "64; the same as --drafter suffix:budget=MB)")
-    parser.add_argument("--backend", default="", choices=("", "torch", "mlx"),
+    parser.add_argument("--backend", default=None, choices=("torch", "mlx"),
                         help="torch (default) or mlx")
     parser.add_argument("--max-draft", type=int, default=16,
                         help="longest draft block a verifier asks for (default 16)")
@@ -198,7 +200,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         cluster=args.cluster, roles=() if observer else args.role, observer=observer,
         interface=args.interface, peers=tuple(args.peer), port=args.port, name=args.name,
         advertise=args.advertise or "",
-        backend=args.backend, model=args.model, drafter=args.drafter, mdns=not args.no_mdns,
+        backend=args.backend or "", model=args.model, drafter=args.drafter, mdns=not args.no_mdns,
         state_dir=args.state_dir, timeouts=timeouts,
         secret_file=resolve_secret_path(args.secret_file), insecure=args.insecure,
     )
@@ -249,8 +251,9 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         if config.secret_file:  # refuse a bad secret before spending seconds on models
             read_secret_file(config.secret_file)
-        roles = _assemble_roles(args, config)
+        _check_addresses(config)  # and a bad --interface or a taken --port too
         gateway = _make_gateway(args, config)
+        roles = _assemble_roles(args, config)
         node = Node(config)
     except ValueError as exc:  # includes GenerationError: unknown model, drafter, mismatch
         print(f"specbus node: {exc}", file=sys.stderr)
@@ -320,6 +323,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_addresses(config: NodeConfig) -> None:
+    """Refuse a bad `--interface` or a taken `--port` (and the gossip port after it) at once,
+    not after loading a model for half a minute. The ports are bound and released here; the
+    node binds them again when it starts."""
+    host = resolve_interface(config.interface).bind_host
+    if not config.port:
+        return
+    for port in (config.port, config.port + 1):
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"cannot use port {port} on {host} ({exc.strerror}); the node "
+                             f"needs --port and --port + 1") from None
+        finally:
+            probe.close()
+
+
 def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
     """Load what the roles need (models, drafters) and put what they measured on the card.
 
@@ -341,7 +362,8 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
                     max_context=args.max_context)
     roles = assemble(spec)
     return_freed_memory()  # what loading and quantising freed (assemble's locals are gone)
-    config.card_fields = {**config.card_fields, **roles.card}
+    extras = {**(config.card_fields.get("extras") or {}), **(roles.card.get("extras") or {})}
+    config.card_fields = {**config.card_fields, **roles.card, "extras": extras}
     if "proposer" in config.roles:
         config.drafter = spec.drafter
     return roles

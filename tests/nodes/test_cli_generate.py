@@ -98,3 +98,28 @@ def test_messages_file_is_checked_and_sent_as_a_conversation(tmp_path, verifier_
     # the whole conversation went, rendered by the verifier's chat template
     assert result["prompt_tokens"] == len(tiny_backend.tokenizer.encode_messages(chat))
     assert len(result["token_ids"]) == 4
+
+
+def test_a_node_checks_its_addresses_before_loading_a_model():
+    """A bad --interface or a taken --port is refused first: with a model that does not exist,
+    the error is still about the address (the model was never looked at)."""
+    import socket
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def node(*flags):
+        return subprocess.run([sys.executable, "-m", "nodes.cli", "node", "--role", "verifier",
+                               "--no-mdns", "--model", "/no/such/model", *flags], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    out = node("--interface", "no-such-if0")
+    assert out.returncode == 2 and "no such interface" in out.stderr, out.stderr
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        out = node("--port", str(taken.getsockname()[1]))
+    finally:
+        taken.close()
+    assert out.returncode == 2 and "cannot use port" in out.stderr, out.stderr
+    assert "/no/such/model" not in out.stderr
