@@ -169,7 +169,7 @@ def role_lines(view: ClusterView) -> tuple[list[str], list[str]]:
                 f"{name:16} tok/s {v.get('tok_s', 0):6.1f} {sparkline(ns.tok_s):20} "
                 f"accept {v.get('acceptance', 0):4.2f} {sparkline(ns.acceptance):20} "
                 f"active {v.get('active', 0)} queued {v.get('queued', 0)} "
-                f"misses {v.get('deadline_misses', 0)}")
+                f"orphans {v.get('orphans_dropped', 0)}")
             for pid, ps in (v.get("proposers") or {}).items():
                 label = printable(ps.get("name") or pid, 40) if isinstance(ps, dict) else "?"
                 if not isinstance(ps, dict):

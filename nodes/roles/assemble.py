@@ -65,9 +65,7 @@ class Roles:
                 "generations": v.stats.generations, "tokens": v.stats.tokens,
                 "tok_s": round(v.stats.last_tok_s, 3), "active": v.active, "queued": v.queued,
                 "acceptance": round(v.stats.last_acceptance, 4),
-                "deadline_misses": v.stats.deadline_misses,
-                "rejected_busy": v.stats.rejected_busy,
-                "orphans_dropped": v.stats.orphans_dropped,
+                **v.admission.snapshot(),  # rejected_busy, orphans_dropped (I/O thread)
                 "proposers": dict(v.proposer_snapshot),
             }
         if self.proposer is not None:
@@ -75,6 +73,8 @@ class Roles:
                                "session_bytes": self.proposer.session_bytes,
                                "sessions_evicted": self.proposer.sessions_evicted,
                                **self.proposer.stats.as_dict()}
+            # the worker's errors and the I/O thread's refused input, each counted by its own
+            out["proposer"]["errors"] += self.proposer.input_errors.snapshot()["input_errors"]
         return out
 
 

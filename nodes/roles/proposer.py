@@ -40,6 +40,7 @@ from codec.structs import (
     SessionExtend,
     SessionOpen,
 )
+from discovery.counters import Counters
 from nodes.drafters.base import Drafter, DraftSession
 from nodes.engine.errors import (
     GenerationError,
@@ -137,6 +138,8 @@ class ProposerRole:
         self._sweep_every = sweep_every
         self.bytes_per_token = session_bytes_per_token(drafter)
         self._clients = None  # ConnectionSweep, once attached (I/O thread)
+        #: bad input refused on the I/O thread (ProposerStats is the worker's alone)
+        self.input_errors = Counters(("input_errors",), is_owner=lambda: True)
         self._stop = threading.Event()
         self._turn = 0  # round robin over sessions that want drafting
         self._worker = threading.Thread(target=self._run, name="proposer-worker", daemon=True)
@@ -148,6 +151,7 @@ class ProposerRole:
         # sessions die with their connection, member or not (a session's stream is the
         # in-flight `session_open`)
         self._clients = ConnectionSweep(node, ("session_open",))
+        self.input_errors = Counters(("input_errors",), is_owner=node.loop.in_loop)
         self._worker.start()
 
     def close(self) -> None:
@@ -175,7 +179,7 @@ class ProposerRole:
         try:
             parsed = self._admit(req)
         except requests.INPUT_ERRORS as exc:
-            self.stats.errors += 1
+            self.input_errors.inc("input_errors")  # the I/O thread's own counter
             req.fail(*requests.wire_error(exc))
             return
         self._queue.put((req, parsed))

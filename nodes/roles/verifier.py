@@ -41,6 +41,7 @@ import numpy as np
 from bus.streams import Request
 from codec.errors import CodecError
 from codec.structs import Done, GenerateReq, TokenChunk
+from discovery.counters import Counters
 from nodes.drafters.base import DraftSession
 from nodes.engine.core import Engine, Stats
 from nodes.engine.errors import BUSY, GenerationError, NoProposerError, error_code
@@ -58,14 +59,18 @@ MAX_TOKENS_LIMIT = requests.MAX_TOKENS_LIMIT
 
 @dataclass
 class VerifierStats:
+    """What the compute thread counts (its only writer); the I/O thread's own counts are in
+    `VerifierRole.admission` (one writing thread per counter; telemetry merges the two)."""
+
     generations: int = 0
     tokens: int = 0
     busy_s: float = 0.0
-    deadline_misses: int = 0
-    rejected_busy: int = 0
-    orphans_dropped: int = 0  # requests dropped because their client left or died (I/O thread)
     last_tok_s: float = 0.0
     last_acceptance: float = 0.0
+
+
+#: counted on the I/O thread: refused for a full queue or connection, dropped for a gone client
+ADMISSION_COUNTERS = ("rejected_busy", "orphans_dropped")
 
 
 class VerifierRole:
@@ -80,6 +85,7 @@ class VerifierRole:
         #: longest prompt + max_tokens served (0: the model's own context)
         self.max_context = max_context or requests.model_context(engine.backend)
         self.stats = VerifierStats()
+        self.admission = Counters(ADMISSION_COUNTERS, is_owner=lambda: True)  # until attached
         self.links: dict[str, ProposerLink] = {}  # compute thread only
         #: what telemetry (I/O thread) may read: an immutable view the compute thread replaces
         self.proposer_snapshot: Mapping[str, dict] = MappingProxyType({})
@@ -99,6 +105,7 @@ class VerifierRole:
 
     def attach(self, node) -> None:
         self._node = node
+        self.admission = Counters(ADMISSION_COUNTERS, is_owner=node.loop.in_loop)
         node.register_request("generate_req", self.enqueue)
         self._worker.start()
 
@@ -122,7 +129,7 @@ class VerifierRole:
             req.fail(*requests.wire_error(exc))
             return
         if not self.slots.acquire(req.peer):
-            self.stats.rejected_busy += 1
+            self.admission.inc("rejected_busy")
             req.fail(BUSY, f"this connection has {self.slots.per_peer} generations queued or "
                            "running; wait for one to finish")
             return
@@ -134,7 +141,7 @@ class VerifierRole:
                 self._cv.notify()
         if full:
             self.slots.release(req.peer)
-            self.stats.rejected_busy += 1
+            self.admission.inc("rejected_busy")
             req.fail(BUSY, f"verifier queue is full ({self.max_queue} waiting)")
             return
         req.on_cancel(lambda: self._unqueue(item))  # a cancelled request leaves the queue
@@ -175,7 +182,7 @@ class VerifierRole:
         return self._clients
 
     def _orphan(self, _req) -> None:
-        self.stats.orphans_dropped += 1
+        self.admission.inc("orphans_dropped")
 
     # -- compute thread -----------------------------------------------------------------------
     def _next(self):
@@ -283,7 +290,6 @@ class VerifierRole:
             "plain_steps": stats.plain_steps,
             "tree_blocks": stats.tree_blocks,
             "waits": stats.waits,
-            "deadline_misses": 0,  # protocol 2 never waits on a proposer (but forced)
             "model": self.engine.backend.model_name,
             "backend": self.engine.backend.name,
             "verifier": self._node.node_id if self._node else "",
