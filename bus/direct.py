@@ -23,7 +23,7 @@ heartbeats are answered by libzmq's own thread, so a busy owner delays reading, 
 Typical use on the owner thread (several peers, replies read when the thread is ready):
 
     client = DirectClient(factory, sender=node_id)         # on the thread that will use it
-    calls = [client.request(ep, make("draft_req", ...), timeout=0.05) for ep in proposers]
+    calls = [client.request(ep, make("session_extend", ...), timeout=0.05) for ep in proposers]
     ...                                                     # other work; replies queue
     for call, reply in client.poll(timeout=0.002):          # bounded wait, or 0: none
         ...                                                 # Message, or a BusError

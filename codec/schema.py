@@ -43,7 +43,6 @@ KIND_CHECKS = {
 TOKEN_DTYPES = ("int32", "int64")
 ANY_DTYPE = ("int32", "int64", "float16", "bfloat16", "float32", "uint8", "bool")
 ANY_NDIM = -1
-PROB_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -159,23 +158,6 @@ SCHEMAS: dict[str, Schema] = {
             required={"committed": _INT},
             optional={"horizon": _INT},
             tensors=(_TOKENS,),
-            min_tensors=1,
-        ),
-        Schema(
-            "draft_req",
-            "Protocol 1 (request/reply drafting; not sent by v2 verifiers): optional delta of "
-            "committed tokens, then: propose up to k next tokens.",
-            required={"k": _INT, "committed": _INT},
-            optional={"want_probs": _BOOL, "budget_s": _FLOAT},
-            tensors=(_TOKENS,),
-        ),
-        Schema(
-            "draft_reply",
-            "Protocol 1 reply to draft_req: 0..k drafted tokens (never padding) continuing "
-            "`committed`; probs when sampling.",
-            required={"committed": _INT},
-            optional={"elapsed_s": _FLOAT},
-            tensors=(_TOKENS, TensorRule("probs", PROB_DTYPES, 2)),
             min_tensors=1,
         ),
         Schema(

@@ -32,7 +32,6 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 256
 MAX_PROPOSERS = 64
-MAX_K = 64
 MAX_LEASE_S = 300.0
 MAX_HORIZON = 256  # tokens a proposer may draft past the last commit it knows
 MAX_ALTERNATIVES = 128  # alternative tokens one draft chunk may carry beside its chain
@@ -436,76 +435,6 @@ class SessionExtend:
 
 
 @dataclass(frozen=True, eq=False)
-class DraftReq:
-    TYPE: ClassVar[str] = "draft_req"
-
-    session: str
-    k: int
-    committed: int
-    tokens: np.ndarray = field(default_factory=lambda: EMPTY_TOKENS)  # committed delta
-    want_probs: bool = False
-    budget_s: float | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", tokens_1d("tokens", self.tokens))
-        _int("k", self.k, 0, MAX_K)
-        _int("committed", self.committed, len(self.tokens), MAX_COMMITTED)
-        _bool("want_probs", self.want_probs)
-        if self.budget_s is not None:
-            _float("budget_s", self.budget_s, 0.0, MAX_LEASE_S)
-
-    @classmethod
-    def from_message(cls, msg: Message) -> DraftReq:
-        _expect(msg, cls.TYPE)
-        delta = _tensor(msg, 0)
-        return cls(_session(msg), msg["k"], msg["committed"],
-                   EMPTY_TOKENS if delta is None else delta,
-                   _opt(msg.fields, "want_probs", False), msg.get("budget_s"))
-
-    def to_message(self, **envelope: Any) -> Message:
-        fields: dict[str, Any] = {"k": self.k, "committed": self.committed,
-                                  "want_probs": self.want_probs}
-        if self.budget_s is not None:
-            fields["budget_s"] = float(self.budget_s)
-        return make(self.TYPE, session=self.session,
-                    tensors=[np.ascontiguousarray(self.tokens, dtype=np.int32)],
-                    **envelope, **fields)
-
-
-@dataclass(frozen=True, eq=False)
-class DraftReply:
-    TYPE: ClassVar[str] = "draft_reply"
-
-    session: str
-    committed: int
-    tokens: np.ndarray
-    probs: np.ndarray | None = None
-    elapsed_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", tokens_1d("tokens", self.tokens))
-        _int("committed", self.committed, 0, MAX_COMMITTED)
-        _float("elapsed_s", self.elapsed_s, 0.0, 1e9)
-        if self.probs is not None and (np.ndim(self.probs) != 2
-                                       or len(self.probs) != len(self.tokens)):
-            raise BadRequest("probs", f"must be [{len(self.tokens)}, vocab], got shape "
-                             f"{list(np.shape(self.probs))}")
-
-    @classmethod
-    def from_message(cls, msg: Message) -> DraftReply:
-        _expect(msg, cls.TYPE)
-        return cls(msg.session, msg["committed"], msg.tensors[0], _tensor(msg, 1),
-                   _opt(msg.fields, "elapsed_s", 0.0))
-
-    def to_message(self, **envelope: Any) -> Message:
-        tensors = [np.ascontiguousarray(self.tokens, dtype=np.int32)]
-        if self.probs is not None:
-            tensors.append(np.ascontiguousarray(self.probs, dtype=np.float32))
-        return make(self.TYPE, session=self.session, committed=self.committed,
-                    elapsed_s=float(self.elapsed_s), tensors=tensors, **envelope)
-
-
-@dataclass(frozen=True, eq=False)
 class DraftChunk:
     """Protocol 2: a streamed draft, tagged with what it extends.
 
@@ -601,8 +530,8 @@ class SessionClose:
 
 
 STRUCTS: dict[str, type] = {c.TYPE: c for c in (
-    GenerateReq, TokenChunk, Done, ErrorReply, SessionOpen, SessionExtend, DraftReq,
-    DraftReply, DraftChunk, SessionClose)}
+    GenerateReq, TokenChunk, Done, ErrorReply, SessionOpen, SessionExtend, DraftChunk,
+    SessionClose)}
 
 
 def parse(msg: Message) -> Any:

@@ -308,7 +308,7 @@ def test_zero_copy_tensors_and_bad_requests(client, loop, factory):
 
     srv = StreamServer(loop, factory, handler)
     probs = np.arange(2 * 65536, dtype=np.float32).reshape(2, 65536)
-    msg = make("draft_reply", committed=0, tensors=[np.array([1, 2], np.int32), probs])
+    msg = make("blob", tensors=[np.array([1, 2], np.int32), probs])
     assert client.request(srv.endpoint, msg, timeout=BOUND).result().type == "done"
     assert np.array_equal(got["arr"], probs)
     with pytest.raises(Exception) as info:  # refused before anything is sent

@@ -190,7 +190,7 @@ def test_zero_copy_large_tensor_through_the_bus(loop, factory, client):
 
     srv = StreamServer(loop, factory, handler)
     probs = np.arange(2 * 65536, dtype=np.float32).reshape(2, 65536)
-    msg = make("draft_reply", committed=0, tensors=[np.array([1, 2], np.int32), probs])
+    msg = make("blob", tensors=[np.array([1, 2], np.int32), probs])
     client.request(srv.endpoint, msg, timeout=BOUND).result()
     assert np.array_equal(got["arr"], probs)
     assert not got["arr"].flags.owndata  # a view over the received frame

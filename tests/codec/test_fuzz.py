@@ -72,7 +72,7 @@ def test_structured_headers_with_random_values(header, tail):
 def _valid_frames():
     """Tokens inline in the header, probabilities in a frame (over the inline threshold)."""
     probs = np.full((2, 200), 0.2, dtype=np.float32)
-    frames = m.encode(m.make("draft_reply", committed=7, sender="n",
+    frames = m.encode(m.make("blob", sender="n",
                              tensors=[np.array([3, 4], dtype=np.int32), probs]))
     assert len(frames) == 2
     return frames

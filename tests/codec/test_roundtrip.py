@@ -30,8 +30,6 @@ SAMPLE_FIELDS = {
     "cancel": dict(),
     "session_open": dict(lease_s=5.0, tokenizer="abc", sampling={"temperature": 0.0}),
     "session_extend": dict(committed=12),
-    "draft_req": dict(k=4, committed=12, want_probs=False),
-    "draft_reply": dict(committed=12),
     "draft_chunk": dict(base=12, chunk=3),
     "session_close": dict(),
     "generate_req": dict(prompt="hello", max_tokens=16, temperature=0.7, seed=1, stop=["\n"]),
@@ -45,10 +43,10 @@ TOKENS = np.array([1, 2, 3], dtype=np.int32)
 SAMPLE_TENSORS = {
     "session_open": [TOKENS],
     "session_extend": [TOKENS],
-    "draft_reply": [TOKENS, np.random.default_rng(0).random((3, 11), dtype=np.float32)],
     "token_chunk": [TOKENS],
     "draft_chunk": [TOKENS],
-    "blob": [np.zeros((2, 2, 2), np.uint8), np.ones(3, bool)],
+    "blob": [np.zeros((2, 2, 2), np.uint8), np.ones(3, bool),
+             np.random.default_rng(0).random((3, 11), dtype=np.float32)],
 }
 
 
@@ -96,7 +94,7 @@ def test_roundtrip_every_dtype(name, shape):
 @pytest.mark.parametrize("name", ["float32", "float16", "bfloat16"])
 def test_roundtrip_probability_dtypes_through_messages(name):
     probs = _sample(name, (3, 7))
-    out = m.decode(m.encode(m.make("draft_reply", committed=4, tensors=[TOKENS, probs])))
+    out = m.decode(m.encode(m.make("blob", tensors=[TOKENS, probs])))
     assert out.tensors[1].dtype == np.asarray(probs).dtype
     assert np.array_equal(np.asarray(out.tensors[1]), np.asarray(probs))
 
@@ -113,7 +111,7 @@ def test_big_endian_and_noncontiguous_are_normalised():
     arr, spec = prepare(big)
     assert arr.flags.c_contiguous and arr.dtype == np.dtype("<i4")
     assert np.array_equal(arr, big)
-    msg = m.make("draft_reply", committed=0, tensors=[TOKENS, big.astype(">f4")])
+    msg = m.make("blob", tensors=[TOKENS, big.astype(">f4")])
     assert np.array_equal(m.decode(m.encode(msg)).tensors[1], big)
 
 
@@ -124,8 +122,7 @@ def test_received_tensor_is_a_view_over_the_zmq_frame():
     a.bind("inproc://zc")
     b.connect("inproc://zc")
     probs = np.ones((4, 32768), dtype=np.float32)  # 512 KiB frame
-    a.send_multipart(m.encode(m.make("draft_reply", committed=1,
-                                     tensors=[TOKENS, probs[:3]])), copy=False)
+    a.send_multipart(m.encode(m.make("blob", tensors=[TOKENS, probs[:3]])), copy=False)
     frames = b.recv_multipart(copy=False)
     assert len(frames) == 2  # the 12-byte token tensor travelled inline, in the header
     out = m.decode(frames)
@@ -169,8 +166,7 @@ def test_torch_and_mlx_conversions_roundtrip_bfloat16():
     t = torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)
     wire = from_torch(t)
     assert isinstance(wire, BFloat16Bits)
-    frames = m.encode(m.make("draft_reply", committed=0,
-                             tensors=[TOKENS, wire.reshape(1, 3)]))
+    frames = m.encode(m.make("blob", tensors=[TOKENS, wire.reshape(1, 3)]))
     back = to_torch(m.decode(frames).tensors[1])
     assert back.dtype == torch.bfloat16 and torch.equal(back.reshape(3), t)
     mx = pytest.importorskip("mlx.core")
