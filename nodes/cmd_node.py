@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -21,12 +19,14 @@ from pathlib import Path
 
 import zmq
 
-from bus.security import read_secret_file, resolve_secret_path
+from bus.security import read_secret_file
 from discovery.interfaces import resolve_interface
-from discovery.table import Event, Timeouts
+from discovery.table import Timeouts
 from nodes.cluster_args import add_cluster_arguments, cpu_list, peer_arg, positive_float
+from nodes.json_lines import JsonLines, event_json
 from nodes.logs import set_node_id
 from nodes.node import ROLES, Node, NodeConfig
+from nodes.node_args import config_from_args, pin_cpus
 from nodes.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -189,58 +189,6 @@ def _make_gateway(args: argparse.Namespace, config: NodeConfig):
     return gateway
 
 
-def config_from_args(args: argparse.Namespace) -> NodeConfig:
-    observer = args.role == ("observer",)
-    try:
-        timeouts = Timeouts(heartbeat=args.heartbeat, suspect_after=args.suspect_after,
-                            dead_after=args.dead_after, forget_after=args.forget_after)
-    except ValueError as exc:
-        raise SystemExit(f"specbus node: {exc}") from None
-    return NodeConfig(
-        cluster=args.cluster, roles=() if observer else args.role, observer=observer,
-        interface=args.interface, peers=tuple(args.peer), port=args.port, name=args.name,
-        advertise=args.advertise or "",
-        backend=args.backend or "", model=args.model, drafter=args.drafter, mdns=not args.no_mdns,
-        state_dir=args.state_dir, timeouts=timeouts,
-        secret_file=resolve_secret_path(args.secret_file), insecure=args.insecure,
-    )
-
-
-def pin_cpus(args: argparse.Namespace) -> None:
-    """`--cpus`: pin the whole process (every thread it starts later too) to those cores."""
-    if args.cpus is None:
-        return
-    try:
-        os.sched_setaffinity(0, args.cpus)
-    except (OSError, AttributeError) as exc:
-        raise ValueError(f"--cpus {sorted(args.cpus)}: cannot pin this process: {exc}") from None
-    if not args.threads:
-        args.threads = len(args.cpus)
-    log.info("pinned to CPUs %s, %d torch threads", sorted(args.cpus), args.threads)
-
-
-def event_json(ev: Event) -> dict:
-    m = ev.member
-    return {"event": ev.kind, "node_id": m.node_id, "name": m.card.name,
-            "incarnation": m.incarnation, "state": m.state.value, "t": ev.at}
-
-
-class _Printer:
-    """Writes JSON lines to stdout from any thread, one whole line at a time."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def __call__(self, obj: dict) -> None:
-        line = json.dumps(obj, separators=(",", ":"))
-        with self._lock:
-            try:
-                sys.stdout.write(line + "\n")
-                sys.stdout.flush()
-            except (BrokenPipeError, ValueError):
-                pass  # reader went away; the node keeps running
-
-
 def run(args: argparse.Namespace) -> int:
     if args.shards or args.shard_group:
         from nodes.shard.node_run import run_sharded
@@ -269,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    printer = _Printer() if args.print_events else None
+    printer = JsonLines() if args.print_events else None
     try:
         node.start(on_event=(lambda ev: printer(event_json(ev))) if printer else None)
     except (ValueError, OSError, zmq.ZMQError) as exc:

@@ -17,24 +17,15 @@ import os
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from tools.decode_runs import Run, hf_runner
 from tools.prompts import PROMPTS
 
 log = logging.getLogger(__name__)
 
 MLX_MAX_TOKENS = 48  # mlx[cpu] on Linux decodes at a few tok/s; keep its rows short
 
-
-
-@dataclass
-class Run:
-    token_ids: list[int]
-    elapsed_s: float
-    acceptance: float | None = None
-    mean_accepted_len: float | None = None
 
 
 def _positive_int(text: str) -> int:
@@ -90,32 +81,6 @@ def _engine_runner(engine) -> Callable[[list[int], int], Run]:
     return run
 
 
-def _hf_runner(backend, **gen_kwargs) -> Callable[[list[int], int], Run]:
-    import torch
-
-    model = backend.model
-
-    def run(ids: list[int], n: int) -> Run:
-        x = torch.tensor([ids], device=backend.device)  # prompt lookup builds on its device
-        t0 = time.perf_counter()
-        out = model.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            do_sample=False,
-            max_new_tokens=n,
-            eos_token_id=backend.tokenizer.hf.eos_token_id,
-            pad_token_id=backend.tokenizer.hf.eos_token_id,
-            top_k=None,
-            top_p=None,
-            temperature=None,
-            **gen_kwargs,
-        )
-        dt = time.perf_counter() - t0
-        return Run(out[0, len(ids) :].tolist(), dt)
-
-    return run
-
-
 def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int], Run]]]]:
     """(name, backend, factory); factories load lazily so a failing one is skipped alone."""
     from nodes.backends.base import load_backend
@@ -161,11 +126,11 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
             "torch",
             lambda: _engine_runner(Engine(torch_backend(), NgramDrafter(branches=4))),
         ),
-        ("hf-plain", "torch", lambda: _hf_runner(torch_backend())),
+        ("hf-plain", "torch", lambda: hf_runner(torch_backend())),
         (
             "hf-prompt-lookup",
             "torch",
-            lambda: _hf_runner(torch_backend(), prompt_lookup_num_tokens=10),
+            lambda: hf_runner(torch_backend(), prompt_lookup_num_tokens=10),
         ),
         (
             "engine-int8-chain",
@@ -176,7 +141,7 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
         (
             "hf-assisted-int8",
             "torch",
-            lambda: _hf_runner(torch_backend(), assistant_model=hf_int8()),
+            lambda: hf_runner(torch_backend(), assistant_model=hf_int8()),
         ),
     ]
     if not args.no_mlx:

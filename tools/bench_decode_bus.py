@@ -172,12 +172,12 @@ class _HfRows:
         import torch
 
         from nodes.backends.base import load_backend
-        from tools.bench_decode import _hf_runner
+        from tools.decode_runs import hf_runner
 
         torch.set_num_threads(1)
         self.backend = load_backend("torch", getattr(args, "model", None))
-        self.runners = {"hf-plain": _hf_runner(self.backend),
-                        "hf-prompt-lookup": _hf_runner(self.backend,
+        self.runners = {"hf-plain": hf_runner(self.backend),
+                        "hf-prompt-lookup": hf_runner(self.backend,
                                                        prompt_lookup_num_tokens=8)}
         self.out: dict[str, list[dict]] = {name: [] for name in self.runners}
 

@@ -16,6 +16,7 @@ import threading
 import time
 
 from nodes.cluster_args import add_cluster_arguments
+from nodes.json_lines import JsonLines
 from tools.monitor_view import ClusterView, render_text
 
 
@@ -69,22 +70,6 @@ class Attached:
         self.emit(self.view.on_stats(msg.sender, dict(msg["stats"])))
 
 
-class _Lines:
-    """Writes whole JSON lines from any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def __call__(self, obj: dict) -> None:
-        line = json.dumps(obj, separators=(",", ":"), default=str)
-        with self._lock:
-            try:
-                sys.stdout.write(line + "\n")
-                sys.stdout.flush()
-            except (BrokenPipeError, ValueError):
-                pass
-
-
 def run(args: argparse.Namespace) -> int:
     if args.wait < 0:
         print("specbus monitor: --wait must be >= 0", file=sys.stderr)
@@ -125,7 +110,7 @@ def _stream_json(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    att = Attached(args, emit=_Lines()).start()
+    att = Attached(args, emit=JsonLines()).start()
     try:
         while not stop.wait(0.2):
             pass

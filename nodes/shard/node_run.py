@@ -60,7 +60,7 @@ class ShardProcess:
     def __init__(self, args: argparse.Namespace, printer) -> None:
         from nodes import models
         from nodes.backends.tokenizer import Tokenizer
-        from nodes.cmd_node import config_from_args
+        from nodes.node_args import config_from_args
 
         self.args = args
         self.printer = printer
@@ -83,7 +83,7 @@ class ShardProcess:
             self.printer({**obj, "t": time.monotonic()})
 
     def _start_node(self, roles: tuple[str, ...], card_fields: dict, attach=None):
-        from nodes.cmd_node import event_json
+        from nodes.json_lines import event_json
         from nodes.logs import set_node_id
         from nodes.node import Node
 
@@ -252,7 +252,8 @@ def _gone(node, node_id: str, seen: set[str], grace_over: bool) -> bool:
 
 def run_sharded(args: argparse.Namespace) -> int:
     """Entry point from `specbus node` when `--shards` is given."""
-    from nodes.cmd_node import _Printer, pin_cpus
+    from nodes.json_lines import JsonLines
+    from nodes.node_args import pin_cpus
 
     try:
         check_args(args)
@@ -261,7 +262,7 @@ def run_sharded(args: argparse.Namespace) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        proc = ShardProcess(args, _Printer() if args.print_events else None)
+        proc = ShardProcess(args, JsonLines() if args.print_events else None)
     except ValueError as exc:  # ShardConfigError, ModelNotFoundError, bad interface
         print(f"specbus node: {exc}", file=sys.stderr)
         return 2
