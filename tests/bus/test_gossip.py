@@ -5,17 +5,13 @@ import pytest
 
 from bus.gossip import GossipChannel
 from codec.messages import encode, make
+from tests.polling import wait_until
 
 BOUND = 10.0  # generous "it happens" bound on a loaded machine; never a performance verdict
 
 
 def wait_for(pred, timeout=BOUND):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
+    return wait_until(pred, timeout, step=0.01)
 
 
 def hb(n):

@@ -7,6 +7,7 @@ import zmq
 
 from bus.loop import IOLoop
 from bus.sockets import bind, check_bind_host
+from tests.polling import wait_until as poll
 
 
 def test_call_soon_runs_on_the_io_thread(loop):
@@ -41,13 +42,7 @@ def test_timers_fire_in_order_and_cancel(loop):
 
 
 def wait_until(pred, bound=10.0):
-    """Poll `pred` until true; `bound` is a generous "it happens" limit, not a verdict."""
-    end = time.monotonic() + bound
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
+    return poll(pred, bound, step=0.01)
 
 
 def test_a_failing_handler_does_not_kill_the_loop(loop):

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import pytest
 
 from discovery.table import Timeouts
 from nodes.node import Node, NodeConfig
+from tests.polling import wait_until
 
 FAST = Timeouts(heartbeat=0.05, suspect_after=0.5, dead_after=1.0, forget_after=30.0,
                 check_every=0.02)
 
 
-def _wait_until(pred: Callable[[], bool], timeout: float = 20.0, step: float = 0.02) -> bool:
-    """Poll until `pred` holds: a generous wait for "it happens", never a speed verdict."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
+_wait_until = wait_until  # the suite's one poll (tests/polling.py), as a fixture below
 
 
 def _seed_of(node: Node) -> str:

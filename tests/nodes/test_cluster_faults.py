@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from nodes.cluster_client import ClusterClient, GenerateRequest
+from tests.polling import wait_until as poll
 from tools.monitor_view import ClusterView
 
 pytestmark = pytest.mark.slow
@@ -220,13 +221,7 @@ def test_the_cluster_client_resumes_when_its_verifier_is_killed(cluster, client)
 
 
 def wait_until(pred, timeout: float) -> bool:
-    """Poll `pred`: a generous bound for "it happens", never a speed verdict."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return pred()
+    return poll(pred, timeout, step=0.1)
 
 
 def _drain(client, verifier, req):

@@ -4,11 +4,11 @@ report, and attaching or detaching changes nothing (no work sent to it, same out
 from __future__ import annotations
 
 import argparse
-import time
 
 import pytest
 
 from nodes.cluster_client import ClusterClient, GenerateRequest
+from tests.polling import wait_until as poll
 from tools.monitor import Attached
 
 pytestmark = pytest.mark.slow
@@ -61,10 +61,4 @@ def test_monitor_figures_match_and_attaching_changes_nothing(model_cluster):
 
 
 def wait_until(pred, timeout: float = 60.0) -> bool:
-    """Poll `pred`: a generous bound for "it happens", never a speed verdict."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.2)
-    return pred()
+    return poll(pred, timeout, step=0.2)
