@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=0,
                         help="use the first N built-in prompts (default: all)")
     parser.add_argument("--text", action="append", default=[],
-                        help="a local text file whose paragraphs the verifier continues "
+                        help="a local text file, teacher-forced in 256-token chunks "
                         "(repeatable)")
     parser.add_argument("--max-new", type=int, default=128,
                         help="tokens per generated response (default 128)")
@@ -139,20 +139,22 @@ def _run(args: argparse.Namespace) -> int:
 
 def _make_data(args, backend, layers, D) -> dict:
     prompts = D.PROMPTS[: args.prompts] if args.prompts else D.PROMPTS
-    texts = []
-    for path in args.text:
-        texts += [p for p in Path(path).read_text().split("\n\n") if len(p.split()) > 20]
     temps = tuple(float(t) for t in args.temperatures.split(","))
     t0 = time.monotonic()
     seqs = D.make_responses(backend, prompts, max_new=args.max_new, batch=args.gen_batch,
-                            temperatures=temps, texts=texts, seed=args.seed)
-    n_inputs = len(prompts) + len(texts)
+                            temperatures=temps, seed=args.seed)
     _say(f"data: {len(seqs.tokens)} responses in {time.monotonic() - t0:.0f} s")
+    # hold out whole prompts (all their responses), so held-out text is unseen in training
+    n = len(prompts)
+    held_prompts = {i for i in range(n) if i % 10 == 9} or {n - 1}
+    held_out = [k % n in held_prompts for k in range(len(seqs.tokens))]
+    for path in args.text:
+        chunks = D.text_chunks(backend, Path(path).read_text())
+        seqs.tokens += chunks
+        held_out += [False] * len(chunks)  # held-out accuracy is measured on responses
     draft_ids = D.draft_vocab(seqs, args.draft_vocab, backend.vocab_size)
     examples = D.teacher_force(backend, seqs, layers, draft_ids)
-    # hold out whole inputs (all their responses), so held-out text is unseen in training
-    held_inputs = {i for i in range(n_inputs) if i % 10 == 9} or {n_inputs - 1}
-    train = [e for k, e in enumerate(examples) if k % n_inputs not in held_inputs]
-    held = [e for k, e in enumerate(examples) if k % n_inputs in held_inputs]
+    train = [e for e, h in zip(examples, held_out, strict=True) if not h]
+    held = [e for e, h in zip(examples, held_out, strict=True) if h]
     _say(f"data: teacher-forced {len(examples)} sequences in {time.monotonic() - t0:.0f} s")
     return {"train": train, "held": held, "draft_ids": draft_ids}

@@ -1,7 +1,9 @@
 """Training data for a head, made here from the verifier itself (nothing downloaded).
 
-1. Responses: the verifier answers a built-in list of varied prompts (and continues any local
-   text given), in batches, greedy and sampled; prompt + response is one sequence.
+1. Responses: the verifier answers a built-in list of varied prompts in batches, greedy and
+   sampled; prompt + response is one sequence. Local text, when given, is cut into chunks that
+   are sequences as they are (teacher forcing labels them with the verifier's distributions
+   whatever the text: generating is ~10x dearer per token than teacher forcing on a CPU).
 2. Draft vocabulary: the most frequent tokens of those sequences (what the verifier says).
 3. Teacher forcing: each sequence goes once through the verifier, which gives, from the same
    pass, the three hidden states the head reads and the verifier's next-token distribution at
@@ -107,13 +109,12 @@ class Example:
 
 
 def make_responses(backend, prompts=PROMPTS, max_new: int = 128, batch: int = 8,
-                   temperatures=(0.0, 0.8), texts=(), seed: int = 0) -> Sequences:
-    """The verifier's own answers to `prompts` (chat template), once per temperature, and
-    its continuations of local `texts`; generated in left-padded batches."""
+                   temperatures=(0.0, 0.8), seed: int = 0) -> Sequences:
+    """The verifier's own answers to `prompts` (chat template), once per temperature,
+    generated in left-padded batches (sequence k answers prompt k % len(prompts))."""
     torch.manual_seed(seed)
     tok = backend.tokenizer
     inputs = [tok.encode(p, chat=tok.has_chat_template) for p in prompts]
-    inputs += [tok.encode(t)[:256] for t in texts if t.strip()]
     eos = sorted(tok.eos_token_ids)
     pad = eos[0] if eos else 0
     out: list[list[int]] = []
@@ -148,6 +149,13 @@ def _generate(backend, chunk: list[list[int]], max_new: int, temp: float, pad: i
                 break
         seqs.append(list(c) + new)
     return seqs
+
+
+def text_chunks(backend, text: str, length: int = 256) -> list[list[int]]:
+    """Local text as sequences of `length` tokens (the last one shorter, dropped if tiny)."""
+    ids = backend.tokenizer.encode(text)
+    return [ids[i : i + length] for i in range(0, len(ids), length)
+            if len(ids[i : i + length]) >= 32]
 
 
 def draft_vocab(seqs: Sequences, size: int, vocab: int) -> torch.Tensor:
