@@ -203,6 +203,28 @@ SCHEMAS: dict[str, Schema] = {
             optional={"note": _STR},
             tensors=tuple(TensorRule(f"t{i}", ANY_DTYPE, ANY_NDIM) for i in range(4)),
         ),
+        # -- shared suffix index (gossip topic specbus-suffix/<cluster>/, and a request) ----
+        Schema(
+            "suffix_pub",
+            "A verifier's finished generation for the cluster's suffix drafters: its token ids, "
+            "the prompt first only when the verifier shares prompts (`output_start` is where "
+            "the output begins; 0 when only the output is sent). `tokenizer` is the "
+            "verifier's fingerprint: ids mean something only for the same tokenizer.",
+            required={"cluster": _STR, "tokenizer": _STR, "output_start": _INT},
+            tensors=(_TOKENS,),
+            min_tensors=1,
+        ),
+        Schema("suffix_snapshot_req", "Ask a verifier for what it published lately (a suffix "
+               "proposer that joined late starts warm).", required={"cluster": _STR}),
+        Schema(
+            "suffix_snapshot",
+            "Reply to suffix_snapshot_req: recent publications, their tokens concatenated, "
+            "with each one's length and output start.",
+            required={"tokenizer": _STR},
+            tensors=(_TOKENS, TensorRule("lengths", TOKEN_DTYPES, 1),
+                     TensorRule("starts", TOKEN_DTYPES, 1)),
+            min_tensors=3,
+        ),
         Schema(
             "error",
             "A typed error reply; `code` is one of the codec error codes or a node error code.",

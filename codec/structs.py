@@ -529,9 +529,90 @@ class SessionClose:
         return make(self.TYPE, session=self.session, **envelope)
 
 
+# -- the shared suffix index -------------------------------------------------------------------
+MAX_PUB_TOKENS = 8192  # tokens one publication carries (a longer generation sends its end)
+MAX_SNAPSHOT_TOKENS = 1 << 18  # tokens one snapshot reply carries (1 MiB of int32)
+MAX_SNAPSHOT_DOCS = 4096
+
+
+@dataclass(frozen=True, eq=False)
+class SuffixPub:
+    """A finished generation, published for the cluster's suffix drafters."""
+
+    TYPE: ClassVar[str] = "suffix_pub"
+
+    cluster: str
+    tokenizer: str
+    tokens: np.ndarray  # [prompt ...] output; the output starts at output_start
+    output_start: int = 0
+
+    def __post_init__(self) -> None:
+        _str("cluster", self.cluster, allow_empty=False)
+        _str("tokenizer", self.tokenizer, allow_empty=False)
+        object.__setattr__(self, "tokens", tokens_1d("tokens", self.tokens, allow_empty=False))
+        if len(self.tokens) > MAX_PUB_TOKENS:
+            raise BadRequest("tokens", f"at most {MAX_PUB_TOKENS} tokens, got {len(self.tokens)}")
+        _int("output_start", self.output_start, 0, len(self.tokens) - 1)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> SuffixPub:
+        _expect(msg, cls.TYPE)
+        f = msg.fields
+        return cls(f["cluster"], f["tokenizer"], _tensor(msg, 0), f["output_start"])
+
+    def to_message(self, **envelope: Any) -> Message:
+        return make(self.TYPE, cluster=self.cluster, tokenizer=self.tokenizer,
+                    output_start=self.output_start,
+                    tensors=[np.asarray(self.tokens, dtype=np.int32)], **envelope)
+
+
+@dataclass(frozen=True, eq=False)
+class SuffixSnapshot:
+    """Recent publications of one verifier: (tokens, output_start) documents."""
+
+    TYPE: ClassVar[str] = "suffix_snapshot"
+
+    tokenizer: str
+    docs: tuple[tuple[np.ndarray, int], ...]
+
+    def __post_init__(self) -> None:
+        _str("tokenizer", self.tokenizer, allow_empty=False)
+        if len(self.docs) > MAX_SNAPSHOT_DOCS:
+            raise BadRequest("lengths", f"at most {MAX_SNAPSHOT_DOCS} documents")
+        total = 0
+        for i, (tokens, start) in enumerate(self.docs):
+            tokens_1d(f"docs[{i}]", tokens, allow_empty=False)
+            _int(f"starts[{i}]", start, 0, len(tokens) - 1)
+            total += len(tokens)
+        if total > MAX_SNAPSHOT_TOKENS:
+            raise BadRequest("tokens", f"at most {MAX_SNAPSHOT_TOKENS} tokens, got {total}")
+
+    @classmethod
+    def from_message(cls, msg: Message) -> SuffixSnapshot:
+        _expect(msg, cls.TYPE)
+        tokens = tokens_1d("tokens", _tensor(msg, 0))
+        lengths, starts = np.asarray(_tensor(msg, 1)), np.asarray(_tensor(msg, 2))
+        if lengths.shape != starts.shape or len(lengths) > MAX_SNAPSHOT_DOCS:
+            raise BadRequest("lengths", "lengths and starts must be two lists of one size")
+        if len(lengths) and (int(lengths.min()) < 1 or int(lengths.sum()) != len(tokens)):
+            raise BadRequest("lengths", "the lengths must be positive and add up to the tokens")
+        ends = np.cumsum(lengths)
+        docs = tuple((tokens[end - n:end], int(st))
+                     for n, end, st in zip(lengths.tolist(), ends.tolist(), starts.tolist(),
+                                           strict=True))
+        return cls(msg.fields["tokenizer"], docs)
+
+    def to_message(self, **envelope: Any) -> Message:
+        tokens = (np.concatenate([np.asarray(t, dtype=np.int32) for t, _ in self.docs])
+                  if self.docs else EMPTY_TOKENS)
+        return make(self.TYPE, tokenizer=self.tokenizer, tensors=[
+            tokens, np.asarray([len(t) for t, _ in self.docs], dtype=np.int32),
+            np.asarray([st for _, st in self.docs], dtype=np.int32)], **envelope)
+
+
 STRUCTS: dict[str, type] = {c.TYPE: c for c in (
     GenerateReq, TokenChunk, Done, ErrorReply, SessionOpen, SessionExtend, DraftChunk,
-    SessionClose)}
+    SessionClose, SuffixPub, SuffixSnapshot)}
 
 
 def parse(msg: Message) -> Any:

@@ -112,6 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="a streaming verifier silent this long is taken for stalled and "
                              "the generation resumes elsewhere (default 15)")
+    share = parser.add_mutually_exclusive_group()
+    share.add_argument("--share-prompts", action="store_true",
+                       help="a verifier publishes its prompts too, not only its outputs, to "
+                            "the cluster's suffix drafters (docs/security.md)")
+    share.add_argument("--no-share", action="store_true",
+                       help="a verifier publishes nothing to the cluster's suffix drafters")
     parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                         help="let browser pages from ORIGIN (e.g. http://localhost:3000; * for "
                              "any) call the gateway; repeatable (default: none)")
@@ -236,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"specbus gateway: OpenAI-compatible API on {gateway.url}/v1", file=sys.stderr)
     for handler in logging.getLogger().handlers:
         set_node_id(handler, node.node_id)
+    if roles is not None:
+        roles.start()
     card = node.membership.card
     print(f"specbus node {node.node_id}{f' ({card.name})' if card.name else ''} in cluster "
           f"{card.cluster!r}: requests {card.endpoints['stream']}, gossip "
@@ -307,7 +315,9 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
                     max_draft=args.max_draft, tree_width=args.tree_width,
                     lease_s=args.session_lease,
                     threads=args.threads,
-                    max_context=args.max_context)
+                    max_context=args.max_context,
+                    share="off" if args.no_share else "prompts" if args.share_prompts
+                    else "output")
     roles = assemble(spec)
     return_freed_memory()  # what loading and quantising freed (assemble's locals are gone)
     extras = {**(config.card_fields.get("extras") or {}), **(roles.card.get("extras") or {})}

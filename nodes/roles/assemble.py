@@ -35,6 +35,8 @@ class RoleSpec:
     max_context: int = 0
     #: an already-built verifier backend (a sharded pipeline's rank 0) instead of loading one
     prebuilt: Any = None
+    #: what a verifier publishes for the cluster's suffix drafters: output, prompts, off
+    share: str = "output"
 
 
 @dataclass
@@ -44,14 +46,21 @@ class Roles:
     verifier: Any = None
     proposer: Any = None
     card: dict[str, Any] = field(default_factory=dict)
+    publisher: Any = None  # a verifier's side of the shared suffix index
+    subscriber: Any = None  # a suffix proposer's side
 
     def attach(self, node) -> None:
-        for role in (self.verifier, self.proposer):
+        for role in (self.verifier, self.proposer, self.publisher, self.subscriber):
             if role is not None:
                 role.attach(node)
 
+    def start(self) -> None:
+        """After the node has joined (subscriptions need its gossip channel and members)."""
+        if self.subscriber is not None:
+            self.subscriber.start()
+
     def close(self) -> None:
-        for role in (self.proposer, self.verifier):
+        for role in (self.subscriber, self.proposer, self.verifier):
             if role is not None:
                 role.close()
 
@@ -75,6 +84,10 @@ class Roles:
                                **self.proposer.stats.as_dict()}
             # the worker's errors and the I/O thread's refused input, each counted by its own
             out["proposer"]["errors"] += self.proposer.input_errors.snapshot()["input_errors"]
+            if self.subscriber is not None:
+                out["proposer"]["suffix_index"] = self.subscriber.stats()
+        if self.publisher is not None and "verifier" in out:
+            out["verifier"]["suffix_published"] = self.publisher.published
         return out
 
 
@@ -118,6 +131,11 @@ def assemble(spec: RoleSpec) -> Roles:
         # protocol 2: drafts stream in ahead and are never waited for (but with draft='force')
         roles.verifier = VerifierRole(engine, lease_s=spec.lease_s,
                                       max_context=spec.max_context)
+        if spec.share != "off":
+            from nodes.roles.suffix_share import Publisher
+
+            roles.publisher = Publisher(spec.share, backend.fingerprint)
+            roles.verifier.on_finished = roles.publisher.publish
 
     if "proposer" in spec.roles:
         from nodes.roles.proposer import ProposerRole
@@ -132,6 +150,11 @@ def assemble(spec: RoleSpec) -> Roles:
         context = spec.max_context or (model_context(own) if own is not None else 0)
         roles.proposer = ProposerRole(drafter, vocab_size=vocab,
                                       max_context=context, tree_width=spec.tree_width)
+        index = getattr(drafter, "index", None)
+        if callable(getattr(index, "add", None)):  # a drafter with a global index (suffix)
+            from nodes.roles.suffix_share import Subscriber
+
+            roles.subscriber = Subscriber(index)
         if drafter.fingerprint is None:
             roles.card.setdefault("tokenizer", ANY_TOKENIZER)
         else:

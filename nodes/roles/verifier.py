@@ -32,7 +32,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -85,6 +85,8 @@ class VerifierRole:
         #: longest prompt + max_tokens served (0: the model's own context)
         self.max_context = max_context or requests.model_context(engine.backend)
         self.stats = VerifierStats()
+        #: compute thread, after each generation that finished: (prompt ids, generated ids)
+        self.on_finished: Callable[[list[int], list[int]], None] | None = None
         self.admission = Counters(ADMISSION_COUNTERS, is_owner=lambda: True)  # until attached
         self.links: dict[str, ProposerLink] = {}  # compute thread only
         #: what telemetry (I/O thread) may read: an immutable view the compute thread replaces
@@ -274,6 +276,11 @@ class VerifierRole:
         if req.cancelled.is_set():
             return
         self._account(generated, elapsed, stats, session)
+        if self.on_finished is not None:  # e.g. the shared suffix index (suffix_share.py)
+            try:
+                self.on_finished(prompt_ids, generated)
+            except Exception:  # noqa: BLE001 - sharing must never fail a generation
+                log.exception("publishing a finished generation failed")
         text = final_text if final_text is not None else tok.decode(generated)
         req.reply(Done(finish, text, {
             "token_ids": generated,

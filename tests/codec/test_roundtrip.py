@@ -36,6 +36,9 @@ SAMPLE_FIELDS = {
     "token_chunk": dict(index=0, text="hi"),
     "done": dict(finish_reason="stop", stats={"acceptance": 0.5}),
     "error": dict(code="oops", message="bad"),
+    "suffix_pub": dict(cluster="c", tokenizer="fp", output_start=1),
+    "suffix_snapshot_req": dict(cluster="c"),
+    "suffix_snapshot": dict(tokenizer="fp"),
     "blob": dict(note="any"),
 }
 
@@ -45,6 +48,8 @@ SAMPLE_TENSORS = {
     "session_extend": [TOKENS],
     "token_chunk": [TOKENS],
     "draft_chunk": [TOKENS],
+    "suffix_pub": [TOKENS],
+    "suffix_snapshot": [TOKENS, np.array([1, 2], np.int32), np.array([0, 1], np.int32)],
     "blob": [np.zeros((2, 2, 2), np.uint8), np.ones(3, bool),
              np.random.default_rng(0).random((3, 11), dtype=np.float32)],
 }

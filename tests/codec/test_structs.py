@@ -171,3 +171,27 @@ def test_bad_draft_chunk_trees_name_the_field(kw, field):
         DraftChunk("s", 7, np.array([5, 6, 7], np.int32), 1, **args)
     assert info.value.field == field
 
+
+
+def test_suffix_publications_and_snapshots_are_checked():
+    from codec.structs import MAX_PUB_TOKENS, SuffixPub, SuffixSnapshot
+
+    pub = SuffixPub("c", "fp", np.array([5, 6, 7], np.int32), output_start=1)
+    back = parse(wire(pub.to_message()))
+    assert back.tokens.tolist() == [5, 6, 7] and back.output_start == 1
+    for kw, field in [({"tokens": np.zeros(MAX_PUB_TOKENS + 1, np.int32)}, "tokens"),
+                      ({"output_start": 3}, "output_start"), ({"tokenizer": ""}, "tokenizer"),
+                      ({"tokens": np.array([-1], np.int32)}, "tokens")]:
+        args = {"cluster": "c", "tokenizer": "fp", "tokens": np.array([5, 6, 7], np.int32),
+                "output_start": 0, **kw}
+        with pytest.raises(BadRequest) as info:
+            SuffixPub(**args)
+        assert info.value.field == field, kw
+    snap = SuffixSnapshot("fp", ((np.array([1, 2, 3], np.int32), 0),
+                                 (np.array([4], np.int32), 0)))
+    got = parse(wire(snap.to_message()))
+    assert [(t.tolist(), st) for t, st in got.docs] == [([1, 2, 3], 0), ([4], 0)]
+    bad = snap.to_message()
+    bad.tensors[1] = np.array([3, 3], np.int32)  # lengths that do not add up to the tokens
+    with pytest.raises(BadRequest):
+        parse(wire(bad))

@@ -1,0 +1,110 @@
+"""The shared suffix index across processes (issue 25): a verifier publishes what it generates,
+suffix proposers index it, a proposer that joins late starts warm from a verifier's snapshot,
+and a verifier started after the first answer gets the repeated request drafted whole.
+
+Tiny-model verifiers and suffix proposers as real processes on loopback. The first answer is
+decoded plainly (`speculate=False`): no proposer sees it but through a publication. Verdicts
+count tokens (forced drafting, never timed); every output equals the plain one.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from nodes.cluster_client import ClusterClient, GenerateRequest
+from nodes.telemetry import stats_topic
+from tests.polling import wait_until
+from tools.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Write the numbers from one to twenty in words, separated by commas."
+MAX = 24
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from nodes import models
+    from tests.engine.conftest import build_tiny
+
+    folder = tmp_path_factory.mktemp("tiny-share")
+    build_tiny(folder, models.resolve(models.DEFAULT_MODEL).path, seed=0)
+    return folder
+
+
+class Telemetry:
+    """The latest `stats` of every node, as gossiped."""
+
+    def __init__(self, cc: ClusterClient, cluster: str) -> None:
+        self._lock = threading.Lock()
+        self.latest: dict[str, dict] = {}
+        cc.node.register_gossip("stats", self._on_stats)
+        cc.node.gossip.subscribe(stats_topic(cluster))
+
+    def _on_stats(self, topic, msg) -> None:
+        if isinstance(msg.get("stats"), dict):
+            with self._lock:
+                self.latest[msg.sender] = msg["stats"]
+
+    def index(self, node_id: str) -> dict:
+        with self._lock:
+            return dict((self.latest.get(node_id) or {}).get("proposer", {})
+                        .get("suffix_index") or {})
+
+    def verifier(self, node_id: str) -> dict:
+        with self._lock:
+            return dict((self.latest.get(node_id) or {}).get("verifier") or {})
+
+
+def forced(cc, target, proposer_id):
+    return cc.generate(GenerateRequest(PROMPT, max_tokens=MAX, proposers=[proposer_id],
+                                       force_draft=True), target)
+
+
+def test_answers_are_shared_across_verifiers_and_late_proposers(tmp_path, tiny_model):
+    tiny = ("--model", str(tiny_model), "--threads", "1")
+    with LocalCluster(log_dir=tmp_path, mdns=False) as c:
+        v1 = c.start_node("v1", "--role", "verifier", *tiny)
+        p1 = c.start_node("suffix1", "--role", "proposer", "--drafter", "suffix",
+                          "--suffix-budget", "4")
+        quiet = c.start_node("quiet", "--role", "verifier", "--no-share", *tiny)
+        with ClusterClient(c.cluster, peers=(v1.stream,), mdns=False) as cc:
+            tel = Telemetry(cc, c.cluster)
+            cc.wait_for(lambda ms: {"v1", "suffix1", "quiet"} <= {m.card.name for m in ms}, 60)
+            target = next(m for m in cc.verifiers() if m.card.name == "v1")
+            plain = cc.generate(GenerateRequest(PROMPT, max_tokens=MAX, speculate=False),
+                                target)
+            # the answer reached the proposer as a publication only (no session saw it)
+            assert wait_until(lambda: tel.index(p1.node_id).get("indexed", 0) >= 1, 60), \
+                tel.index(p1.node_id)
+
+            # a verifier started after the answer was given: the repeat is drafted from it
+            v2 = c.start_node("v2", "--role", "verifier", *tiny, seed=True)
+            cc.wait_for(lambda ms: any(m.node_id == v2.node_id for m in ms), 60)
+            late_verifier = next(m for m in cc.verifiers() if m.node_id == v2.node_id)
+            again = forced(cc, late_verifier, p1.node_id)
+            assert again.stats["token_ids"] == plain.stats["token_ids"]
+            first_use = again.stats["proposers"][p1.node_id]
+            assert first_use["accepted"] >= MAX // 2, first_use
+
+            # a proposer started after the answer: warm from a verifier's snapshot
+            p2 = c.start_node("suffix2", "--role", "proposer", "--drafter", "suffix",
+                              "--suffix-budget", "4", seed=True)
+            assert wait_until(lambda: tel.index(p2.node_id).get("snapshots", 0) >= 1
+                              and tel.index(p2.node_id).get("indexed", 0) >= 1, 60), \
+                tel.index(p2.node_id)
+            cc.wait_for(lambda ms: any(m.node_id == p2.node_id for m in ms), 60)
+            warm = forced(cc, target, p2.node_id)
+            assert warm.stats["token_ids"] == plain.stats["token_ids"]
+            assert warm.stats["proposers"][p2.node_id]["accepted"] >= MAX // 2
+
+            # --no-share publishes nothing
+            quiet_m = next(m for m in cc.verifiers() if m.node_id == quiet.node_id)
+            cc.generate(GenerateRequest("Name a colour.", max_tokens=4, speculate=False),
+                        quiet_m)
+            assert wait_until(lambda: tel.verifier(quiet.node_id).get("generations", 0) >= 1,
+                              30)
+            assert "suffix_published" not in tel.verifier(quiet.node_id)
+            assert tel.verifier(v1.node_id).get("suffix_published", 0) >= 1
