@@ -46,7 +46,7 @@ class TokenizerCache:
 
         models.set_offline()
         try:
-            tok = Tokenizer(models.resolve(model).path)
+            tok = Tokenizer(models.resolve(model, paths=False).path)  # a peer's name, not a path
         except Exception as exc:  # noqa: BLE001 - any failure means "no local tokenizer"
             log.warning("client: no local tokenizer for %s (%s: %s); requests go as text and "
                         "cannot fail over", model, type(exc).__name__, exc)

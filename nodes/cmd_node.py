@@ -112,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="a streaming verifier silent this long is taken for stalled and "
                              "the generation resumes elsewhere (default 15)")
+    parser.add_argument("--served-name", default=None, metavar="NAME",
+                        help="the model's name for clients (card, /v1/models, members); "
+                             "default: the alias or repo id, or a local folder's own name")
     share = parser.add_mutually_exclusive_group()
     share.add_argument("--share-prompts", action="store_true",
                        help="a verifier publishes its prompts too, not only its outputs, to "
@@ -317,7 +320,7 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
                     threads=args.threads,
                     max_context=args.max_context,
                     share="off" if args.no_share else "prompts" if args.share_prompts
-                    else "output")
+                    else "output", served_name=args.served_name or "")
     roles = assemble(spec)
     return_freed_memory()  # what loading and quantising freed (assemble's locals are gone)
     extras = {**(config.card_fields.get("extras") or {}), **(roles.card.get("extras") or {})}

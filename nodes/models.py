@@ -116,14 +116,28 @@ def _export_smollm2(tmp: Path) -> None:
     print("specbus: export done.", file=sys.stderr, flush=True)
 
 
-def resolve(ref: str | os.PathLike | None) -> ModelRef:
-    """Turn an alias, a local folder or a cached HF repo id into a local model folder."""
+def served_name(ref: str) -> str:
+    """The name a model is served under when `--served-name` is not given: an alias or a Hugging
+    Face repo id as it is, a local folder by its own name (`./my-smol` -> `my-smol`), never a
+    path of this machine's disk."""
+    path = Path(ref).expanduser()
+    if ref.lower() == DEFAULT_MODEL or not path.exists():
+        return ref
+    return path.resolve().name
+
+
+def resolve(ref: str | os.PathLike | None, paths: bool = True) -> ModelRef:
+    """Turn an alias, a local folder or a cached HF repo id into a local model folder.
+    `paths=False` takes only aliases and repo ids: a name from another machine's card never
+    picks a folder of this one."""
     set_offline()
     ref = str(ref or DEFAULT_MODEL)
     if ref.lower() == DEFAULT_MODEL:
         folder = atomic_build(cache_dir() / "models" / _SMOLLM2_EXPORT, _export_smollm2)
         return ModelRef(DEFAULT_MODEL, folder)
     path = Path(ref).expanduser()
+    if not paths and (path.exists() or ref.startswith((".", "/", "~"))):
+        raise ModelNotFoundError(f"model {ref!r}: a folder name is not looked up here")
     if path.exists():
         if not _is_model_folder(path):
             raise ModelNotFoundError(

@@ -37,6 +37,8 @@ class RoleSpec:
     prebuilt: Any = None
     #: what a verifier publishes for the cluster's suffix drafters: output, prompts, off
     share: str = "output"
+    #: the model's name on the card (`/v1/models`, `members`); "": derived from `model`
+    served_name: str = ""
 
 
 @dataclass
@@ -113,7 +115,10 @@ def assemble(spec: RoleSpec) -> Roles:
         backend = spec.prebuilt or load_backend(spec.backend, spec.model)
         log.info("loaded %s on %s in %.1fs", backend.model_name, backend.name,
                  time.perf_counter() - t0)
-        roles.card.update(backend=backend.name, model=backend.model_name,
+        from nodes.models import served_name
+
+        roles.card.update(backend=backend.name,
+                          model=spec.served_name or served_name(backend.model_name),
                           tokenizer=backend.fingerprint, vocab=backend.vocab_size)
 
     drafter = None
