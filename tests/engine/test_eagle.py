@@ -240,3 +240,11 @@ def test_the_training_unroll_equals_inference(tiny_torch, foreign_head):
                 h = head.step(cache, tokens[0, m + d : m + d + 1], h[None],
                               torch.tensor([m - 1 + d]))[0]
                 torch.testing.assert_close(h, outs[d][0, m - 1 + d])
+
+
+def test_an_mlx_verifier_is_refused_clearly(tiny_mlx, foreign_head):
+    """mlx-lm models give no hook on layer inputs: refused at load, and by the backend."""
+    with pytest.raises(BadRequestError, match="needs a torch verifier"):
+        make_drafter(f"eagle:{foreign_head}", tiny_mlx)
+    with pytest.raises(BadRequestError, match="cannot capture hidden states"):
+        tiny_mlx.capture_hidden(tiny_mlx.new_cache(), LAYERS)
