@@ -6,8 +6,9 @@ that the observer node's threads keep current, polled twice a second.
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import App, ComposeResult
-from textual.containers import Horizontal, Vertical
+from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Footer, Header, RichLog, Static
 
 from tools.monitor_view import MEMBER_COLUMNS, member_rows, role_lines
@@ -16,13 +17,17 @@ REFRESH_S = 0.5
 
 
 class MonitorApp(App):
-    """Live view of one cluster. Quits on `q` or Ctrl-C."""
+    """Live view of one cluster. Quits on `q` or Ctrl-C.
+
+    Laid out as it is read: who is there (the members table, as tall as its rows, at most a
+    third of the screen), what each role is doing (one full-width panel per role, so lines
+    and sparklines never wrap at 120 columns), and what just happened (the events, in the rest of the screen)."""
 
     CSS = """
-    #members { height: 1fr; min-height: 6; }
-    #panels { height: auto; max-height: 50%; }
+    #members { height: auto; max-height: 33%; }
+    #panels { height: auto; max-height: 60%; }
     .panel { width: 1fr; border: round $accent; padding: 0 1; height: auto; }
-    #events { height: 10; border: round $secondary; }
+    #events { height: 1fr; min-height: 6; border: round $secondary; }
     """
     BINDINGS = [("q", "quit", "Quit"), ("ctrl+c", "quit", "Quit")]
 
@@ -33,12 +38,12 @@ class MonitorApp(App):
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=True)
-        with Vertical():
-            yield DataTable(id="members", zebra_stripes=True, cursor_type="row")
-            with Horizontal(id="panels"):
-                yield Static("verifiers: waiting for stats", id="verifiers", classes="panel")
-                yield Static("proposers: waiting for stats", id="proposers", classes="panel")
-            yield RichLog(id="events", max_lines=500, wrap=False)
+        yield DataTable(id="members", zebra_stripes=True, cursor_type="row")
+        with VerticalScroll(id="panels"):
+            yield Static("verifiers: waiting for stats", id="verifiers", classes="panel")
+            yield Static("proposers: waiting for stats", id="proposers", classes="panel")
+            yield Static("gateways: none", id="gateways", classes="panel")
+        yield RichLog(id="events", max_lines=500, wrap=False)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -56,11 +61,11 @@ class MonitorApp(App):
         table.clear()
         for row in member_rows(view):
             table.add_row(*row, key=row[1])
-        verifiers, proposers = role_lines(view)
-        self.query_one("#verifiers", Static).update(
-            "[b]verifiers[/b]\n" + ("\n".join(verifiers) or "no verifier stats yet"))
-        self.query_one("#proposers", Static).update(
-            "[b]proposers[/b]\n" + ("\n".join(proposers) or "no proposer stats yet"))
+        for panel, lines in zip(("verifiers", "proposers", "gateways"), role_lines(view),
+                                strict=True):
+            self.query_one(f"#{panel}", Static).update(
+                Text(f"{panel}\n", style="bold") + Text("\n".join(lines) or f"no {panel[:-1]} "
+                                                         "stats yet"))
         log = self.query_one("#events", RichLog)
         lines, self._log_seen = view.new_log_lines(self._log_seen)
         for line in lines:

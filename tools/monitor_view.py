@@ -26,7 +26,9 @@ class NodeStats:
     at: float = 0.0  # monotonic time of the latest stats
     tok_s: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     acceptance: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
-    draft_tok_s: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    draft_tok_s: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # per wall s
+    last_drafted: float | None = None  # the proposer's draft_tokens at the previous sample
+    last_at: float = 0.0
 
 
 class ClusterView:
@@ -60,15 +62,26 @@ class ClusterView:
                 ns.tok_s.append(float(v.get("tok_s") or 0.0))
                 ns.acceptance.append(float(v.get("acceptance") or 0.0))
             if isinstance(p, dict):
-                ns.draft_tok_s.append(float(p.get("draft_tok_s") or 0.0))
+                # tokens drafted per second of wall time (from the counter's growth): what a
+                # proposer gives; its own `draft_tok_s` is its speed while drafting, which for an
+                # index lookup runs to six digits and says nothing of the work done
+                drafted = p.get("draft_tokens")
+                if isinstance(drafted, int | float) and ns.last_drafted is not None:
+                    dt = ns.at - ns.last_at
+                    if dt > 0:
+                        ns.draft_tok_s.append(max(0.0, (drafted - ns.last_drafted) / dt))
+                if isinstance(drafted, int | float):
+                    ns.last_drafted, ns.last_at = float(drafted), ns.at
         return {"event": "stats", "node_id": node_id, "ts": time.time(), "stats": stats}
 
     def refresh(self, members: list[Member]) -> None:
-        """Replace member views with a fresh copy of the table (heartbeat ages move on)."""
+        """Mirror the membership table (heartbeat ages move on; members it forgot go); an
+        observer that left or died (a `members` run, another monitor) goes at once."""
         with self._lock:
-            for m in members:
-                if not m.is_self:
-                    self._members[m.node_id] = m
+            self._members = {m.node_id: m for m in members if not m.is_self and not (
+                m.card.observer and m.state.value in ("left", "dead"))}
+            for node_id in [n for n in self._stats if n not in self._members]:
+                del self._stats[node_id]
 
     def new_log_lines(self, seen: int) -> tuple[list[str], int]:
         """Log lines after the first `seen` ever logged, and the new total."""
@@ -86,7 +99,8 @@ class ClusterView:
             if ns is None:
                 return None
             return NodeStats(dict(ns.latest), ns.at, deque(ns.tok_s, HISTORY),
-                             deque(ns.acceptance, HISTORY), deque(ns.draft_tok_s, HISTORY))
+                             deque(ns.acceptance, HISTORY), deque(ns.draft_tok_s, HISTORY),
+                             ns.last_drafted, ns.last_at)
 
     def snapshot(self) -> dict[str, Any]:
         """Everything, as one JSON-able object (`--once --json`)."""
@@ -145,7 +159,7 @@ def member_rows(view: ClusterView) -> list[tuple[str, ...]]:
     for m in view.members():
         f = member_fields(m)
         roles = ",".join(f["roles"]) or ("observer" if f["observer"] else "-")
-        rows.append((f["name"] or "-", m.node_id, roles, f["backend"] or "-", f["model"] or "-",
+        rows.append((display_name(m), m.node_id, roles, f["backend"] or "-", f["model"] or "-",
                      f["state"] + (" INSECURE" if f["insecure"] else ""),
                      str(f["incarnation"]), f"{f['heartbeat_age_s']:.1f}s",
                      f"{f['load']:.2f}"))
@@ -155,42 +169,64 @@ def member_rows(view: ClusterView) -> list[tuple[str, ...]]:
 MEMBER_COLUMNS = ("name", "id", "roles", "backend", "model", "state", "inc", "heartbeat", "load")
 
 
-def role_lines(view: ClusterView) -> tuple[list[str], list[str]]:
-    """Text lines of the verifier and proposer panels."""
-    verifiers, proposers = [], []
+SPARK_WIDTH = 16
+
+
+def display_name(m: Member) -> str:
+    """A member as the panels name it: its card name, else its id (never `-`)."""
+    return printable(m.card.name or m.node_id, 16)
+
+
+def role_lines(view: ClusterView) -> tuple[list[str], list[str], list[str]]:
+    """Text lines of the verifier, proposer and gateway panels, each under 110 columns.
+
+    Units, the same word for the same thing everywhere: a verifier's `steps` with a proposer
+    are its verify steps whose tree held that proposer's tokens; a proposer's `chunks` are the
+    draft messages it streamed; `drafted` is tokens drafted per second of wall time."""
+    verifiers, proposers, gateways = [], [], []
     for m in view.members():
         ns = view.stats(m.node_id)
         if ns is None:
             continue
-        name = m.card.name or m.node_id
-        v, p = ns.latest.get("verifier"), ns.latest.get("proposer")
+        name = display_name(m)
+        latest = ns.latest
+        v, p, g = latest.get("verifier"), latest.get("proposer"), latest.get("gateway")
         if isinstance(v, dict):
+            speed = sparkline(ns.tok_s, SPARK_WIDTH).ljust(SPARK_WIDTH)
+            accept = sparkline(ns.acceptance, SPARK_WIDTH).ljust(SPARK_WIDTH)
             verifiers.append(
-                f"{name:16} tok/s {v.get('tok_s', 0):6.1f} {sparkline(ns.tok_s):20} "
-                f"accept {v.get('acceptance', 0):4.2f} {sparkline(ns.acceptance):20} "
-                f"active {v.get('active', 0)} queued {v.get('queued', 0)} "
-                f"orphans {v.get('orphans_dropped', 0)}")
-            for pid, ps in (v.get("proposers") or {}).items():
-                label = printable(ps.get("name") or pid, 40) if isinstance(ps, dict) else "?"
+                f"{name:16} {v.get('tok_s', 0):6.1f} tok/s {speed} accept "
+                f"{v.get('acceptance', 0):4.2f} {accept} active {v.get('active', 0)} queued "
+                f"{v.get('queued', 0)} orphans {v.get('orphans_dropped', 0)}")
+            links = v.get("proposers")
+            for pid, ps in (links.items() if isinstance(links, dict) else ()):
                 if not isinstance(ps, dict):
                     continue
+                label = printable(ps.get("name") or pid, 22)
                 verifiers.append(
-                    f"  └ {label:14} accept {ps.get('acceptance', 0):4.2f} "
-                    f"drafts {ps.get('drafts', 0):5} timeouts {ps.get('timeouts', 0):3} "
-                    f"rtt {ps.get('rtt_ms', 0):.2f} ms")
+                    f"  └ {label:22} accept {ps.get('acceptance', 0):4.2f} steps "
+                    f"{ps.get('drafts', 0):6} timeouts {ps.get('timeouts', 0):4} rtt "
+                    f"{ps.get('rtt_ms', 0):6.2f} ms")
         if isinstance(p, dict):
-            drafting = rate_text(float(p.get("draft_tok_s") or 0.0))
+            rate = ns.draft_tok_s[-1] if ns.draft_tok_s else 0.0
             proposers.append(
-                f"{name:16} sessions {p.get('sessions_open', 0):3} drafts "
-                f"{p.get('drafts_served', 0):6} draft tok/s {drafting} "
-                f"{sparkline(ns.draft_tok_s):20}")
-        cpu = ns.latest.get("cpu_percent", 0)
-        rss = ns.latest.get("rss_bytes", 0) / 2**20
-        dropped = sum((ns.latest.get("dropped") or {}).values())
-        line = f"   {name:16} cpu {cpu:5.1f}%  mem {rss:7.1f} MiB  dropped {dropped}"
-        (verifiers if isinstance(v, dict) else proposers if isinstance(p, dict) else []).append(
-            line)
-    return verifiers, proposers
+                f"{name:16} sessions {p.get('sessions_open', 0):3} chunks "
+                f"{p.get('drafts_served', 0):7} drafted {rate_text(rate, 7)} tok/s "
+                f"{sparkline(ns.draft_tok_s, SPARK_WIDTH)}")
+        if isinstance(g, dict):
+            gateways.append(
+                f"{name:16} {printable(g.get('http', ''), 28):28} in flight "
+                f"{g.get('inflight', 0):3} requests {g.get('requests', 0):6} failovers "
+                f"{g.get('failovers', 0):3} cancelled {g.get('cancelled', 0):3}")
+        cpu = latest.get("cpu_percent", 0)
+        rss = latest.get("rss_bytes", 0) / 2**20
+        dropped = sum((latest.get("dropped") or {}).values())
+        line = f"   {'':16} cpu {cpu:5.1f}%  mem {rss:7.1f} MiB  dropped {dropped}"
+        for panel, role in ((verifiers, v), (proposers, p), (gateways, g)):
+            if isinstance(role, dict):
+                panel.append(line)
+                break
+    return verifiers, proposers, gateways
 
 
 def render_text(view: ClusterView) -> str:
@@ -199,8 +235,9 @@ def render_text(view: ClusterView) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(MEMBER_COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    verifiers, proposers = role_lines(view)
+    verifiers, proposers, gateways = role_lines(view)
     lines += ["", "verifiers:", *(verifiers or ["  (no stats yet)"]),
               "", "proposers:", *(proposers or ["  (no stats yet)"]),
+              *(["", "gateways:", *gateways] if gateways else []),
               "", "events:", *list(view.log)[-10:]]
     return "\n".join(lines)
