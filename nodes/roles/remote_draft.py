@@ -92,7 +92,6 @@ class ProposerLink:
     name: str = ""
     drafts: int = 0  # steps whose tree included this proposer's tokens
     drafted: int = 0  # tokens offered to those trees
-    chosen: int = 0  # same as drafts (kept for telemetry readers)
     accepted: int = 0  # of those tokens, accepted by the verifier
     verified: int = 0  # tokens of offered drafts that were checked
     chunks: int = 0  # valid chunks received
@@ -107,7 +106,7 @@ class ProposerLink:
     fresh_s: float | None = None
     client: DirectClient | None = field(default=None, repr=False)
 
-    COUNTERS = ("drafts", "drafted", "chosen", "accepted", "verified", "chunks", "stale",
+    COUNTERS = ("drafts", "drafted", "accepted", "verified", "chunks", "stale",
                 "timeouts", "bad_replies", "errors", "flooded")
 
     def counters(self) -> dict[str, int]:
@@ -221,7 +220,6 @@ class ProposerSource(DraftSource):
         link = self.link
         if self.proposed:  # counted as proposed: the tree may have merged it with another's
             link.drafts += 1
-            link.chosen += 1
             link.drafted += self.proposed
             link.accepted += fb.accepted
             link.verified += min(self.proposed, fb.accepted + 1)
