@@ -15,6 +15,7 @@ import pytest
 
 from nodes.cluster_client import ClusterClient, GenerateRequest
 from nodes.telemetry import stats_topic
+from tests.nodes.test_suffix_proposer import tiny_model  # noqa: F401 - fixture
 from tests.polling import wait_until
 from tools.local_cluster import LocalCluster
 
@@ -22,16 +23,6 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "Write the numbers from one to twenty in words, separated by commas."
 MAX = 24
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from nodes import models
-    from tests.engine.conftest import build_tiny
-
-    folder = tmp_path_factory.mktemp("tiny-share")
-    build_tiny(folder, models.resolve(models.DEFAULT_MODEL).path, seed=0)
-    return folder
 
 
 class Telemetry:
@@ -63,7 +54,7 @@ def forced(cc, target, proposer_id):
                                        force_draft=True), target)
 
 
-def test_answers_are_shared_across_verifiers_and_late_proposers(tmp_path, tiny_model):
+def test_answers_are_shared_across_verifiers_and_late_proposers(tmp_path, tiny_model):  # noqa: F811
     tiny = ("--model", str(tiny_model), "--threads", "1")
     with LocalCluster(log_dir=tmp_path, mdns=False) as c:
         v1 = c.start_node("v1", "--role", "verifier", *tiny)
