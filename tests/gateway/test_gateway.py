@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from nodes.cluster_client import ClusterClient, GenerateRequest
+from tests.polling import wait_until
 
 from .conftest import MODEL, metrics, sse_events
 
@@ -446,6 +447,29 @@ def test_failover_when_the_serving_verifier_is_stopped(raw, reference, cluster):
     assert text == expected
     assert final["specbus"]["failovers"] == 1
     assert final["specbus"]["verifiers"][0] == stopped[0].node_id
+
+
+def test_a_stalled_lone_verifier_is_waited_for(raw, reference, cluster):
+    """Issue 21: a 5 s SIGSTOP of the only verifier once ended the stream with `no_verifier`
+    (membership said dead after ~1.6 s). Its connection is alive, so the gateway waits and
+    the stream goes on where it was."""
+    alive = [n for n in cluster.nodes if n.name in ("v1", "v2", "v3") and n.proc.poll() is None]
+    assert len(alive) == 1
+    _settle(raw)
+    max_new = 40
+    expected = reference.completion(LONG, max_new)
+
+    def stall(victim):
+        node = next(n for n in cluster.nodes if n.node_id == victim)
+        node.proc.send_signal(signal.SIGSTOP)
+        time.sleep(5)  # the scenario: longer than membership's dead_after
+        node.proc.send_signal(signal.SIGCONT)
+
+    text, final = _stream_with(raw, {"model": MODEL, "prompt": LONG, "max_tokens": max_new,
+                                     "temperature": 0, "stream": True}, stall)
+    assert text == expected
+    assert final["specbus"]["failovers"] == 0
+    assert wait_until(lambda: raw.json("GET", "/health")[0] == 200, 30)  # alive again
 
 
 def test_no_verifier_left_ends_the_stream_with_an_error_event(raw, cluster):
