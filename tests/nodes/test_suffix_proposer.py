@@ -26,7 +26,10 @@ def tiny_model(tmp_path_factory):
 
 def test_a_suffix_proposer_process_drafts_and_the_output_is_the_verifiers(tmp_path, tiny_model):
     with LocalCluster(log_dir=tmp_path, mdns=False) as c:
-        v = c.start_node("v", "--role", "verifier", "--model", str(tiny_model), "--threads", "1")
+        # --no-share: the verifier publishes nothing (tests/nodes/test_suffix_share.py covers
+        # publication), so the proposer's index holds only what its own sessions wrote
+        v = c.start_node("v", "--role", "verifier", "--model", str(tiny_model), "--threads", "1",
+                         "--no-share")
         p = c.start_node("suffix", "--role", "proposer", "--drafter", "suffix",
                          "--suffix-budget", "4")
         with ClusterClient(c.cluster, peers=(v.stream,), mdns=False) as cc:
