@@ -253,7 +253,9 @@ class SuffixSession(DraftSession):
         if self.closed:
             return
         self.closed = True
-        self.drafter.index.add(self.local.tokens, self.prompt_len, self.opts.prompts)
+        if self.drafter.index.add(self.local.tokens, self.prompt_len, self.opts.prompts):
+            log.debug("suffix index: +%d output tokens, %s", len(self.local.tokens)
+                      - self.prompt_len, self.drafter.index.stats())
 
 
 class SuffixSource(DraftSource):

@@ -14,9 +14,11 @@ Both are hash chains, as in LZ77 compressors, rather than suffix trees: for each
 precede, and `prev[p]` links each position to the previous one with the same hash. A lookup
 walks the chain of the longest anchor the context's tail has, verifies the tokens (hashes
 collide) and extends each match backwards up to `max_match` tokens. Why not a suffix tree: in
-Python a tree costs hundreds of bytes per node and a node per token per depth; a chain costs
-4 bytes per token per level in an `array('i')` (read from Python at list speed), and documents
-are inserted and the whole index rebuilt with numpy when eviction compacts it.
+Python a tree costs hundreds of bytes per node and a node per token per depth; in the global
+index a chain costs 4 bytes per token per level in an `array('i')` (read from Python at list
+speed), documents are linked and the whole index rebuilt with numpy, and a lookup verifies its
+walked positions in one numpy comparison. The session index is small and short-lived: plain
+lists and dicts.
 
 Token ids are non-negative; two markers sit in the global buffer: `SEP` between documents (no
 match crosses it) and `START` where an output begins (a match may run through it, so a new
@@ -56,6 +58,8 @@ LOW_WATER = 0.8
 #: bytes counted per document for its bookkeeping (the `_Doc`, list and dict entries; measured
 #: with tracemalloc: tests/engine/test_suffix_index.py)
 DOC_OVERHEAD = 240
+#: the largest token id the int32 buffer stores
+MAX_ID = 2**31 - 1
 
 _P = 0x100000001B3  # FNV-64 prime: the polynomial hash's multiplier
 _C = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads the polynomial hash over the table bits
@@ -96,8 +100,8 @@ class _ChainIndex:
         continuation: all its occurrences among the first `max_walk` entries of the longest
         anchor's chain that has any, most recent first."""
         toks, n_ctx = self.tokens, len(ctx)
-        if type(ctx) is not type(toks):  # slices of the same type compare in C
-            ctx = type(toks)("i", ctx) if isinstance(toks, array) else list(ctx)
+        if not isinstance(ctx, list):  # list slices compare in C
+            ctx = list(ctx)
         for li in range(len(self.levels) - 1, -1, -1):
             n = self.levels[li]
             if n > n_ctx:
@@ -126,15 +130,6 @@ class _ChainIndex:
 
     def _weights(self, positions: list[int]) -> list[float]:
         return [1.0] * len(positions)
-
-    def continuation(self, p: int, n: int) -> tuple[int, ...]:
-        """Up to n tokens from position p, stopping at a marker."""
-        seg = self.tokens[p : p + n]
-        if isinstance(seg, array):
-            seg = seg.tolist()
-        if seg and min(seg) < 0:
-            seg = seg[: next(i for i, t in enumerate(seg) if t < 0)]
-        return tuple(seg)
 
 
 class LocalIndex(_ChainIndex):
@@ -251,7 +246,12 @@ class GlobalIndex(_ChainIndex):
         output = [int(t) for t in tokens[output_start:]]
         if not output:
             return False
-        doc = ([int(t) for t in tokens[:output_start]] if share_prompt else []) + [START] + output
+        prompt = [int(t) for t in tokens[:output_start]] if share_prompt else []
+        doc = prompt + [START] + output
+        if min(output + prompt) < 0 or max(output + prompt) > MAX_ID:
+            # ids no tokenizer has (a hostile or broken peer): never stored, never a marker
+            log.debug("suffix index: refused a document with ids outside 0..%d", MAX_ID)
+            return False
         per_token = 4 * (1 + 2 * len(self.levels))  # buffer, prev, and heads sized to tokens
         cap = max(int(self.budget * LOW_WATER / 2) // per_token, 2)
         if len(doc) + 1 > cap:  # bigger than half the budget: keep the end of it
@@ -360,7 +360,7 @@ class GlobalIndex(_ChainIndex):
                     continue
                 lim = min(max_match, n_ctx)
                 pos = np.asarray(walk, dtype=np.int64)
-                back = np.asarray(ctx[n_ctx - lim :][::-1], dtype=np.int32)
+                back = np.asarray(ctx[n_ctx - lim :][::-1], dtype=np.int64)  # any int id
                 idx = np.maximum(pos[:, None] - np.arange(1, lim + 1)[None, :], 0)
                 eq = buf[idx] == back[None, :]  # position 0 is SEP: never equal
                 m = np.where(eq.all(axis=1), lim, eq.argmin(axis=1))
@@ -406,10 +406,6 @@ class GlobalIndex(_ChainIndex):
         arrays = [self.tokens, *self.prev, *self.heads]
         return sum(a.buffer_info()[1] * a.itemsize for a in arrays) + DOC_OVERHEAD * len(
             self.docs)
-
-    @property
-    def indexed_tokens(self) -> int:
-        return len(self.tokens)
 
     def stats(self) -> dict:
         with self.lock:

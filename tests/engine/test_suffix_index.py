@@ -40,7 +40,7 @@ def test_frequencies_become_conf_and_rare_paths_are_pruned():
     # alternatives, likeliest first: 8 after [5, 6] (0.8*0.75*1/3 = 0.2), 4 at the root (0.2),
     # 9 after [5] (0.8 * 1/4 = 0.2): all at 0.2, first seen first
     assert {(at, tuple(t)) for at, t, _ in tree.branches} == {(2, (8,)), (0, (4,)), (1, (9,))}
-    for at, toks, conf in tree.branches:
+    for _at, _toks, conf in tree.branches:
         assert all(0 < c <= 1 for c in conf)
     narrow = plan_tree(conts, [1.0] * 5, size=3, width=2, min_prob=0.1)
     assert len(narrow.branches) == 1
@@ -177,8 +177,8 @@ def test_specs_parse_and_bad_ones_are_refused():
     assert opts == SuffixOptions(8.0, 2.0, 1.0, 0.2, 2, True)
     d = make_drafter("suffix:budget=1")
     assert isinstance(d, SuffixDrafter) and d.index.budget == 1 << 20
-    for bad in ("suffix:budget=0", "suffix:speed=1", "suffix:local_factor=-1", "suffix:width=99", "suffix:factor=x",
-                "suffix:budget"):
+    for bad in ("suffix:budget=0", "suffix:speed=1", "suffix:local_factor=-1", "suffix:width=99",
+                "suffix:factor=x", "suffix:budget"):
         with pytest.raises(BadRequestError):
             make_drafter(bad)
 
@@ -221,3 +221,13 @@ def test_every_draft_continues_the_indexed_text_after_the_matched_suffix(docs, t
 def _occurs(needle, hay) -> bool:
     n = len(needle)
     return any(hay[i : i + n] == needle for i in range(len(hay) - n + 1))
+
+
+def test_ids_no_tokenizer_has_are_never_stored():
+    g = GlobalIndex(1 << 20)
+    assert not g.add([1, 5, -1, 7], 1)  # a marker smuggled in
+    assert not g.add([1, 5, 2**40], 1)
+    assert not g.add([-3, 5, 6], 1, share_prompt=True)
+    assert g.add([-3, 5, 6], 1)  # the prompt is not stored: only the output is checked
+    assert g.lookup([START, 5, 2**40]).length == 0  # a lookup with such ids finds nothing
+    assert g.lookup([START, 5]).length == 2
