@@ -270,6 +270,8 @@ def trace(name: str, max_tokens: int, limit: int, spec: str) -> dict:
             "identical": all(r["tokens"] == res["plain"]["tokens"] for r in res.values()),
             **{f"{n}_s": round(r["s"], 3) for n, r in res.items()},
             **{f"{n}_tok_per_fwd": round(r["tok_per_forward"], 3) for n, r in res.items()},
+            # draft tokens fed to the verifier: on CPU a forward's cost grows with them
+            **{f"{n}_fed": r["drafted"] for n, r in res.items() if n != "plain"},
         })
         log.info("request %d: %s", i, rows[-1])
     warm = rows[3:] or rows  # after the first few requests, as the targets say
