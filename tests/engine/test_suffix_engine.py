@@ -79,3 +79,21 @@ def test_a_source_sees_the_last_block_before_close(tiny_torch, prompt_ids, refer
     doc = drafter.index.docs[0]
     stored = list(drafter.index.tokens[doc.start + 1 : doc.end - 1])  # between START and SEP
     assert stored == reference
+
+
+@pytest.mark.parametrize("name", ["agent_tools", "sql_schema", "file_edits"])
+def test_the_traces_load_and_encode(tiny_torch, name):
+    from tools.bench_suffix import encode_request, load_trace
+
+    requests = load_trace(name)
+    assert len(requests) >= 10
+    for req in requests:
+        assert len(encode_request(tiny_torch.tokenizer, req)) > 20
+
+
+def test_the_micro_benchmark_stays_within_its_budget():
+    from tools.bench_suffix import micro
+
+    out = micro(20_000, "suffix:budget=0.25")
+    assert out["evicted"] > 0 and out["index_bytes"] <= out["budget_bytes"]
+    assert out["drafted_per_call"] > 0 and out["draft_us_per_call"] > 0
