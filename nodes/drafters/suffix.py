@@ -12,12 +12,13 @@ A draft is a tree built from the occurrences of the longest matched suffix: thei
 are counted (weighted) into a trie; the chain follows the heaviest child at each depth and its
 `conf` is that child's share of its parent's count (the empirical continuation probability the
 verifier's tree ranking and cost model read); alternatives are the other children whose path
-probability is at least `min_prob`. Its size follows the match (SuffixDecoding's adaptive
-speculation): from the global index at most `factor` x the matched length, so a one-token match
-drafts one token and a long one the whole budget; from the session's own text up to the budget
-by default (`local_factor=0`), as the ngram drafter, because an answer that copies its prompt
-does so in runs that a short match starts. A path stops where its probability falls under
-`min_prob`.
+probability is at least `min_prob`, offered only when the global index matched (a match in the
+session's own text alone drafts a chain, as ngram does by default). Its size follows the match
+(SuffixDecoding's adaptive speculation): from the global index at most `factor` x the matched
+length, so a one-token match drafts one token and a long one the whole budget; from the
+session's own text up to the budget by default (`local_factor=0`), as the ngram drafter, because
+an answer that copies its prompt does so in runs that a short match starts. A path stops where
+its probability falls under `min_prob`.
 
 The session's text enters the global index when the session closes. In a proposer that is the
 committed text plus the few tokens it drafted ahead past the verifier's last commit (the role
@@ -217,6 +218,11 @@ class SuffixSession(DraftSession):
             return TreeDraft([], [], [])
         factor = self.opts.local_factor if local.length == m else self.opts.factor
         size = k if factor == 0 else min(k, max(1, math.floor(factor * m)))
+        if glob.length < m:
+            # the session's own text only: a chain, as ngram's default. Its other occurrences
+            # are rarely right, and each alternative holds back room the chain needed (the
+            # tree merge's reserve; the ngram tree lost the same way: docs/engine.md)
+            width = 1
         conts: list[tuple[int, ...]] = []
         weights: list[float] = []
         if local.length == m:
