@@ -242,3 +242,36 @@ def test_telemetry_never_iterates_links_the_compute_thread_mutates(verifier):
     assert not errors, errors
     verifier._publish()
     assert len(roles.telemetry()["verifier"]["proposers"]) == len(verifier.links) > 0
+
+
+def test_an_anonymous_clients_work_is_dropped_when_it_vanishes(host, verifier):
+    """Issue 21: a raw DEALER (never a member) that queues long generations and vanishes
+    without a word once held the verifier for its whole queue (~80 minutes with 16 x 4,096
+    tokens). Its connection is probed: queued and running work is dropped and counted. The
+    first generation is held in prefill until the drops are seen, so nothing can finish
+    first (no timing in the verdict)."""
+    import zmq
+
+    from tests.polling import wait_until
+
+    gate = threading.Event()
+    prefill = verifier.prefills.fn
+    verifier.prefills.fn = lambda *a, **kw: (gate.wait(60), prefill(*a, **kw))[1]
+    ctx = zmq.Context()
+    try:
+        raw = ctx.socket(zmq.DEALER)
+        raw.connect(host.server.endpoint)
+        for rid in range(1, 5):
+            msg = make("generate_req", prompt=PROMPT, max_tokens=512, chat=False)
+            msg.rid = rid
+            raw.send_multipart(encode(msg))
+        assert wait_until(lambda: verifier.prefills.calls == 1 and verifier.queued == 3, 30)
+        raw.close(linger=0)  # gone: no cancel, no leave, and it was never a member
+        assert wait_until(lambda: verifier.admission.snapshot()["orphans_dropped"] == 4, 30), \
+            verifier.admission.snapshot()
+        assert verifier.queued == 0
+    finally:
+        gate.set()
+        ctx.term()
+    # the running one stopped within a block; the next client is served at once
+    assert generate(host, prompt=PROMPT, chat=False, max_tokens=4).type == "done"
