@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 ANY_TOKENIZER = "any"  # card value of tokenizer-agnostic drafters (ngram)
 MAX_PROPOSERS_USED = 8  # proposers one generation drafts with (a tree merges them all)
+PRUNE_IDLE_S = 2.0  # an idle verifier closes the links of departed proposers this often
+_IDLE = object()  # `_next` while nothing is queued for PRUNE_IDLE_S
 MAX_TOKENS_LIMIT = requests.MAX_TOKENS_LIMIT
 
 
@@ -188,14 +190,31 @@ class VerifierRole:
 
     # -- compute thread -----------------------------------------------------------------------
     def _next(self):
+        """The next request; while idle, every `PRUNE_IDLE_S` the links of proposers that
+        are no longer workers are closed (their sockets belong to this thread)."""
         with self._cv:
             while not self._waiting and not self._closing:
-                self._cv.wait()
+                if not self._cv.wait(PRUNE_IDLE_S):
+                    return _IDLE
             return None if self._closing else self._waiting.popleft()
+
+    def _prune_links(self) -> None:
+        """Compute thread: close the links of proposers that are no longer workers."""
+        if self._node is None or self._node.membership is None or not self.links:
+            return
+        present = {m.node_id for m in self._node.membership.workers()}
+        gone = [n for n in self.links if n not in present]
+        for node_id in gone:
+            self.links.pop(node_id).close()
+        if gone:
+            self._publish()
 
     def _run(self) -> None:
         while True:
             item = self._next()
+            if item is _IDLE:
+                self._prune_links()
+                continue
             if item is None:
                 for link in self.links.values():
                     link.close()  # the links' sockets belong to this thread
@@ -354,11 +373,8 @@ class VerifierRole:
         connections, for as long as they stay in the (bounded) member table."""
         if self._node is None or self._node.membership is None:
             return []
-        workers = self._node.membership.workers()
-        present = {m.node_id for m in workers}
-        for node_id in [n for n in self.links if n not in present]:
-            self.links.pop(node_id).close()
-        out = self._links_of(workers, only)
+        self._prune_links()
+        out = self._links_of(self._node.membership.workers(), only)
         if only is None and len(out) > MAX_PROPOSERS_USED:
             out.sort(key=lambda k: (-k.accepted, k.errors + k.timeouts + k.bad_replies,
                                     k.node_id))
