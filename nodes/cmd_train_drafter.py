@@ -88,8 +88,9 @@ def _run(args: argparse.Namespace) -> int:
         _say(f"data: reusing {data_file} ({len(blob['train'])} + {len(blob['held'])} sequences)")
     else:
         blob = _make_data(args, backend, layers, D)
+        blob["seconds"] = time.monotonic() - t0
         torch.save(blob, data_file)
-    data_s = time.monotonic() - t0
+    data_s = blob.get("seconds", 0.0)  # what making it took, also when reused
     train, held, draft_ids = blob["train"], blob["held"], blob["draft_ids"]
 
     head = T.new_head(backend, draft_ids, layers, seed=args.seed)
