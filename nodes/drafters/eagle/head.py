@@ -141,14 +141,13 @@ class Eagle3Head(nn.Module):
         None: all earlier entries and causal among the new ones."""
         q, k, v, residual = self.project(tokens, self.fuse(feature), positions)
         keys, values = cache.append(k, v)
-        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        if rep > 1:
-            keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
         n, total = q.shape[1], keys.shape[1]
         if visible is None:
             visible = torch.ones((n, total), dtype=torch.bool, device=q.device)
             visible[:, total - n :] = torch.tril(visible[:, total - n :])
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[None])
+        # grouped KV heads read in place (no per-step copy of the cache per query head)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[None],
+                                             enable_gqa=True)
         return self.finish(out, residual)
 
 
