@@ -17,8 +17,9 @@ calling thread and raises `WrongThread` from any other, so misuse fails loudly, 
 Replies are buffered per call, bounded: at most `max_queued` streamed (`more=True`) replies
 wait for the owner; later ones are dropped and counted (`DirectCall.overflowed`,
 `DirectClient.overflowed`). The final reply (or failure) of a call is always kept, so a call
-always finishes. Until the owner reads, replies wait in libzmq (no receive HWM: bus/sockets.py); ZMTP
-heartbeats are answered by libzmq's own thread, so a busy owner delays reading, not liveness.
+always finishes. Until the owner reads, replies wait in libzmq (no receive HWM:
+bus/sockets.py); ZMTP heartbeats are answered by libzmq's own thread, so a busy owner delays
+reading, not liveness.
 
 Typical use on the owner thread (several peers, replies read when the thread is ready):
 

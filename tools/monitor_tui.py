@@ -21,7 +21,8 @@ class MonitorApp(App):
 
     Laid out as it is read: who is there (the members table, as tall as its rows, at most a
     third of the screen), what each role is doing (one full-width panel per role, so lines
-    and sparklines never wrap at 120 columns), and what just happened (the events, in the rest of the screen)."""
+    and sparklines never wrap at 120 columns), and what just happened (the events, in the
+    rest of the screen)."""
 
     CSS = """
     #members { height: auto; max-height: 33%; }

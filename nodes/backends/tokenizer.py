@@ -106,7 +106,7 @@ class Tokenizer:
         text is tokenized as usual (its control tokens kept), each content as plain text."""
         marks = [f"\ue000{i}\ue001" for i in range(len(msgs))]
         rendered = self.hf.apply_chat_template(
-            [{"role": m["role"], "content": mark} for m, mark in zip(msgs, marks)],
+            [{"role": m["role"], "content": mark} for m, mark in zip(msgs, marks, strict=True)],
             add_generation_prompt=True, tokenize=False)
         ids: list[int] = []
         for i, piece in enumerate(_MARK.split(rendered)):

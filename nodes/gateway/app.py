@@ -16,12 +16,12 @@ from typing import Any
 
 from aiohttp import web
 
+from nodes.client_tokenizers import TokenizerCache, encode_messages, encode_prompt
 from nodes.gateway.balancer import Balancer, verifiers_of
-from nodes.gateway.http_server import mark_request
 from nodes.gateway.generation import Final, Generation, Piece, Plan, Started, StreamFailed
+from nodes.gateway.http_server import mark_request
 from nodes.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from nodes.gateway.openai_schema import ApiError, ApiRequest, parse_json, parse_request
-from nodes.client_tokenizers import TokenizerCache, encode_messages, encode_prompt
 
 log = logging.getLogger(__name__)
 

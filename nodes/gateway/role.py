@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from nodes.client_tokenizers import TokenizerCache
 from nodes.gateway.app import GatewayApp
 from nodes.gateway.balancer import Balancer
 from nodes.gateway.http_server import (
@@ -26,7 +27,6 @@ from nodes.gateway.http_server import (
     ConnectionCap,
 )
 from nodes.gateway.metrics import GatewayMetrics
-from nodes.client_tokenizers import TokenizerCache
 
 log = logging.getLogger(__name__)
 
