@@ -94,6 +94,7 @@ class _Session:
 class ProposerStats:
     sessions_opened: int = 0
     sessions_expired: int = 0
+    sessions_dropped: int = 0  # its verifier's connection went away before the lease ended
     drafts_served: int = 0  # chunks streamed
     draft_tokens: int = 0  # tokens drafted (new ones, not resent assumed ones)
     draft_s: float = 0.0
@@ -107,6 +108,7 @@ class ProposerStats:
         return {
             "sessions_opened": self.sessions_opened,
             "sessions_expired": self.sessions_expired,
+            "sessions_dropped": self.sessions_dropped,
             "drafts_served": self.drafts_served,
             "draft_tokens": self.draft_tokens,
             "draft_tok_s": self.draft_tokens / self.draft_s if self.draft_s else 0.0,
@@ -388,7 +390,11 @@ class ProposerRole:
             self.stats.sessions_expired += 1
             self._close(s, "expired")
         for s in [s for s in self._sessions.values() if s.stream.cancelled.is_set()]:
-            self.stats.cancelled += 1  # cancelled, or its connection is gone (liveness.py)
+            if s.stream.dropped:  # its connection is gone (nodes/roles/liveness.py)
+                log.info("session %s of %s dropped: its connection is gone", s.sid, s.owner)
+                self.stats.sessions_dropped += 1
+            else:
+                self.stats.cancelled += 1
             self._close(s, "cancelled")
 
     def _close(self, session: _Session, why: str) -> None:
