@@ -112,6 +112,9 @@ class GatewayRole:
         m = self.metrics
         return {"gateway": {"http": self.url, "inflight": sum(self.balancer.inflight.values()),
                             "requests": sum(m.requests.values()), "failovers": m.failovers,
+                            "stats_refused": m.stats_refused,
+                            "connections_refused": self.connections.refused
+                            if self.connections is not None else 0,
                             "cancelled": m.cancelled, "completion_tokens": m.completion_tokens}}
 
     # -- gateway thread -----------------------------------------------------------------------

@@ -198,11 +198,13 @@ class VerifierRole:
                     return _IDLE
             return None if self._closing else self._waiting.popleft()
 
-    def _prune_links(self) -> None:
+    def _prune_links(self, workers=None) -> None:
         """Compute thread: close the links of proposers that are no longer workers."""
         if self._node is None or self._node.membership is None or not self.links:
             return
-        present = {m.node_id for m in self._node.membership.workers()}
+        if workers is None:
+            workers = self._node.membership.workers()
+        present = {m.node_id for m in workers}
         gone = [n for n in self.links if n not in present]
         for node_id in gone:
             self.links.pop(node_id).close()
@@ -373,8 +375,9 @@ class VerifierRole:
         connections, for as long as they stay in the (bounded) member table."""
         if self._node is None or self._node.membership is None:
             return []
-        self._prune_links()
-        out = self._links_of(self._node.membership.workers(), only)
+        workers = self._node.membership.workers()
+        self._prune_links(workers)
+        out = self._links_of(workers, only)
         if only is None and len(out) > MAX_PROPOSERS_USED:
             out.sort(key=lambda k: (-k.accepted, k.errors + k.timeouts + k.bad_replies,
                                     k.node_id))
