@@ -141,13 +141,16 @@ class Subscriber:
             docs = self._queue.get()
             if docs is None:
                 return
-            for tokens, start in docs:
-                try:
-                    if self.index.add(tokens.tolist(), start, share_prompt=start > 0):
-                        self.indexed.inc("indexed")
-                        self.indexed.inc("indexed_tokens", len(tokens) - start)
-                except Exception:  # noqa: BLE001 - one bad document must not stop the indexer
-                    log.exception("indexing a publication failed")
+            try:
+                for tokens, start in docs:
+                    try:
+                        if self.index.add(tokens.tolist(), start, share_prompt=start > 0):
+                            self.indexed.inc("indexed")
+                            self.indexed.inc("indexed_tokens", len(tokens) - start)
+                    except Exception:  # noqa: BLE001 - one bad document must not stop it
+                        log.exception("indexing a publication failed")
+            finally:
+                self._queue.task_done()  # "queued" counts an item until it is indexed
 
     def start(self) -> None:
         """After the node joined: hear publications, and ask verifiers for what came before."""
@@ -159,7 +162,9 @@ class Subscriber:
     def stats(self) -> dict[str, int]:
         out = self.counters.snapshot() if self.counters is not None else {}
         out.update(self.indexed.snapshot())
-        out["queued"] = self._queue.qsize()
+        # put and not yet indexed: an item the indexer has taken but not finished still counts
+        # (qsize alone reads 0 while the last document is being added)
+        out["queued"] = self._queue.unfinished_tasks
         out["index_bytes"] = int(self.index.nbytes())
         return out
 
