@@ -4,16 +4,21 @@ range-checked, in one place. Cards are parsed by `discovery.cards.Card.from_fiel
 The codec has already checked the field kinds; here come the bounds the codec cannot know:
 counters in [0, MAX_COUNTER], a view digest of a plausible size, a suspects list no longer
 than a cluster and made of node ids. Errors say whether the message was merely malformed or
-carried absurd numbers (`hostile`); the caller drops and counts either, never raises.
+carried absurd numbers (`hostile`); the caller drops and counts either (`drop`), never
+raises.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from codec.messages import Message
 from discovery.cards import CardError, check_node_id
+from discovery.counters import Counters
 from discovery.limits import MAX_COUNTER, MAX_CRC, MAX_MEMBERS, is_counter
+
+log = logging.getLogger("discovery.membership")
 
 
 class MalformedGossip(CardError):
@@ -82,3 +87,9 @@ def _counter(msg: Message, name: str) -> int:
     if not is_counter(v):
         raise HostileGossip(f"{msg.type} {name} must be in [0, {MAX_COUNTER}], got {v!r}"[:200])
     return v
+
+
+def drop(counters: Counters, what: str, exc: CardError) -> None:
+    """Count a message we refuse: `hostile` for absurd numbers, else `dropped`."""
+    counters.inc("hostile" if exc.hostile else "dropped")
+    log.debug("dropped %s: %s", what, exc)

@@ -87,8 +87,8 @@ def test_refutation_bumps_incarnation(make_node, tmp_path, seed_of, view, wait_u
     assert wait_until(lambda: a.node_id in view(b))
     inc = a.membership.card.incarnation
     # b claims to suspect a: a must answer with a higher incarnation
-    b.membership._publish("heartbeat", cluster="specbus", incarnation=1, version=1,
-                          suspects=[a.node_id])
+    b.membership._announcer.publish("heartbeat", cluster="specbus", incarnation=1,
+                                    version=1, suspects=[a.node_id])
     assert wait_until(lambda: a.membership.card.incarnation > inc)
     assert wait_until(lambda: b.membership.get(a.node_id).incarnation > inc)
     assert a.membership.counters["refutations"] >= 1
@@ -168,7 +168,7 @@ def test_view_digest_spreads_a_member_learned_late(make_node, seed_of, view, wai
     a = make_node()
     b = make_node(peers=(seed_of(a),))
     assert wait_until(lambda: a.node_id in view(b))
-    real = b.membership._snapshot_maps
+    real = b.membership._snapshots.maps
     calls = []
 
     def first_one_only_b():
@@ -177,7 +177,7 @@ def test_view_digest_spreads_a_member_learned_late(make_node, seed_of, view, wai
             return real()[:1]  # only b's own card
         return real()
 
-    b.membership._snapshot_maps = first_one_only_b
+    b.membership._snapshots.maps = first_one_only_b
     c = make_node(peers=(seed_of(b),))
     assert wait_until(lambda: set(view(c)) == {a.node_id, b.node_id}), view(c)
     assert wait_until(lambda: c.node_id in view(a))
