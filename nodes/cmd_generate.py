@@ -160,10 +160,9 @@ def _run_cluster(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from nodes.engine.local import (
+    from nodes.local_run import (
         LocalConfig,
         encode_prompt,
-        generate_text,
         load_engine,
         result_dict,
     )
@@ -208,7 +207,7 @@ def _run_local(args: argparse.Namespace) -> int:
             block.text = decode(generated)
         show(block)
 
-    gen = generate_text(engine, ids, params, on_block=None if args.json else stream)
+    gen = engine.generate(ids, params, on_block=None if args.json else stream)
     result = result_dict(engine, gen)
     if args.json:
         print(json.dumps(result, ensure_ascii=False))

@@ -1,16 +1,16 @@
-"""The drafter interface, shaped so it can be served remotely without change.
+"""Drafters: the engine's `SourceOpener`s, shaped so they can also be served remotely.
 
-A `Drafter` is shared and long-lived; `open(prompt_ids, params)` gives a per-session
-`DraftSession` holding whatever state the drafter needs (n-gram index, KV cache, rng). The engine
-tells the session what was committed with `extend(delta)` and asks `draft(k)` for up to k tokens.
+A `Drafter` is shared and long-lived. In process, the engine opens one `DraftSource` per
+sequence with `open_source` (the engine's one draft interface, nodes/engine/sources.py); a
+drafter with trees or hidden-state inputs implements it directly. Behind a proposer node the
+same drafter is driven through a `DraftSession` (`open(prompt_ids, params)`): told what was
+committed with `extend(delta)`, asked `draft(k)` for up to k tokens, or `draft_ahead(k,
+width)` for a chain plus alternatives (`Branch`: a model's runners-up at a position, the
+n-gram index's other continuations) with the drafter's probability of each token, which the
+verifier uses to rank the nodes of the tree it builds; sessions can roll back (`truncate`).
 `draft` returns `(ids int32 [n], probs float32 [n, vocab] | None)` with 0 <= n <= k and never
-padding; `probs` is the distribution each token was sampled from (None: deterministic, i.e. a
-point mass). The nodes layer puts exactly this behind a ZeroMQ DEALER/ROUTER session.
-
-A proposer drafting ahead asks `draft_ahead(k, width)` instead: the same chain plus, where the
-drafter has them, alternatives (`Branch`: a model's runners-up at a position, the n-gram index's
-other continuations) and the drafter's probability of each token, which the verifier uses to
-rank the nodes of the tree it builds. Alternatives are deterministic proposals.
+padding; `probs` is the distribution each token was sampled from (None: a point mass). A
+drafter with only a session gets `open_source` for free (`SessionSource`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nodes.engine.errors import BadRequestError, TokenizerMismatchError
+from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
+from nodes.engine.sources import DraftSource, SourceOpener
+from nodes.engine.tree import Candidate
 
 if TYPE_CHECKING:
     from nodes.backends.base import Backend
@@ -83,12 +85,9 @@ class DraftSession(ABC):
         return None
 
 
-class Drafter(ABC):
-    """A source of draft tokens."""
+class Drafter(SourceOpener):
+    """A source of draft tokens, in process (`open_source`) and behind a proposer (`open`)."""
 
-    name: str = "?"
-    #: tokenizer fingerprint the drafts are in; None means "works on any tokenizer's ids"
-    fingerprint: str | None = None
     #: drafting ahead (proposer role): tokens per streamed chunk; 0 drafts up to the horizon
     #: in one go (cheap drafters), a model drafter streams a few at a time
     ahead_chunk: int = 0
@@ -99,13 +98,30 @@ class Drafter(ABC):
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftSession:
         """Start a session for one generation."""
 
-    def check_compatible(self, verifier_fingerprint: str) -> None:
-        """Refuse to draft for a verifier whose token ids mean something else."""
-        if self.fingerprint is not None and self.fingerprint != verifier_fingerprint:
-            raise TokenizerMismatchError(
-                f"drafter {self.name!r} tokenizer {self.fingerprint} does not match the "
-                f"verifier's {verifier_fingerprint}; drafts would be meaningless"
-            )
+    def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftSource:
+        """The session as a chain source; drafters with trees override this."""
+        return SessionSource(self.open(prompt_ids, params), len(prompt_ids), name=self.name)
+
+
+class SessionSource(DraftSource):
+    """A `DraftSession` as an engine source: extend(delta) then draft(k) on each step."""
+
+    def __init__(self, session: DraftSession, told: int, *, name: str = "session") -> None:
+        self.session = session
+        self.told = told  # committed tokens the session has been told about
+        self.name = name
+
+    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
+        delta = list(committed[self.told :])
+        self.told = len(committed)
+        self.session.extend(delta)
+        if budget <= 0:
+            return []
+        ids, probs = self.session.draft(budget)
+        return [Candidate(ids, probs)]
+
+    def close(self) -> None:
+        self.session.close()
 
 
 def make_drafter(spec: str | None, verifier: Backend | None = None) -> Drafter | None:

@@ -23,7 +23,7 @@ from nodes.engine.errors import (
     TokenizerMismatchError,
 )
 from nodes.engine.sampling import SamplingParams
-from nodes.engine.sources import DraftSource, Feedback, SessionSource
+from nodes.engine.sources import DraftSource, Feedback, SourceOpener
 from nodes.engine.tree import Candidate, TokenTree
 
 __all__ = [
@@ -40,7 +40,7 @@ __all__ = [
     "ModelNotFoundError",
     "SamplingParams",
     "SequenceState",
-    "SessionSource",
+    "SourceOpener",
     "Stats",
     "TokenTree",
     "TokenizerMismatchError",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,12 +32,11 @@ from nodes.engine.sampling import (
     probs_from_logits,
     sample,
 )
-from nodes.engine.sources import DraftSource, Feedback, SessionSource
+from nodes.engine.sources import DraftSource, Feedback, SourceOpener
 from nodes.engine.tree import Candidate, TokenTree
 
 if TYPE_CHECKING:
     from nodes.backends.base import Backend
-    from nodes.drafters.base import Drafter, DraftSession
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +132,7 @@ class Generation:
 class _Slot:
     source: DraftSource
     name: str
+    owned: bool  # opened by the engine (closed with the sequence); else the caller's
     asked: bool = False  # proposed this step (gets feedback on its offer)
     offered: int = 0
     tag: int = -1  # this step's source index in the tree's owner sets
@@ -166,16 +166,17 @@ class SequenceState:
         return bool(self.generated)
 
     def close(self) -> None:
-        """Release the sources; safe to call twice."""
+        """Release the sources the engine opened; safe to call twice."""
         slots, self.slots = self.slots, []
         for slot in slots:
-            _close_quietly(slot.source)
+            if slot.owned:
+                _close_quietly(slot.source)
 
 
 class Engine:
-    """Verifier backend + optional drafter (or caller-given sources). Stepping one sequence at a
-    time per engine; the verify costs it learns carry over between sequences, acceptance
-    starts afresh with each.
+    """Verifier backend + optional drafter (a `SourceOpener`), or caller-given sources.
+    Stepping one sequence at a time per engine; the verify costs it learns carry over between
+    sequences, acceptance starts afresh with each.
 
     `fixed_k` pins the draft node budget (tests); otherwise the cost model picks it per step.
     `tree=False` verifies only the first candidate's single path (what a backend without tree
@@ -185,7 +186,7 @@ class Engine:
     def __init__(
         self,
         backend: Backend,
-        drafter: Drafter | None = None,
+        drafter: SourceOpener | None = None,
         *,
         max_draft: int = 16,
         fixed_k: int | None = None,
@@ -201,14 +202,26 @@ class Engine:
         self.fixed_k = fixed_k
         self.tree = tree and getattr(backend, "supports_tree", False)
         self.cost = CostModel(max_k=max_draft)
-        self.controller = self.cost  # old name
 
     # ---- public API -------------------------------------------------------------------------
-    def generate(self, prompt_ids: Sequence[int], params: GenerationParams) -> Generation:
-        """Run a whole generation and collect it."""
-        from nodes.engine.local import generate_text
-
-        return generate_text(self, list(prompt_ids), params)
+    def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
+                 on_block: Callable[[Block], None] | None = None) -> Generation:
+        """Run a whole generation and collect it, calling `on_block` as each block is
+        committed (for streaming)."""
+        start = time.perf_counter()
+        stats = Stats()
+        tokens: list[int] = []
+        last: Block | None = None
+        for block in self.stream(prompt_ids, params, stats=stats):
+            tokens.extend(block.token_ids)
+            last = block
+            if on_block is not None:
+                on_block(block)
+        assert last is not None and last.finish_reason is not None
+        text = last.text if last.text is not None else self.backend.tokenizer.decode(tokens)
+        return Generation(prompt_ids=list(prompt_ids), token_ids=tokens, text=text,
+                          finish_reason=last.finish_reason,
+                          elapsed_s=time.perf_counter() - start, stats=stats)
 
     def stream(
         self,
@@ -216,17 +229,11 @@ class Engine:
         params: GenerationParams,
         *,
         stats: Stats | None = None,
-        draft_session: DraftSession | None = None,
         sources: Sequence[DraftSource] | None = None,
     ) -> Iterator[Block]:
         """Yield committed tokens block by block, so callers can stream them as they land.
-
-        `draft_session` lets a caller plug in its own session (e.g. a remote proposer with a
-        deadline) instead of opening one on `self.drafter`; `sources` replaces both. Sources
-        the engine opened are closed at the end; caller-given ones are left to the caller.
-        """
-        seq = self.start(prompt_ids, params, stats=stats, draft_session=draft_session,
-                         sources=sources)
+        `sources` as in `start`."""
+        seq = self.start(prompt_ids, params, stats=stats, sources=sources)
         try:
             while seq.finish_reason is None:
                 yield self.step(seq)
@@ -239,10 +246,13 @@ class Engine:
         params: GenerationParams,
         *,
         stats: Stats | None = None,
-        draft_session: DraftSession | None = None,
         sources: Sequence[DraftSource] | None = None,
     ) -> SequenceState:
-        """A new sequence, validated, ready for its first step (the prefill)."""
+        """A new sequence, validated, ready for its first step (the prefill).
+
+        `sources` are the caller's (remote proposers with their deadlines, say): used, never
+        closed by the engine; an empty list is plain decoding. Without them the engine opens
+        one source on its own drafter, if it has one, and closes it with the sequence."""
         prompt = self._check_prompt(prompt_ids)
         params.validate()
         sp = params.sampling
@@ -252,11 +262,9 @@ class Engine:
             else frozenset(params.eos_token_ids)
         )
         if sources is not None:
-            slots = [_Slot(_Borrowed(s), getattr(s, "name", "source")) for s in sources]
-        elif draft_session is not None:
-            slots = [_Slot(SessionSource(draft_session, len(prompt), owned=False), "session")]
+            slots = [_Slot(s, s.name, owned=False) for s in sources]
         elif self.drafter is not None:
-            slots = [_Slot(_open_source(self.drafter, prompt, sp), self.drafter.name)]
+            slots = [_Slot(self.drafter.open_source(prompt, sp), self.drafter.name, owned=True)]
         else:
             slots = []
         seq = SequenceState(
@@ -275,8 +283,7 @@ class Engine:
     def _capture_for(self, seq: SequenceState) -> None:
         """Opt the sequence's cache into hidden-state capture when a source reads them (the
         union of their layers, captured once); each such source gets its own columns."""
-        wanted = [tuple(s.source.hidden_layers) for s in seq.slots
-                  if getattr(s.source, "hidden_layers", None)]
+        wanted = [tuple(s.source.hidden_layers) for s in seq.slots if s.source.hidden_layers]
         if not wanted:
             return
         layers = tuple(sorted({i for w in wanted for i in w}))
@@ -287,7 +294,7 @@ class Engine:
             raise
         seq.hidden_layers = layers
         for slot in seq.slots:
-            own = getattr(slot.source, "hidden_layers", None)
+            own = slot.source.hidden_layers
             if own:
                 slot.columns = [layers.index(i) for i in own]
 
@@ -588,41 +595,13 @@ class Engine:
         return new, finish, decode(generated + new) if finish else None
 
 
-class _Borrowed(DraftSource):
-    """A caller's source: used, never closed by the engine."""
-
-    def __init__(self, inner: DraftSource) -> None:
-        self.inner = inner
-        self.name = getattr(inner, "name", "source")
-        self.hidden_layers = getattr(inner, "hidden_layers", None)
-
-    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
-        return self.inner.propose(committed, budget)
-
-    def feedback(self, fb: Feedback) -> None:
-        self.inner.feedback(fb)
-
-    def expected_wait(self) -> float | None:
-        return self.inner.expected_wait()
-
-    def wait(self, timeout: float) -> bool:
-        return self.inner.wait(timeout)
-
-
-def _open_source(drafter: Drafter, prompt: list[int], sp: SamplingParams) -> DraftSource:
-    """The drafter's native source when it has one (trees), else its session adapted."""
-    opener = getattr(drafter, "open_source", None)
-    if opener is not None:
-        return opener(prompt, sp)
-    return SessionSource(drafter.open(prompt, sp), len(prompt), owned=True, name=drafter.name)
-
-
 def _drop_source(seq: SequenceState, slot: _Slot, what: str, exc: Exception) -> None:
     """A source that raised is left out for the rest of the generation (same output)."""
     log.warning("draft source %s %s, going on without it: %r", slot.name, what, exc)
     seq.stats.drafter_errors += 1
     seq.slots.remove(slot)
-    _close_quietly(slot.source)
+    if slot.owned:
+        _close_quietly(slot.source)
 
 
 def _close_quietly(source: DraftSource) -> None:

@@ -279,7 +279,3 @@ class CostModel:
         trials = accepted + (1 if accepted < drafted else 0)
         est.acc = _DECAY * est.acc + accepted
         est.trials = _DECAY * est.trials + trials
-
-
-#: the old name (nodes.engine.adaptive); same object
-DraftLengthController = CostModel

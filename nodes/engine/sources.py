@@ -8,8 +8,11 @@ fared with `feedback(Feedback)`: explicit, never inferred from the next prefix. 
 drafts are in flight may say when they are due (`expected_wait`); the engine decides whether a
 bounded wait for them pays (`CostModel.wait_pays`), else it goes on without them.
 
-`SessionSource` adapts the older `DraftSession` interface (extend(delta)/draft(k)), so remote
-sessions and third-party drafters keep working unchanged.
+A source comes from the caller (`Engine.start(..., sources=[...])`; an empty list is plain
+decoding) or, when the caller gives none, from the engine's `SourceOpener` (a drafter), one
+per sequence. This is the engine's only draft interface: drafters implement it, nothing here
+knows about drafters, and how a drafter keeps its own per-session state (the proposer's
+extend/draft sessions) is the drafter's business.
 """
 
 from __future__ import annotations
@@ -17,12 +20,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from nodes.engine.errors import TokenizerMismatchError
+from nodes.engine.sampling import SamplingParams
 from nodes.engine.tree import Candidate
-
-if TYPE_CHECKING:
-    from nodes.drafters.base import DraftSession
 
 
 @dataclass(frozen=True)
@@ -73,24 +75,22 @@ class DraftSource(ABC):
         return None
 
 
-class SessionSource(DraftSource):
-    """A `DraftSession` as a source: extend(delta) then draft(k) on each step, as before."""
+class SourceOpener(ABC):
+    """What an engine opens one `DraftSource` per sequence from (a drafter): shared and
+    long-lived, the per-sequence state lives in the sources it opens."""
 
-    def __init__(self, session: DraftSession, told: int, *, owned: bool, name: str = "session"):
-        self.session = session
-        self.told = told  # committed tokens the session has been told about
-        self.owned = owned  # close the session with the source
-        self.name = name
+    name: str = "?"
+    #: tokenizer fingerprint the drafts are in; None means "works on any tokenizer's ids"
+    fingerprint: str | None = None
 
-    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
-        delta = list(committed[self.told :])
-        self.told = len(committed)
-        self.session.extend(delta)
-        if budget <= 0:
-            return []
-        ids, probs = self.session.draft(budget)
-        return [Candidate(ids, probs)]
+    @abstractmethod
+    def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftSource:
+        """A source for one generation of `prompt_ids` under `params`."""
 
-    def close(self) -> None:
-        if self.owned:
-            self.session.close()
+    def check_compatible(self, verifier_fingerprint: str) -> None:
+        """Refuse to draft for a verifier whose token ids mean something else."""
+        if self.fingerprint is not None and self.fingerprint != verifier_fingerprint:
+            raise TokenizerMismatchError(
+                f"drafter {self.name!r} tokenizer {self.fingerprint} does not match the "
+                f"verifier's {verifier_fingerprint}; drafts would be meaningless"
+            )

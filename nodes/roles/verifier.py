@@ -42,7 +42,6 @@ from bus.streams import Request
 from codec.errors import CodecError
 from codec.structs import Done, GenerateReq, TokenChunk
 from discovery.counters import Counters
-from nodes.drafters.base import DraftSession
 from nodes.engine.core import Engine, Stats
 from nodes.engine.errors import BUSY, GenerationError, NoProposerError, error_code
 from nodes.roles import requests
@@ -258,10 +257,9 @@ class VerifierRole:
         params = requests.generation_params(parsed)
         prompt_ids = self._prompt_ids(parsed)
         engine = self._engine_for(parsed)
-        session = self._draft_session(parsed, prompt_ids, params.sampling, engine)
-        remote = session if isinstance(session, list) else None
-        draft_args = ({"sources": remote} if remote is not None
-                      else {"draft_session": session})
+        remote = self._remote_sources(parsed, prompt_ids, params.sampling, engine)
+        sources = remote if remote or not parsed.speculate else self._local_sources(
+            engine, prompt_ids, params.sampling)
         stats = Stats()
         t0 = time.perf_counter()
         generated: list[int] = []
@@ -270,7 +268,7 @@ class VerifierRole:
         final_text = None
         try:
             for index, block in enumerate(
-                engine.stream(prompt_ids, params, stats=stats, **draft_args)
+                engine.stream(prompt_ids, params, stats=stats, sources=sources)
             ):
                 if req.cancelled.is_set():
                     break
@@ -283,20 +281,17 @@ class VerifierRole:
                     sent_text = text
                 req.reply(TokenChunk(index, np.asarray(block.token_ids, dtype=np.int32),
                                      piece).to_message(), more=True)
-                if remote is not None:
+                if remote:
                     self._publish()
                 if block.finish_reason is not None:
                     finish, final_text = block.finish_reason, text
         finally:
-            if remote is not None:
-                for source in remote:
-                    source.close()
-            elif session is not None and session is not _NO_DRAFTS:
-                session.close()
+            for source in sources:
+                source.close()
         elapsed = time.perf_counter() - t0
         if req.cancelled.is_set():
             return
-        self._account(generated, elapsed, stats, session)
+        self._account(generated, elapsed, stats)
         if self.on_finished is not None:  # e.g. the shared suffix index (suffix_share.py)
             try:
                 self.on_finished(prompt_ids, generated)
@@ -321,7 +316,7 @@ class VerifierRole:
             "model": self.engine.backend.model_name,
             "backend": self.engine.backend.name,
             "verifier": self._node.node_id if self._node else "",
-            "proposers": self._proposer_stats(session),
+            "proposers": {source.link.node_id: source.stats() for source in remote},
         }).to_message())
 
     def _engine_for(self, parsed: GenerateReq) -> Engine:
@@ -340,11 +335,19 @@ class VerifierRole:
         self.proposer_snapshot = MappingProxyType(
             {k: link.as_dict() for k, link in self.links.items()})
 
-    def _draft_session(self, parsed: GenerateReq, prompt_ids, sampling, engine: Engine):
-        """Remote proposers (a list of sources) when the cluster has compatible ones; else the
-        local drafter (None)."""
+    @staticmethod
+    def _local_sources(engine: Engine, prompt_ids, sampling) -> list:
+        """The verifier's own drafter, when no proposer drafts for it (none: plain)."""
+        if engine.drafter is None:
+            return []
+        return [engine.drafter.open_source(prompt_ids, sampling)]
+
+    def _remote_sources(self, parsed: GenerateReq, prompt_ids, sampling,
+                        engine: Engine) -> list[ProposerSource]:
+        """One source per compatible proposer of the cluster (none: an empty list; a request
+        with `speculate: false` drafts with nothing at all)."""
         if not parsed.speculate:
-            return _NO_DRAFTS
+            return []
         only = list(parsed.proposers) if parsed.proposers is not None else None
         links = self._compatible_links(only)
         self._publish()
@@ -365,7 +368,7 @@ class VerifierRole:
                 lease_s=self.lease_s, policy=self.policy,
                 is_alive=self._is_alive, forced=parsed.force_draft,
             ) for i, link in enumerate(links)]
-        return None  # the engine opens a session on its own drafter, if any
+        return []
 
     def _compatible_links(self, only: list[str] | None) -> list[ProposerLink]:
         """The proposers a generation drafts with: alive, compatible, at most
@@ -412,29 +415,10 @@ class VerifierRole:
         m = self._node.membership.get(node_id) if self._node else None
         return m is not None and m.state.value == "alive"
 
-    def _proposer_stats(self, session) -> dict:
-        if not isinstance(session, list):
-            return {}
-        return {source.link.node_id: source.stats() for source in session}
-
-    def _account(self, generated, elapsed, stats, session) -> None:
+    def _account(self, generated, elapsed, stats) -> None:
         s = self.stats
         s.generations += 1
         s.tokens += len(generated)
         s.busy_s += elapsed
         s.last_tok_s = len(generated) / elapsed if elapsed > 0 else 0.0
         s.last_acceptance = stats.acceptance
-
-
-class _NoDrafts(DraftSession):
-    """Never drafts: plain decoding on request (`speculate: false`), same engine, same cache
-    discipline, so a plain run is the exact baseline of a speculative one."""
-
-    def extend(self, delta) -> None:
-        pass
-
-    def draft(self, k):
-        return np.zeros(0, dtype=np.int32), None
-
-
-_NO_DRAFTS = _NoDrafts()

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from nodes.drafters.base import Drafter
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -110,7 +112,7 @@ def prompt_ids(tiny_torch):
 
 
 # ---- a scripted drafter: drafts derived from a known reference continuation ---------------------
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes drafts from the reference continuation in a chosen way (perfect/wrong/...).
 
     Not a mock of the model: the verifier is real; this only controls what is proposed.
@@ -122,9 +124,6 @@ class ScriptedDrafter:
     def __init__(self, reference: Sequence[int], mode: str, vocab: int, seed: int = 0):
         self.reference = list(reference)  # full sequence: prompt + reference continuation
         self.mode, self.vocab, self.seed = mode, vocab, seed
-
-    def check_compatible(self, fingerprint: str) -> None:
-        return None
 
     def open(self, prompt_ids, params):
         return _ScriptedSession(self, list(prompt_ids))

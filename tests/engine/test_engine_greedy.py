@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from nodes.drafters.base import Drafter
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.core import Stats
 from tests.engine.conftest import hf_greedy
@@ -130,7 +131,7 @@ def test_stop_string(tiny_torch, prompt_ids, reference):
     assert gen.token_ids == reference[: len(gen.token_ids)]
 
 
-class _ExplodingDrafter:
+class _ExplodingDrafter(Drafter):
     """Drafts correctly a few times, then raises: generation must go on alone, unchanged."""
 
     name = "exploding"
@@ -138,9 +139,6 @@ class _ExplodingDrafter:
 
     def __init__(self, inner, after):
         self.inner, self.after = inner, after
-
-    def check_compatible(self, fingerprint):
-        return None
 
     def open(self, prompt_ids, params):
         session = self.inner.open(prompt_ids, params)

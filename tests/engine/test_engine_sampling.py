@@ -13,8 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nodes.drafters.base import Drafter
 from nodes.engine import Engine, GenerationParams, SamplingParams
 from nodes.engine.sampling import probs_from_logits
+from nodes.engine.sources import SourceOpener
 
 SP = SamplingParams(temperature=3.0, top_k=2)
 LENGTH = 4
@@ -80,7 +82,7 @@ def test_plain_sampling_matches_exact(tiny_torch, prompt_ids, exact):
     assert chi_square(counts, exact, SAMPLES) < CHI2_CRIT_DF15_ALPHA1E3
 
 
-class TemperedSelfDrafter:
+class TemperedSelfDrafter(Drafter):
     """Stochastic drafter with q != p: the verifier's model sampled at another temperature and
     top-k (its support even includes tokens the verifier can never pick)."""
 
@@ -92,14 +94,11 @@ class TemperedSelfDrafter:
 
         self.inner = ModelDrafter(backend)
 
-    def check_compatible(self, fingerprint):
-        return None
-
     def open(self, prompt_ids, params):
         return self.inner.open(prompt_ids, SamplingParams(1.5, 1.0, 3, params.seed))
 
 
-class GreedyModelDrafter:
+class GreedyModelDrafter(Drafter):
     """Deterministic drafter (point mass q): the verifier's own argmax, ignoring temperature."""
 
     name = "greedy-self"
@@ -109,9 +108,6 @@ class GreedyModelDrafter:
         from nodes.drafters.model import ModelDrafter
 
         self.inner = ModelDrafter(backend)
-
-    def check_compatible(self, fingerprint):
-        return None
 
     def open(self, prompt_ids, params):
         return self.inner.open(prompt_ids, SamplingParams())  # greedy: returns probs None
@@ -171,7 +167,7 @@ def test_logits_processing_matches_hf(temperature, top_k, top_p):
 
 
 # ---- token trees: multi-candidate rejection sampling ---------------------------------------------
-class IidChainsDrafter:
+class IidChainsDrafter(SourceOpener):
     """SpecInfer-style: three chains drawn independently from the same q != p per step; equal
     prefixes merge in the tree, so duplicate proposals of one token are exercised."""
 
@@ -182,9 +178,6 @@ class IidChainsDrafter:
         from nodes.drafters.model import ModelDrafter
 
         self.inner, self.chains = ModelDrafter(backend), chains
-
-    def check_compatible(self, fingerprint):
-        return None
 
     def open_source(self, prompt_ids, params):
         from nodes.engine.sources import DraftSource
@@ -205,7 +198,7 @@ class IidChainsDrafter:
         return Source()
 
 
-class TopKTreeDrafter:
+class TopKTreeDrafter(SourceOpener):
     """The real model tree source (EAGLE-2-style top-k, point masses), on the verifier's model."""
 
     name = "topk-tree"
@@ -215,9 +208,6 @@ class TopKTreeDrafter:
         from nodes.drafters.model import ModelDrafter
 
         self.inner = ModelDrafter(backend, tree_width=width)
-
-    def check_compatible(self, fingerprint):
-        return None
 
     def open_source(self, prompt_ids, params):
         return self.inner.open_source(prompt_ids, params)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nodes.engine.adaptive import DraftLengthController
+from nodes.engine.cost import CostModel
 from nodes.engine.tree import Candidate, TokenTree
 
 
@@ -23,13 +23,13 @@ def feed(c, cost, accept_rate, blocks=200):
 
 
 def test_sublinear_cost_and_good_drafts_use_long_blocks():
-    c = DraftLengthController(max_k=16)
+    c = CostModel(max_k=16)
     ks = feed(c, lambda n: 0.058 + 0.0046 * (n - 1), lambda i: True)
     assert min(ks[20:]) >= 12
 
 
 def test_useless_drafts_turn_speculation_off_with_backoff():
-    c = DraftLengthController(max_k=16)
+    c = CostModel(max_k=16)
     ks = feed(c, lambda n: 0.058 + 0.0046 * (n - 1), lambda i: False, blocks=400)
     spec = [i for i, k in enumerate(ks) if k]
     assert len(spec) < 20  # a few early tries, then rare probes
@@ -39,13 +39,13 @@ def test_useless_drafts_turn_speculation_off_with_backoff():
 
 def test_linear_cost_never_pays():
     # verifying n tokens costs n times one token: drafts accepted half the time cannot pay
-    c = DraftLengthController(max_k=8)
+    c = CostModel(max_k=8)
     ks = feed(c, lambda n: 0.05 * n, lambda i: i % 2 == 0, blocks=300)
     assert sum(1 for k in ks[50:] if k) < 15
 
 
 def test_expensive_drafter_is_turned_down():
-    c = DraftLengthController(max_k=8)
+    c = CostModel(max_k=8)
     for _ in range(5):
         c.record_draft(4, 4 * 0.2)  # 200 ms per drafted token vs 58 ms verify
     ks = feed(c, lambda n: 0.058 + 0.0046 * (n - 1), lambda i: True, blocks=100)
@@ -53,7 +53,7 @@ def test_expensive_drafter_is_turned_down():
 
 
 def test_new_generation_forgets_acceptance_keeps_costs():
-    c = DraftLengthController(max_k=16)
+    c = CostModel(max_k=16)
     feed(c, lambda n: 0.05 + 0.002 * n, lambda i: False, blocks=50)
     assert c.acceptance < 0.05
     learnt = c.verify_cost(5)
@@ -67,7 +67,7 @@ CPU = lambda n: 0.056 if n == 1 else 0.090 + 0.003 * (n - 2)  # noqa: E731 - Smo
 
 
 def seeded(max_k=16):
-    c = DraftLengthController(max_k=max_k)
+    c = CostModel(max_k=max_k)
     for n in range(1, max_k + 2):
         c.record_verify(n, CPU(n))
     return c
@@ -171,7 +171,7 @@ def test_a_wait_counts_on_what_the_source_brought_after_earlier_waits():
     """A proposer that is never ahead brings one token per wait, whatever it is asked for: on
     a verifier whose forwards cost the same for 1 or 17 tokens (a GPU), waiting 30 ms for one
     token does not beat a 28 ms plain step, though waiting for 16 would."""
-    flat = DraftLengthController(max_k=16)
+    flat = CostModel(max_k=16)
     for n in range(1, 18):
         flat.record_verify(n, 0.028)
     for _ in range(10):
@@ -183,7 +183,7 @@ def test_a_wait_counts_on_what_the_source_brought_after_earlier_waits():
     assert not flat.wait_pays("slow", 16, 0.030)
     assert not flat.top_up_pays("slow", 1, 16, 0.030)  # it has that one already
     # on a one-thread CPU verifier (two tokens cost ~1.1x one) one token is worth the wait
-    cpu = DraftLengthController(max_k=16)
+    cpu = CostModel(max_k=16)
     for n in range(1, 18):
         cpu.record_verify(n, 0.095 if n == 1 else 0.103 + 0.004 * (n - 2))
     for _ in range(10):

@@ -1,15 +1,15 @@
 """Verifier and drafter in one process: the reusable core of `specbus generate --local`.
 
-Kept apart from the CLI so the node (cluster mode) and the benchmarks can reuse the same
-loading, prompt encoding and result shape.
+Kept apart from the CLI so the benchmarks can reuse the same loading, prompt encoding and
+result shape; kept out of nodes/engine because it loads backends and drafters, which the
+engine itself never imports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from nodes.engine.core import Block, Engine, Generation, GenerationParams
+from nodes.engine.core import Engine, Generation
 from nodes.engine.errors import BadRequestError
 
 
@@ -36,38 +36,6 @@ def encode_prompt(engine: Engine, prompt: str, chat: bool = True, system: str | 
     if not prompt or not prompt.strip():
         raise BadRequestError("empty prompt")
     return engine.backend.tokenizer.encode(prompt, chat=chat, system=system)
-
-
-def generate_text(
-    engine: Engine,
-    prompt_ids: list[int],
-    params: GenerationParams,
-    on_block: Callable[[Block], None] | None = None,
-) -> Generation:
-    """Run one generation, calling `on_block` as each block is committed (for streaming)."""
-    import time
-
-    from nodes.engine.core import Stats
-
-    start = time.perf_counter()
-    stats = Stats()
-    tokens: list[int] = []
-    last: Block | None = None
-    for block in engine.stream(prompt_ids, params, stats=stats):
-        tokens.extend(block.token_ids)
-        last = block
-        if on_block is not None:
-            on_block(block)
-    assert last is not None and last.finish_reason is not None
-    text = last.text if last.text is not None else engine.backend.tokenizer.decode(tokens)
-    return Generation(
-        prompt_ids=list(prompt_ids),
-        token_ids=tokens,
-        text=text,
-        finish_reason=last.finish_reason,
-        elapsed_s=time.perf_counter() - start,
-        stats=stats,
-    )
 
 
 def result_dict(engine: Engine, gen: Generation) -> dict:
