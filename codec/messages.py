@@ -4,7 +4,7 @@ Frames of one message: `[header] [tensor]...` (routing frames are the bus's busi
 header is a msgpack map with the common keys below plus the type's own fields, flat.
 
     v        protocol version (int)
-    t        message type (str, one of codec.schema.SCHEMAS)
+    t        message type (str, one of SCHEMAS below)
     from     sender node id (str)
     seq      sender's sequence number (int)
     sid      session id (str, "" when none)
@@ -13,17 +13,20 @@ header is a msgpack map with the common keys below plus the type's own fields, f
     tensors  list of {dtype, shape} or {dtype, shape, data}, one per tensor, in order: an
              entry with `data` (msgpack bin, the raw bytes) is inline; every other entry is
              the next tensor frame
+
+`SCHEMAS` holds the kind-level schema of every type: those of the typed structs, derived from
+their declarations (`codec.structs`), and the untyped ones (`codec.schema.UNTYPED`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import numpy as np
 
+from codec.envelope import Message, make
 from codec.errors import (
     BadField,
     BadHeader,
@@ -33,7 +36,8 @@ from codec.errors import (
     Oversize,
     UnknownType,
 )
-from codec.schema import PROTOCOL_VERSION, SCHEMAS
+from codec.schema import PROTOCOL_VERSION, UNTYPED, Schema
+from codec.structs import STRUCTS
 from codec.tensors import INLINE_MAX_BYTES, check_spec, inline_data, prepare, view_checked
 
 COMMON_KEYS = frozenset(("v", "t", "from", "seq", "sid", "rid", "more", "tensors"))
@@ -41,6 +45,8 @@ COMMON_KEYS = frozenset(("v", "t", "from", "seq", "sid", "rid", "more", "tensors
 _ENVELOPE = (("from", str, ""), ("sid", str, ""), ("seq", int, 0), ("rid", int, 0),
              ("more", bool, False), ("tensors", list, None))
 _MISSING = object()
+
+SCHEMAS: dict[str, Schema] = {**UNTYPED, **{t: c.SCHEMA for t, c in STRUCTS.items()}}
 
 
 @dataclass(frozen=True)
@@ -55,31 +61,8 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
-
-@dataclass
-class Message:
-    """One decoded (or to-be-encoded) message: type, envelope, fields and tensors."""
-
-    type: str
-    fields: dict[str, Any] = field(default_factory=dict)
-    tensors: list[np.ndarray] = field(default_factory=list)
-    sender: str = ""
-    seq: int = 0
-    session: str = ""
-    rid: int = 0
-    more: bool = False
-
-    def __getitem__(self, name: str) -> Any:
-        return self.fields[name]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.fields.get(name, default)
-
-
-def make(type_: str, *, tensors: Sequence[np.ndarray] = (), sender: str = "", seq: int = 0,
-         session: str = "", rid: int = 0, more: bool = False, **fields: Any) -> Message:
-    """Build a message (validated when encoded)."""
-    return Message(type_, dict(fields), list(tensors), sender, seq, session, rid, more)
+__all__ = ["DEFAULT_LIMITS", "SCHEMAS", "Limits", "Message", "decode", "decode_header", "encode",
+           "make"]
 
 
 def encode(msg: Message, limits: Limits = DEFAULT_LIMITS,

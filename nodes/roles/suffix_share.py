@@ -34,8 +34,14 @@ import numpy as np
 
 from bus.streams import BusError, Call, Request
 from codec.errors import CodecError
-from codec.messages import Message, make
-from codec.structs import MAX_PUB_TOKENS, MAX_SNAPSHOT_TOKENS, SuffixPub, SuffixSnapshot
+from codec.messages import Message
+from codec.structs import (
+    MAX_PUB_TOKENS,
+    MAX_SNAPSHOT_TOKENS,
+    SuffixPub,
+    SuffixSnapshot,
+    SuffixSnapshotReq,
+)
 from discovery.counters import Counters
 from nodes.roles.admission import TokenBucket
 
@@ -103,7 +109,7 @@ class Publisher:
         """I/O thread: the recent publications, newest kept when they do not all fit."""
         with self._lock:
             docs = list(self._ring)[-4096:]
-        req.reply(SuffixSnapshot(self.tokenizer, tuple(docs)).to_message())
+        req.reply(SuffixSnapshot.of(self.tokenizer, tuple(docs)).to_message())
 
 
 class Subscriber:
@@ -219,7 +225,7 @@ class Subscriber:
                 continue
             self._asked.add(m.node_id)
             node.client.request(m.card.endpoints["stream"],
-                                make("suffix_snapshot_req", cluster=node.config.cluster),
+                                SuffixSnapshotReq(node.config.cluster).to_message(),
                                 timeout=10.0, on_reply=self._on_snapshot)
 
     def _on_snapshot(self, call: Call, reply: Message | BusError) -> None:

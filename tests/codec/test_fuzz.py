@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from codec import errors
 from codec import messages as m
-from codec.schema import PROTOCOL_VERSION, SCHEMAS
+from codec.messages import SCHEMAS
+from codec.schema import PROTOCOL_VERSION
 
 FUZZ = settings(max_examples=400, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])

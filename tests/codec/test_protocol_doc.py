@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from codec.errors import ERROR_CODES
-from codec.schema import SCHEMAS
+from codec.messages import SCHEMAS
 from codec.structs import STRUCTS
 from nodes.engine.errors import NODE_ERROR_CODES
 
@@ -29,3 +29,16 @@ def test_every_typed_struct_is_a_documented_message_type():
     assert set(STRUCTS) <= set(SCHEMAS)
     missing = [cls.__name__ for cls in STRUCTS.values() if f"`{cls.__name__}`" not in DOC]
     assert not missing, f"docs/protocol.md does not mention structs {missing}"
+
+
+def _documented_fields(cell: str) -> set[str]:
+    return set() if cell == "—" else set(cell.split(", "))
+
+
+def test_every_types_documented_fields_are_its_schemas():
+    """The table's required and optional columns are what the declarations derive."""
+    for type_, schema in SCHEMAS.items():
+        row = next(line for line in DOC.splitlines() if line.startswith(f"| `{type_}` |"))
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        for cell, fields in ((cells[2], schema.required), (cells[3], schema.optional)):
+            assert _documented_fields(cell) == {f"`{k}` {v}" for k, v in fields.items()}, type_

@@ -5,7 +5,7 @@ import pytest
 import zmq
 
 from codec import messages as m
-from codec.schema import SCHEMAS
+from codec.messages import SCHEMAS
 from codec.tensors import (
     INLINE_MAX_BYTES,
     WIRE_DTYPES,

@@ -7,11 +7,11 @@ import pytest
 
 from codec.errors import BadRequest
 from codec.messages import decode, encode, make
+from codec.sampling import SamplingParams
 from codec.structs import (
     MAX_ALTERNATIVES,
     DraftChunk,
     GenerateReq,
-    Sampling,
     SessionOpen,
     parse,
 )
@@ -96,9 +96,9 @@ def test_two_dimensional_or_negative_tokens_are_refused_by_the_struct():
 def test_defaults_apply_only_to_absent_fields_and_round_trip():
     req = gen()
     assert (req.max_tokens, req.sampling, req.stop, req.chat, req.speculate) == (
-        128, Sampling(), (), True, True)
+        128, SamplingParams(), (), True, True)
     full = GenerateReq(messages=({"role": "user", "content": "hi"},), max_tokens=7,
-                       sampling=Sampling(0.7, 0.9, 40, 5), stop=("\n",),
+                       sampling=SamplingParams(0.7, 0.9, 40, 5), stop=("\n",),
                        proposers=("a", "b"), draft="force")
     back = GenerateReq.from_message(wire(full.to_message()))
     assert back.messages == full.messages and back.sampling == full.sampling
@@ -106,6 +106,36 @@ def test_defaults_apply_only_to_absent_fields_and_round_trip():
         7, ("\n",), ("a", "b"), True)
     # nil on the wire means "not given"
     assert gen(top_p=None).sampling.top_p == 1.0
+
+
+def test_sampling_is_one_type_with_one_check_in_both_wire_forms():
+    """Flat in generate_req, a `sampling` map in session_open: the same SamplingParams, the
+    same refusal (named after the map there)."""
+    sp = SamplingParams(0.5, 0.9, 7, 11)
+    req = GenerateReq.from_message(wire(GenerateReq(prompt="x", sampling=sp).to_message()))
+    opened = SessionOpen.from_message(wire(SessionOpen("s", TOKENS, 5.0, sp).to_message()))
+    assert req.sampling == opened.sampling == sp
+    bad = SamplingParams(top_p=0.0)  # construction does not check: the engine reports its own
+    for build, field in [(lambda: bad.check(), "top_p"),
+                         (lambda: GenerateReq(prompt="x", sampling=bad), "top_p"),
+                         (lambda: SessionOpen("s", TOKENS, 5.0, bad), "sampling.top_p")]:
+        with pytest.raises(BadRequest) as info:
+            build()
+        assert info.value.field == field
+
+
+def test_every_struct_field_is_in_its_schema():
+    """Each message's kind-level schema is derived from its one declaration."""
+    from codec.structs import STRUCTS
+
+    assert GenerateReq.SCHEMA.optional["top_p"] == "float"  # a flat record's fields
+    assert SessionOpen.SCHEMA.optional["sampling"] == "map"
+    assert SessionOpen.SCHEMA.required == {"lease_s": "float"}
+    for cls in STRUCTS.values():
+        schema = cls.SCHEMA
+        named = {*schema.required, *schema.optional, *(r.name for r in schema.tensors)}
+        for name in cls.__dataclass_fields__:
+            assert name in named or name in ("session", "sampling"), (cls.TYPE, name)
 
 
 def test_session_open_checks_lease_sampling_and_tokens():
@@ -187,8 +217,8 @@ def test_suffix_publications_and_snapshots_are_checked():
         with pytest.raises(BadRequest) as info:
             SuffixPub(**args)
         assert info.value.field == field, kw
-    snap = SuffixSnapshot("fp", ((np.array([1, 2, 3], np.int32), 0),
-                                 (np.array([4], np.int32), 0)))
+    snap = SuffixSnapshot.of("fp", ((np.array([1, 2, 3], np.int32), 0),
+                                    (np.array([4], np.int32), 0)))
     got = parse(wire(snap.to_message()))
     assert [(t.tolist(), st) for t, st in got.docs] == [([1, 2, 3], 0), ([4], 0)]
     bad = snap.to_message()
