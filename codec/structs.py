@@ -284,8 +284,6 @@ class Cancel(wire.Struct):
     """Cancel the in-flight request whose id is in the header `rid`."""
 
 
-Sampling = SamplingParams  # the callers' old name, until they hold SamplingParams
-
 STRUCTS: dict[str, type[wire.Struct]] = {c.TYPE: c for c in (
     GenerateReq, TokenChunk, Done, ErrorReply, SessionOpen, SessionExtend, DraftChunk,
     SessionClose, SuffixPub, SuffixSnapshotReq, SuffixSnapshot, Ping, Pong, Cancel)}

@@ -23,7 +23,8 @@ import numpy as np
 from bus.streams import BusError, Call, RequestTimeout
 from codec.errors import CodecError
 from codec.messages import Message
-from codec.structs import FORCE, Done, GenerateReq, Sampling, TokenChunk
+from codec.sampling import SamplingParams
+from codec.structs import FORCE, Done, GenerateReq, TokenChunk
 from discovery.interfaces import DEFAULT_INTERFACE
 from discovery.table import Member, State
 
@@ -61,6 +62,7 @@ class ClusterError(RuntimeError):
 class GenerateRequest:
     """A generation to ask a verifier for: a text `prompt`, or chat `messages`, or `tokens`.
 
+    `sampling` is the wire's own `SamplingParams` (checked with the rest by `typed()`).
     `force_draft` (with `proposers`) pins speculation: the verifier asks exactly those
     proposers every block with its full deadline, whatever it thinks of their speed (tests).
     `message()` validates through `codec.structs.GenerateReq` and raises its `BadRequest`
@@ -69,10 +71,7 @@ class GenerateRequest:
 
     prompt: str | None = None
     max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     chat: bool = True
     speculate: bool = True
@@ -85,9 +84,8 @@ class GenerateRequest:
         return GenerateReq(
             prompt=self.prompt, messages=self.messages,
             tokens=None if self.tokens is None else np.asarray(self.tokens, dtype=np.int32),
-            max_tokens=self.max_tokens,
-            sampling=Sampling(self.temperature, self.top_p, self.top_k, self.seed),
-            stop=tuple(self.stop), chat=self.chat, speculate=self.speculate,
+            max_tokens=self.max_tokens, sampling=self.sampling, stop=tuple(self.stop),
+            chat=self.chat, speculate=self.speculate,
             proposers=None if self.proposers is None else tuple(self.proposers),
             draft=FORCE if self.force_draft else None,
         )

@@ -82,8 +82,8 @@ def _messages_file(path: str) -> list[dict[str, str]]:
         raise argparse.ArgumentTypeError(f"{path} is not valid JSON: {exc}") from None
     if isinstance(data, dict) and isinstance(data.get("messages"), list):
         data = data["messages"]  # a whole request body is fine too
+    from codec.chat import chat_messages
     from codec.errors import BadRequest
-    from codec.structs import chat_messages
 
     try:
         return [m.as_dict() for m in chat_messages("messages", data)]
@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
 def _request(args: argparse.Namespace):
     """The typed request (validated: a bad value raises BadRequest naming the field)."""
     from codec.errors import BadRequest
+    from codec.sampling import SamplingParams
     from nodes.cluster_client import GenerateRequest
 
     prompt, messages = args.prompt, args.messages
@@ -115,7 +116,7 @@ def _request(args: argparse.Namespace):
                                   {"role": "user", "content": args.prompt}]
     req = GenerateRequest(
         prompt=prompt, messages=messages, max_tokens=args.max_tokens,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
         stop=tuple(args.stop),
         chat=args.chat, speculate=not getattr(args, "no_speculate", False),
         proposers=getattr(args, "proposers", None),

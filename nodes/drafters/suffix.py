@@ -12,13 +12,14 @@ A draft is a tree built from the occurrences of the longest matched suffix: thei
 are counted (weighted) into a trie; the chain follows the heaviest child at each depth and its
 `conf` is that child's share of its parent's count (the empirical continuation probability the
 verifier's tree ranking and cost model read); alternatives are the other children whose path
-probability is at least `min_prob`, offered only when the global index matched (a match in the
-session's own text alone drafts a chain, as ngram does by default). Its size follows the match
-(SuffixDecoding's adaptive speculation): from the global index at most `factor` x the matched
-length, so a one-token match drafts one token and a long one the whole budget; from the
-session's own text up to the budget by default (`local_factor=0`), as the ngram drafter, because
-an answer that copies its prompt does so in runs that a short match starts. A path stops where
-its probability falls under `min_prob`.
+probability is at least `min_prob`, offered only when the global index matched. A match in the
+session's own text alone drafts a chain as ngram does: the continuation of the latest
+occurrence, continued around a loop the text is in (`SuffixSession._local_chain`). Its size
+follows the match (SuffixDecoding's adaptive speculation): from the global index at most
+`factor` x the matched length, so a one-token match drafts one token and a long one the whole
+budget; from the session's own text up to the budget by default (`local_factor=0`), as the
+ngram drafter, because an answer that copies its prompt does so in runs that a short match
+starts. A path from the global index stops where its probability falls under `min_prob`.
 
 The session's text enters the global index when the session closes. In a proposer that is the
 committed text plus the few tokens it drafted ahead past the verifier's last commit (the role
@@ -222,7 +223,7 @@ class SuffixSession(DraftSession):
             # the session's own text only: a chain, as ngram's default. Its other occurrences
             # are rarely right, and each alternative holds back room the chain needed (the
             # tree merge's reserve; the ngram tree lost the same way: docs/engine.md)
-            width = 1
+            return self._local_chain(local, size)
         conts: list[tuple[int, ...]] = []
         weights: list[float] = []
         if local.length == m:
@@ -239,6 +240,34 @@ class SuffixSession(DraftSession):
                    if c[:1] == (tree.chain[0],)]
             index.touch(led[:TOUCH_PER_DRAFT])
         return tree
+
+    def _local_chain(self, local: Match, size: int) -> TreeDraft:
+        """A chain from the session's own text: the continuation of the most recent occurrence
+        of the longest match, `size` tokens, as ngram drafts. Within one generation the latest
+        occurrence predicts best (the previous list item, table row or line of a loop); taking
+        the most frequent continuation instead, and cutting where occurrences disagree, drafted
+        a prompt's heading after an answer's line break. Where that continuation runs into the
+        tip and the tail has repeated with its period at least twice (match length >= distance:
+        a loop, a run of like items), it goes on with the period, as an LZ77 copy overlapping
+        its source does. `conf`: depth by depth, the share of the occurrences still agreeing
+        with the chain among those whose text goes on that far."""
+        toks = self.local.tokens
+        tip = len(toks)
+        first = local.positions[0]  # most recent first
+        period = tip - first
+        chain = toks[first : first + size]
+        if len(chain) < size and local.length >= period:
+            chain = [toks[first + i % period] for i in range(size)]
+        conts = [chain] + [toks[p : p + size] for p in local.positions[1:]]
+        weights = local.weights
+        agree = list(range(len(conts)))
+        conf: list[float] = []
+        for depth, tok in enumerate(chain):
+            on = [i for i in agree if len(conts[i]) > depth]
+            agree = [i for i in on if conts[i][depth] == tok]
+            mass = sum(weights[i] for i in on)
+            conf.append(sum(weights[i] for i in agree) / mass)
+        return TreeDraft(list(chain), conf, [])
 
     def draft(self, k: int) -> tuple[np.ndarray, None]:
         tree = self.plan(k, 1)

@@ -29,6 +29,7 @@ from nodes.engine.sampling import (
     SamplingParams,
     accept_tree_greedy,
     accept_tree_sampling,
+    check_sampling,
     probs_from_logits,
     sample,
 )
@@ -52,7 +53,7 @@ class GenerationParams:
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise BadRequestError(f"max tokens must be a positive integer, got {self.max_tokens}")
-        self.sampling.validate()
+        check_sampling(self.sampling)
         if any(not s for s in self.stop):
             raise BadRequestError("stop strings must be non-empty")
 

@@ -4,44 +4,35 @@ Greedy acceptance is exact argmax matching. Sampling uses speculative rejection 
 (Leviathan et al. 2023 / Chen et al. 2023): accept draft d with probability min(1, p(d)/q(d)),
 on rejection sample from norm(max(0, p - q)); a deterministic drafter is a point mass q. The
 committed tokens are then distributed exactly as if the verifier sampled alone.
+
+The settings are `codec.sampling.SamplingParams`, the type the wire, the CLI and the gateway
+hold too (re-exported here, where the drafters import it); `check_sampling` is its one range
+check, reported as the engine's own error.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from codec.errors import BadRequest
+from codec.sampling import SamplingParams
 from nodes.engine.errors import BadRequestError
 
 if TYPE_CHECKING:
     from nodes.engine.tree import TokenTree
 
+__all__ = ["SamplingParams", "accept_greedy", "accept_sampling", "accept_tree_greedy",
+           "accept_tree_sampling", "check_sampling", "probs_from_logits", "sample"]
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature <= 0 means greedy; top_k 0 and top_p 1.0 mean "off"."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    def validate(self) -> None:
-        if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise BadRequestError(f"temperature must be >= 0, got {self.temperature}",
-                                  "temperature")
-        if not (0.0 < self.top_p <= 1.0):
-            raise BadRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < 0:
-            raise BadRequestError(f"top_k must be >= 0, got {self.top_k}", "top_k")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise BadRequestError(f"seed must be in 0..2^63-1, got {self.seed}", "seed")
+def check_sampling(params: SamplingParams) -> None:
+    """`SamplingParams.check`, raising `BadRequestError` naming the field."""
+    try:
+        params.check()
+    except BadRequest as exc:
+        raise BadRequestError(f"{exc.field}: {exc.reason}", exc.field) from None
 
 
 def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

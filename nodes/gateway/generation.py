@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 
 from bus.streams import BusError, RemoteError
+from codec.chat import ChatMessage
 from codec.errors import BadRequest
 from codec.messages import Message
-from codec.structs import ChatMessage, GenerateReq, Sampling
+from codec.structs import GenerateReq
 from nodes.cluster_client import verifier_gone
 from nodes.gateway.balancer import Balancer, NoCapacity, VerifierInfo, verifiers_of
 from nodes.gateway.metrics import GatewayMetrics
@@ -249,7 +250,7 @@ class Generation:
         api, plan = self.plan.api, self.plan
         common: dict[str, Any] = dict(
             max_tokens=api.max_tokens - len(self.ids),
-            sampling=Sampling(temperature=api.temperature, top_p=api.top_p, seed=api.seed),
+            sampling=api.sampling,
             stop=tuple(api.stop), speculate=api.extra.get("speculate", True),
             proposers=api.extra.get("proposers"))
         try:

@@ -3,14 +3,19 @@
 Every field is type- and range-checked here; a field we cannot honour is refused with a 400
 naming it (never silently ignored), so a client learns at once that e.g. `n=2` or `tools` is not
 served. Responses use the OpenAI error object: `{"error": {message, type, param, code}}`.
+The sampling settings become the wire's own `SamplingParams` and pass its one range check;
+only `temperature` is narrower here (OpenAI's 0..2, where the wire takes 0..100).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from codec.errors import BadRequest
+from codec.sampling import SamplingParams
 
 MAX_TOKENS_LIMIT = 4096  # the verifier's own limit (nodes/roles/verifier.py)
 DEFAULT_MAX_TOKENS_COMPLETION = 16  # OpenAI's default for /v1/completions
@@ -18,7 +23,7 @@ DEFAULT_MAX_TOKENS_CHAT = 256  # OpenAI has none; ours keeps an unbounded chat b
 MAX_STOP = 4
 MAX_STOP_LEN = 200
 MAX_MESSAGES = 256
-MAX_SEED = 2**63 - 1
+OPENAI_MAX_TEMPERATURE = 2.0  # the OpenAI API's range, narrower than the wire's
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -60,9 +65,7 @@ class ApiRequest:
     prompt_ids: tuple[int, ...] | None = None  # completion given as token ids
     messages: tuple[dict[str, str], ...] = ()  # chat turns, content flattened to text
     max_tokens: int = DEFAULT_MAX_TOKENS_COMPLETION
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
+    sampling: SamplingParams = SamplingParams(temperature=1.0)  # OpenAI's default: 1
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
@@ -174,15 +177,11 @@ def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
                   code="missing_required_parameter" if model is None else "invalid_type")
     default = DEFAULT_MAX_TOKENS_CHAT if kind == "chat" else DEFAULT_MAX_TOKENS_COMPLETION
     max_tokens = _max_tokens(body, default, kind)
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p <= 0.0:
-        raise bad("top_p", "'top_p' must be in (0, 1]")
-    seed = _int(body, "seed", None, 0, MAX_SEED)
+    sampling = _sampling(body)
     stream = _bool(body, "stream", False)
     include_usage = _stream_options(body.get("stream_options"), stream)
-    common = dict(model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                  seed=seed, stop=_stop(body.get("stop")), stream=stream,
+    common = dict(model=model, max_tokens=max_tokens, sampling=sampling,
+                  stop=_stop(body.get("stop")), stream=stream,
                   include_usage=include_usage, extra=_extension(body.get("specbus")))
     if kind == "chat":
         return ApiRequest(kind="chat", messages=_messages(body.get("messages")), **common)
@@ -209,28 +208,46 @@ def _is_neutral(key: str, value: Any, neutral: Any) -> bool:
     return value == neutral
 
 
-def _int(body: dict, key: str, default: int | None, lo: int, hi: int) -> int | None:
+def _sampling(body: dict) -> SamplingParams:
+    """temperature, top_p and seed as the wire's `SamplingParams`, range-checked by it."""
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, OPENAI_MAX_TEMPERATURE),
+        top_p=_number(body, "top_p", 1.0), seed=_int(body, "seed", None))
+    try:
+        sampling.check()
+    except BadRequest as exc:
+        raise bad(exc.field, f"{exc.field!r} {exc.reason}") from None
+    return replace(sampling, temperature=float(sampling.temperature),
+                   top_p=float(sampling.top_p))
+
+
+def _int(body: dict, key: str, default: int | None, lo: int | None = None,
+         hi: int | None = None) -> int | None:
     v = body.get(key)
     if v is None:
         return default
     if not isinstance(v, int) or isinstance(v, bool):
         raise bad(key, f"{key!r} must be an integer, got {json.dumps(v)[:40]}",
                   code="invalid_type")
-    if not lo <= v <= hi:
+    if lo is not None and hi is not None and not lo <= v <= hi:
         raise bad(key, f"{key!r} must be between {lo} and {hi}, got {str(v)[:40]}")
     return v
 
 
-def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
+def _number(body: dict, key: str, default: float, lo: float | None = None,
+            hi: float | None = None) -> float | int:
+    """The number under `key` (an int stays an int: a huge one is no float); in [lo, hi]
+    when given, else checked by the caller."""
     v = body.get(key)
     if v is None:
         return default
     if not isinstance(v, int | float) or isinstance(v, bool):
         raise bad(key, f"{key!r} must be a number, got {json.dumps(v)[:40]}",
                   code="invalid_type")
-    if not lo <= v <= hi or not math.isfinite(v):  # compared first: a huge int is no float
+    if lo is not None and hi is not None and (
+            not lo <= v <= hi or not math.isfinite(v)):  # compared first: a huge int is no float
         raise bad(key, f"{key!r} must be between {lo:g} and {hi:g}, got {str(v)[:40]}")
-    return float(v)
+    return v
 
 
 def _bool(body: dict, key: str, default: bool) -> bool:

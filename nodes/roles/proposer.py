@@ -274,7 +274,7 @@ class ProposerRole:
             self._close(self._sessions[victim], "evicted")  # an over-share connection's
         if parsed.tokenizer:
             self.drafter.check_compatible(parsed.tokenizer)
-        params = requests.sampling_params(parsed.sampling)
+        params = parsed.sampling
         tokens = parsed.tokens.tolist()
         draft = self.drafter.open(tokens, params)
         draft.warm()  # prefill now, in parallel with the verifier's own prefill

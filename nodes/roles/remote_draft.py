@@ -52,7 +52,6 @@ from nodes.engine.errors import OutOfSyncError, TokenizerMismatchError, UnknownS
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import DraftSource, Feedback
 from nodes.engine.tree import Candidate
-from nodes.roles.requests import wire_sampling
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +189,7 @@ class ProposerSource(DraftSource):
         self.awaiting: tuple[int, float] | None = None
         self.horizon = self._horizon()
         opening = SessionOpen(session_id, np.asarray(self.tokens, dtype=np.int32), lease_s,
-                              wire_sampling(sampling), tokenizer=fingerprint,
+                              sampling, tokenizer=fingerprint,
                               horizon=self.horizon).to_message()
         self.stream = self._send(opening, None)
 

@@ -3,7 +3,8 @@
 `codec.structs` checks what any receiver can check (ranges, kinds, conflicts). What needs this
 node's knowledge, the vocabulary size and the context it accepts, is checked here, on the I/O
 thread before a request is queued, so an over-long or out-of-vocabulary input costs nothing.
-`SamplingParams`/`GenerationParams` are converted to and from the wire only here.
+A request's `GenerationParams` are made here; its sampling settings are the wire's own
+`SamplingParams`, passed on as they are.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import numpy as np
 
 from codec.errors import CodecError
 from codec.messages import Message
-from codec.structs import GenerateReq, Sampling
+from codec.structs import GenerateReq
 from nodes.engine.core import GenerationParams
 from nodes.engine.errors import BadRequestError, TooLongError, error_code
-from nodes.engine.sampling import SamplingParams
 
 #: generation length a verifier accepts whatever its context (bounds one request's work)
 MAX_TOKENS_LIMIT = 4096
@@ -25,18 +25,8 @@ MAX_TOKENS_LIMIT = 4096
 DEFAULT_MAX_CONTEXT = 8192
 
 
-def sampling_params(s: Sampling) -> SamplingParams:
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
-
-
-def wire_sampling(sp: SamplingParams) -> Sampling:
-    return Sampling(temperature=float(sp.temperature), top_p=float(sp.top_p),
-                    top_k=int(sp.top_k), seed=None if sp.seed is None else int(sp.seed))
-
-
 def generation_params(req: GenerateReq) -> GenerationParams:
-    return GenerationParams(max_tokens=req.max_tokens, sampling=sampling_params(req.sampling),
-                            stop=req.stop)
+    return GenerationParams(max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop)
 
 
 def check_ids(field: str, ids: np.ndarray, vocab_size: int) -> None:

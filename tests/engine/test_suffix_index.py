@@ -65,6 +65,35 @@ def test_draft_size_follows_the_match_length():
     assert ngram_like.draft(8)[0].tolist() == [1, 2, 3, 5, 6, 7, 8, 9]
 
 
+def test_a_chain_from_the_session_follows_the_latest_occurrence():
+    """A line break seen often in the prompt before a heading, once in the answer before a
+    list item: the next line break drafts the list item (the latest), to the full budget,
+    with conf the share of occurrences that agree."""
+    nl, head, item = 0, [50, 51], [60, 61]
+    prompt = [nl, *head, 1, nl, *head, 2, nl, *head, 3]
+    s = SuffixDrafter().open(prompt, SP)
+    s.extend([nl, *item, 4, nl])
+    out = s.draft_ahead(3)
+    assert out.ids.tolist() == [*item, 4]
+    # 4 earlier line breaks: 1 of 4 goes on with 60, then it alone
+    assert out.conf.tolist() == pytest.approx([0.25, 1.0, 1.0])
+    assert out.branches == ()
+
+
+def test_a_loop_is_drafted_past_the_tip_with_its_period():
+    """The tail repeated with period 3 (the match is longer than the period): the draft goes on
+    around the loop to the budget, as an overlapping copy."""
+    s = SuffixDrafter().open([9, 8], SP)
+    s.extend([5, 6, 7, 5, 6, 7, 5, 6, 7])
+    assert s.draft(8)[0].tolist() == [5, 6, 7, 5, 6, 7, 5, 6]
+    # seen once only (match 1 token, distance 5): the text that followed, no further
+    once = SuffixDrafter().open([1, 2, 3, 4, 9, 1], SP)
+    assert once.draft(8)[0].tolist() == [2, 3, 4, 9, 1]
+    # a loop under local_factor sizing: still at most local_factor x the match
+    sized = SuffixDrafter(SuffixOptions(local_factor=1.0)).open([9, 8, 5, 6, 5, 6], SP)
+    assert sized.draft(8)[0].tolist() == [5, 6]
+
+
 def test_draft_ahead_carries_conf_and_branches():
     d = SuffixDrafter(SuffixOptions(factor=2.0))
     for answer in ([3, 5, 6], [3, 5, 6], [3, 5, 7]):  # the first twice: weight 2
@@ -191,7 +220,8 @@ DOCS = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=40), min_size=1
        budget_kb=st.sampled_from([24, 64, 1024]))
 def test_every_draft_continues_the_indexed_text_after_the_matched_suffix(docs, tail, budget_kb):
     """Whatever was indexed and evicted, each drafted path (chain, and chain prefix + branch)
-    follows the matched suffix somewhere in a document still indexed."""
+    follows the matched suffix somewhere in a document still indexed (or in the session's
+    text, continued around a loop it ends in)."""
     d = SuffixDrafter(SuffixOptions(budget_mb=budget_kb / 1024, factor=4.0, local_factor=4.0,
                                     width=4))
     for doc in docs:
@@ -210,7 +240,12 @@ def test_every_draft_continues_the_indexed_text_after_the_matched_suffix(docs, t
     m = max(local.length, glob.length)
     sources = []
     if local.length == m:
-        sources.append((s.local.tokens[len(s.local.tokens) - m :], [s.local.tokens]))
+        toks = s.local.tokens
+        # the session's text, and its tail continued with the period of a loop it is in (a
+        # match at least as long as its distance from the tip: an overlapping copy)
+        loops = [toks + [toks[p + i % (len(toks) - p)] for i in range(8)]
+                 for p in local.positions if m >= len(toks) - p]
+        sources.append((toks[len(toks) - m :], [toks, *loops]))
     if glob.length == m:
         sources.append((ctx[len(ctx) - m :], live))
     for path in [tree.chain] + [tree.chain[:at] + toks for at, toks, _ in tree.branches]:

@@ -23,7 +23,17 @@ def test_chat_request_is_typed():
     assert r.kind == "chat" and r.max_tokens == 7 and r.stop == ("x",)
     assert r.messages == ({"role": "system", "content": "be brief"},
                           {"role": "user", "content": "ab"})
-    assert r.stream and r.include_usage and r.temperature == 0.0
+    assert r.stream and r.include_usage and r.sampling.temperature == 0.0
+
+
+def test_sampling_is_the_wires_own_type_with_its_one_check():
+    from codec.sampling import SamplingParams
+
+    r = parse_request("completion", {"model": "m", "prompt": "a", "top_p": 0.5, "seed": 3})
+    assert r.sampling == SamplingParams(1.0, 0.5, 0, 3)  # OpenAI's default temperature: 1
+    with pytest.raises(ApiError) as exc:
+        parse_request("completion", {"model": "m", "prompt": "a", "top_p": 1.5})
+    assert exc.value.code == "invalid_value" and "(0, 1]" in exc.value.message
 
 
 def test_completion_prompt_forms():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from codec.messages import decode
+from codec.sampling import SamplingParams
 from nodes.cluster_client import ClusterClient, GenerateRequest
 
 pytestmark = pytest.mark.slow
@@ -125,7 +126,8 @@ def test_garbage_to_a_nodes_router_is_answered_and_real_clients_still_served(cli
 
 
 def test_sampling_through_the_bus_uses_draft_probabilities(client, cluster):
-    res = client.generate(GenerateRequest(PROMPT, max_tokens=24, temperature=0.8, seed=3,
+    res = client.generate(GenerateRequest(PROMPT, max_tokens=24,
+                                          sampling=SamplingParams(0.8, seed=3),
                                           proposers=[node_id(cluster, "int8")],
                                           force_draft=True),
                           verifier(client, "v2"))
