@@ -24,7 +24,8 @@ reading, not liveness.
 Typical use on the owner thread (several peers, replies read when the thread is ready):
 
     client = DirectClient(factory, sender=node_id)         # on the thread that will use it
-    calls = [client.request(ep, make("session_extend", ...), timeout=0.05) for ep in proposers]
+    calls = [client.request(ep, SessionExtend(...).to_message(), timeout=0.05)
+             for ep in proposers]
     ...                                                     # other work; replies queue
     for call, reply in client.poll(timeout=0.002):          # bounded wait, or 0: none
         ...                                                 # Message, or a BusError
@@ -63,8 +64,8 @@ from codec.messages import (
     decode,
     decode_header,
     encode,
-    make,
 )
+from codec.structs import Cancel
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +263,7 @@ class DirectClient:
         sock = self._dealers.get(call.endpoint)
         if sock is not None:
             try:
-                send_frames(sock, encode(make("cancel", sender=self.sender, rid=call.rid)))
+                send_frames(sock, encode(Cancel().to_message(sender=self.sender, rid=call.rid)))
             except zmq.ZMQError:
                 pass  # the server will time the request out on its own
         self._finish(call, RequestCancelled(f"request {call.rid} cancelled"))

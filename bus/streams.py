@@ -30,7 +30,8 @@ from zmq.utils.monitor import parse_monitor_message
 from bus.loop import IOLoop, Timer, frames_ready, send_frames
 from bus.sockets import SocketFactory, bind
 from codec.errors import CodecError
-from codec.messages import DEFAULT_LIMITS, Limits, Message, decode, decode_header, encode, make
+from codec.messages import DEFAULT_LIMITS, Limits, Message, decode, decode_header, encode
+from codec.structs import Cancel, ErrorReply, Pong
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +291,7 @@ class StreamClient:
         sock = self._dealers.get(call.endpoint)
         if sock is not None:
             try:
-                send_frames(sock, encode(make("cancel", sender=self.sender, rid=call.rid)))
+                send_frames(sock, encode(Cancel().to_message(sender=self.sender, rid=call.rid)))
             except zmq.ZMQError:
                 pass  # the server will time the request out on its own
         self._finish(call, RequestCancelled(f"request {call.rid} cancelled"))
@@ -377,7 +378,7 @@ class Request:
         self.server.send(self.peer, frames, self if not more else None)
 
     def fail(self, code: str, message: str) -> None:
-        self.reply(make("error", code=code, message=message))
+        self.reply(ErrorReply(code, message).to_message())
 
     def on_cancel(self, fn: Callable[[], None]) -> None:
         """Run `fn()` (on the I/O thread) if the client cancels."""
@@ -476,7 +477,7 @@ class StreamServer:
                 rid = int(decode_header(frames[0], self.limits).get("rid", 0))
             except CodecError:
                 rid = 0
-        reply = make("error", code=exc.code, message=str(exc)[:300], sender=self.sender, rid=rid)
+        reply = ErrorReply(exc.code, str(exc)[:300]).to_message(sender=self.sender, rid=rid)
         self._send(peer, encode(reply, self.limits), None)
 
     def requests_from(self, sender: str) -> list[Request]:
@@ -491,8 +492,8 @@ class StreamServer:
             return
         if not req.finished:
             req.finished = req.dropped = True
-            reply = make("error", code=code, message=why or "the server dropped this request",
-                         sender=self.sender, rid=req.rid, session=req.message.session)
+            reply = ErrorReply(code, why or "the server dropped this request").to_message(
+                sender=self.sender, rid=req.rid, session=req.message.session)
             self._send(req.peer, encode(reply, self.limits), None)
         req._cancel()
 
@@ -507,7 +508,7 @@ class StreamServer:
         refuses it (EHOSTUNREACH) when no connection carries that routing id. A stalled peer
         keeps its TCP connection, so it counts as connected; a killed one does not.
         """
-        probe = encode(make("pong", payload="", sender=self.sender, rid=PROBE_RID), self.limits)
+        probe = encode(Pong(payload="").to_message(sender=self.sender, rid=PROBE_RID), self.limits)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
             send_frames(self._router, [peer, *probe])
@@ -530,7 +531,7 @@ def serve_ping(req: Request) -> bool:
     """Answer a `ping` with a `pong`; returns False for any other type (handler helper)."""
     if req.message.type != "ping":
         return False
-    req.reply(make("pong", payload=req.message.get("payload", "")))
+    req.reply(Pong(payload=req.message.get("payload", "")).to_message())
     return True
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from bus.streams import BusError, Call
 from codec.messages import Message, make
+from codec.structs import Ping
 
 log = logging.getLogger(__name__)
 
@@ -108,4 +109,4 @@ class Telemetry:
             if isinstance(item, Message) and item.type == "pong":
                 self.rtt_ms[node_id] = round((time.perf_counter() - t0) * 1000, 3)
 
-        self.node.client.request(endpoint, make("ping"), timeout=1.0, on_reply=done)
+        self.node.client.request(endpoint, Ping().to_message(), timeout=1.0, on_reply=done)

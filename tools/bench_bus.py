@@ -87,7 +87,7 @@ def _serve_bus(endpoints: list[str], conn) -> None:
     from bus.loop import IOLoop
     from bus.sockets import SocketFactory
     from bus.streams import StreamServer, serve_ping
-    from codec.messages import make
+    from codec.structs import Done
 
     zero_copy: dict[str, bool] = {}
 
@@ -98,10 +98,10 @@ def _serve_bus(endpoints: list[str], conn) -> None:
             for t in req.message.tensors:
                 key = str(t.nbytes)
                 zero_copy[key] = zero_copy.get(key, True) and _frame_backed(t)
-            req.reply(make("done", finish_reason="ok"))
+            req.reply(Done("ok").to_message())
         elif req.message.type == "snapshot_req":  # report: zero-copy verdicts, CPU used
-            req.reply(make("done", finish_reason="ok",
-                           stats={"zero_copy": zero_copy, "cpu_s": time.process_time()}))
+            req.reply(Done("ok", stats={"zero_copy": zero_copy,
+                                        "cpu_s": time.process_time()}).to_message())
         else:
             req.fail("unsupported", req.message.type)
 
@@ -146,16 +146,16 @@ def _interleaved(fns: dict, count: int, rounds: int = 10) -> dict[str, dict[str,
 
 
 def _bus_rtt(client, endpoint: str):
-    from codec.messages import make
+    from codec.structs import Ping
 
-    return lambda: client.request(endpoint, make("ping"), timeout=5).result()
+    return lambda: client.request(endpoint, Ping().to_message(), timeout=5).result()
 
 
 def _direct_rtt(client, endpoint: str):
     """A round trip on a DirectClient: the calling thread owns the DEALER, no hand-off."""
-    from codec.messages import make
+    from codec.structs import Ping
 
-    return lambda: client.request(endpoint, make("ping"), timeout=5).result()
+    return lambda: client.request(endpoint, Ping().to_message(), timeout=5).result()
 
 
 def _bus_rtt_in_loop(client, endpoint: str):
@@ -164,14 +164,14 @@ def _bus_rtt_in_loop(client, endpoint: str):
     Timed on the loop thread; the caller only waits for the figure."""
     import queue as queue_mod
 
-    from codec.messages import make
+    from codec.structs import Ping
 
     box: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
     clock = time.perf_counter
 
     def start() -> None:
         t0 = clock()
-        client.request(endpoint, make("ping"), timeout=5,
+        client.request(endpoint, Ping().to_message(), timeout=5,
                        on_reply=lambda call, item: box.put(clock() - t0))
 
     def once() -> float:
@@ -207,16 +207,18 @@ def _stages(loop, count: int, on_tcp: dict) -> dict[str, float]:
     between paths measured interleaved in the same run (each side of the bus against a bare
     pyzmq peer), so they add up to the full path only roughly.
     """
-    from codec.messages import decode, encode, make
+    from codec.messages import decode, encode
+    from codec.structs import Ping, Pong
 
-    pong_frames = [zmq.Frame(bytes(f)) for f in encode(make("pong", sender="srv", rid=1))]
+    pong_frames = [zmq.Frame(bytes(f)) for f in encode(Pong().to_message(sender="srv", rid=1))]
+    ping = Ping().to_message(sender="bench", rid=1)
     box: queue.SimpleQueue = queue.SimpleQueue()
     raw = on_tcp["raw"]["p50"]
     caller = on_tcp["bus_client_to_raw"]["p50"]
     in_loop = on_tcp["bus_client_in_loop_to_raw"]["p50"]
     return {
         # each message is encoded once (sender) and decoded + validated once (receiver)
-        "encode_us": _timed(lambda: encode(make("ping", sender="bench", rid=1)), count)["p50"],
+        "encode_us": _timed(lambda: encode(ping), count)["p50"],
         "decode_validate_us": _timed(lambda: decode(pong_frames), count)["p50"],
         # caller thread -> I/O thread -> caller thread alone (call_soon, a queue back)
         "handoff_roundtrip_us": _timed(
@@ -349,6 +351,7 @@ def measure(rtt_count: int = 3000, seconds: float = 1.5) -> dict:
     from bus.sockets import SocketFactory
     from bus.streams import StreamClient
     from codec.messages import encode, make
+    from codec.structs import Ping
 
     tmp = tempfile.mkdtemp(prefix="specbus-bench-")
     ctx = mp.get_context("spawn")
@@ -361,7 +364,7 @@ def measure(rtt_count: int = 3000, seconds: float = 1.5) -> dict:
         procs.append(bus[:2])
         raw_tcp, raw_ipc = raw[2]
         tcp, ipc = bus[2]
-        ping = encode(make("ping", sender="bench", rid=1))  # same bytes the bus sends
+        ping = encode(Ping().to_message(sender="bench", rid=1))  # same bytes the bus sends
         loop = IOLoop(name="bench-client-io").start()
         client = StreamClient(loop, SocketFactory(), sender="bench")
         direct = DirectClient(SocketFactory(), sender="bench")  # owned by this thread

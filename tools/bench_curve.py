@@ -23,7 +23,7 @@ from bus.loop import IOLoop
 from bus.security import Security
 from bus.sockets import SocketFactory, bind
 from bus.streams import StreamClient, StreamServer, serve_ping
-from codec.messages import make
+from codec.structs import Ping
 
 MIB = 1 << 20
 
@@ -34,11 +34,11 @@ def rtt_us(factory: SocketFactory, n: int) -> list[float]:
         server = StreamServer(loop, factory, serve_ping)
         client = StreamClient(loop, factory)
         for _ in range(50):  # connect + handshake + warm-up
-            client.request(server.endpoint, make("ping"), timeout=5).result(6)
+            client.request(server.endpoint, Ping().to_message(), timeout=5).result(6)
         out = []
         for _ in range(n):
             t0 = time.perf_counter()
-            client.request(server.endpoint, make("ping"), timeout=5).result(6)
+            client.request(server.endpoint, Ping().to_message(), timeout=5).result(6)
             out.append((time.perf_counter() - t0) * 1e6)
         return out
     finally:
