@@ -1,5 +1,8 @@
 """`specbus bench decode --local`: plain vs speculative decoding on the embedded model.
 
+(`--trace NAME`: repeated multi-request workloads, tools/bench_trace.py; without `--local`
+or `--trace`: over the bus, tools/bench_decode_bus.py.)
+
 One process, same prompts for every configuration: input-grounded (code edit, extraction and
 quoting), where prompt lookup should shine, and open-ended chat, where speculation must not
 hurt. Compares our engine (plain; ngram and int8 drafts verified as one chain and as token
@@ -63,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-mlx", action="store_true", help="skip the MLX rows")
     parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
+    from tools.bench_trace import add_arguments as add_trace_arguments
+
+    add_trace_arguments(parser)  # --trace and its options (repeated workloads, issue #25)
 
 
 def _engine_runner(engine) -> Callable[[list[int], int], Run]:
@@ -165,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
     from nodes.engine.errors import GenerationError
 
     try:
+        if getattr(args, "trace", None):
+            from tools.bench_trace import run_trace
+
+            return run_trace(args)
         if not args.local:
             from tools.bench_decode_bus import run_bus
 

@@ -1,0 +1,62 @@
+"""`specbus bench decode --trace` end to end on the tiny random Llama: every row decodes every
+request and agrees with HF greedy (token ids and bytes), the JSON has the figures the docs
+quote. Speeds are printed, never judged here (docs/testing.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nodes.cli import main
+
+
+def _bench(tmp_path, tiny_folder, *extra: str) -> dict:
+    out = tmp_path / "trace.json"
+    rc = main(["bench", "decode", "--trace", "agent_tools,file_edits", "--limit", "2",
+               "--max-tokens", "6", "--model", str(tiny_folder), "--json", str(out), *extra])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_trace_bench_in_process_rows_and_singles(tmp_path, tiny_folder):
+    doc = _bench(tmp_path, tiny_folder, "--no-cluster", "--singles")
+    assert doc["traces"] == ["agent_tools", "file_edits"]
+    for name in doc["traces"]:
+        recs = doc["requests"][name]
+        assert [r["request"] for r in recs] == [0, 1]
+        for r in recs:
+            assert set(r["rows"]) == {"plain", "ngram", "suffix", "hf-plain", "hf-prompt-lookup"}
+            assert all(r["identical_to_hf"].values()), r["identical_to_hf"]
+        assert doc["summary"][name]["all"]["identical_to_hf"] == 2
+    # traces are taken in turn: request 0 of each, then request 1 of each
+    order = sorted((r["run_order"], r["trace"], r["request"])
+                   for recs in doc["requests"].values() for r in recs)
+    assert [(t, j) for _, t, j in order] == [("agent_tools", 0), ("file_edits", 0),
+                                              ("agent_tools", 1), ("file_edits", 1)]
+    # the in-process suffix index kept what the run wrote (warm-up included)
+    assert doc["index"]["documents"] >= 1 and doc["index"]["bytes"] <= doc["index"]["budget"]
+    classes = doc["singles_summary"]
+    assert set(classes) == {"input-grounded", "open-ended"}
+    assert all(s["identical_to_hf"] == s["prompts"] for s in classes.values())
+    assert "late" not in doc
+
+
+@pytest.mark.slow
+def test_trace_bench_with_the_shared_cluster_and_a_late_verifier(tmp_path, tiny_folder):
+    """Real node processes: 2 verifiers, a suffix proposer each, then a late pair."""
+    doc = _bench(tmp_path, tiny_folder, "--late", "1")
+    for recs in doc["requests"].values():
+        for r in recs:
+            assert {"suffix-shared", "bus-plain"} <= set(r["rows"])
+            assert all(r["identical_to_hf"].values()), r["identical_to_hf"]
+            # requests alternate between the verifiers, each drafting with its own proposer
+            v = r["verifier"]
+            assert r["rows"]["suffix-shared"]["proposers_used"], r["rows"]["suffix-shared"]
+            assert v == f"v{r['run_order'] % 2}"
+    late = doc["late"]
+    assert late["start"]["snapshots"] >= 1
+    assert [(r["trace"], r["request"]) for r in late["requests"]] == [("agent_tools", 0),
+                                                                       ("file_edits", 0)]
+    for r in late["requests"]:
+        assert all(r["identical_to_plain"].values()), r

@@ -1,0 +1,600 @@
+"""`specbus bench decode --trace NAME[,NAME...]|all`: repeated workloads, request by request.
+
+Replays the traces of tools/traces (issue #25; each file says how it was made in
+tools/traces/README.md) and decodes every request with each row, interleaved request by request
+(rows in an order rotated per request, traces taken in turn), so background load hits every
+row alike:
+
+* `plain`: our engine, greedy, no drafts (the baseline of the in-process rows);
+* `ngram`: the per-request ngram drafter (the current sequence only);
+* `suffix`: the suffix drafter, one global index for the whole run (the earlier answers of
+  every trace, outputs only, as a verifier shares by default);
+* `hf-plain`, `hf-prompt-lookup`: Hugging Face `generate`, greedy and with
+  `prompt_lookup_num_tokens` (`--hf-lookup`, default 10), same token ids and counts;
+* `suffix-shared`: over the bus, real node processes on loopback: 2 verifiers (core 0, one
+  torch thread each) and one suffix proposer per verifier (core 1); requests alternate between
+  the verifiers (request k of the run goes to verifier k % 2 with its own proposer), and every
+  proposer indexes what both verifiers publish. `bus-plain` is the same verifier decoding the
+  same request plainly, run *after* the shared row (its answer is published too, so it must
+  not come first) and the shared row's baseline.
+
+In-process rows run in this process with its thread pinned to core 0 and one torch thread;
+the rest of the time this process's threads (the bus client) sit on core 1 with the
+proposers. Speedups are tok/s over `plain` (in-process rows) or over `bus-plain` (the shared
+row: same verifier, same request); "vs ngram" divides a row's speedup by ngram's on the same
+request. Every output is checked against HF greedy's (token ids and decoded bytes).
+
+After the traces (`--late N`, default 2): a third verifier and a third suffix proposer are
+started (the proposer first, so it asks the two verifiers that answered for their snapshot;
+both join after every answer was given) and each trace's first N requests are asked again on
+the new verifier: `late-shared` (drafted by the late proposer, warm from the snapshots),
+`late-shared-p0` (the first proposer, there all along) and `late-plain` (its baseline).
+
+`--singles`: before the traces, single requests with nothing indexed (a fresh suffix drafter
+per prompt): tools/prompts.py's set and a held-out set written for this bench, never used to
+tune a drafter (`HELD_OUT`). Input-grounded: suffix vs HF prompt lookup; open-ended: suffix vs
+plain.
+
+`--no-cluster` keeps everything in this process (no shared or late rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+CORE_VERIFIER, CORE_PROPOSER = 0, 1
+SKIP_FIRST = 3  # "after the first few requests": medians over requests SKIP_FIRST..
+INPROC_ROWS = ("plain", "ngram", "suffix", "hf-plain", "hf-prompt-lookup")
+SINGLE_ROWS = INPROC_ROWS
+SPEC_ROWS = ("ngram", "suffix", "suffix-shared", "hf-prompt-lookup")
+
+#: single requests written for this bench (not tools/prompts.py's, not the suffix drafter's
+#: compare prompts): nothing was tuned on them
+HELD_OUT: list[tuple[str, str]] = [
+    ("input-grounded", "Convert this CSV into a Markdown table:\n\nsku,item,qty,price\n"
+                       "A-17,blue mug,4,7.50\nB-02,steel kettle,1,32.00\nC-33,linen towel,6,"
+                       "9.90\nD-48,oak tray,2,24.00"),
+    ("input-grounded", "Fix the spelling mistakes in this note and return the whole note:\n\n"
+                       "Dear neighbours, the recycleing bins will be colected on Tuesday "
+                       "insted of Monday this week. Please put them out befor 7 am and keep "
+                       "the lids closed so the wind does not scater the paper."),
+    ("input-grounded", "Add type hints to this function and return the whole function:\n\n"
+                       "def merge_counts(a, b):\n    out = dict(a)\n    for key, value in "
+                       "b.items():\n        out[key] = out.get(key, 0) + value\n    return out\n"),
+    ("open-ended", "Describe a walk through a street market on a cold winter morning."),
+    ("open-ended", "What should a family think about before adopting a cat?"),
+    ("open-ended", "Write a limerick about a wizard who keeps forgetting his spells."),
+]
+
+
+def add_arguments(parser) -> None:
+    """The trace options of `specbus bench decode` (tools/bench_decode.py adds them)."""
+    parser.add_argument("--trace", default=None, metavar="NAME[,NAME...]|all",
+                        help="replay tools/traces/NAME.json (several: taken in turn, "
+                             "interleaved); 'all': every trace (tools/bench_trace.py)")
+    parser.add_argument("--limit", type=int, default=0, metavar="N",
+                        help="--trace: the first N requests of each trace only")
+    parser.add_argument("--late", type=int, default=2, metavar="N",
+                        help="--trace: ask each trace's first N requests again on a verifier "
+                             "and a suffix proposer started afterwards (0: not)")
+    parser.add_argument("--singles", action="store_true",
+                        help="--trace: single requests with nothing indexed first (input-"
+                             "grounded vs HF prompt lookup, open-ended vs plain)")
+    parser.add_argument("--no-cluster", action="store_true",
+                        help="--trace: in-process rows only (no node processes)")
+    parser.add_argument("--suffix-spec", default="suffix", metavar="SPEC",
+                        help="--trace: the suffix drafter measured, in process and in the "
+                             "proposers (default: suffix)")
+    parser.add_argument("--hf-lookup", type=int, default=10, metavar="N",
+                        help="--trace: HF prompt_lookup_num_tokens (default 10)")
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _pin(cores: set[int]) -> None:
+    """Pin the calling thread (Linux: sched_setaffinity(0) is this thread only)."""
+    if hasattr(os, "sched_setaffinity"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cores & os.sched_getaffinity(0) or os.sched_getaffinity(0))
+
+
+def trace_names(arg: str) -> list[str]:
+    from tools.bench_suffix import TRACES
+
+    if arg == "all":
+        return sorted(p.stem for p in TRACES.glob("*.json"))
+    return [n.strip() for n in arg.split(",") if n.strip()]
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def _min(xs):
+    xs = [x for x in xs if x is not None]
+    return round(min(xs), 3) if xs else None
+
+
+def _rec(tokens: list[int], seconds: float, forwards: int, drafted: int) -> dict:
+    return {"tokens": list(tokens), "s": round(seconds, 4),
+            "tok_s": round(len(tokens) / seconds, 3) if seconds > 0 else 0.0,
+            "forwards": forwards, "drafted": drafted,
+            "tok_per_fwd": round(len(tokens) / forwards, 3) if forwards else None}
+
+
+# -- in process --------------------------------------------------------------------------------
+
+class InProcess:
+    """Our engine (plain, ngram, suffix) and HF generate on one backend, this thread pinned to
+    the verifier's core while they run."""
+
+    def __init__(self, model: str | None, spec: str, hf_lookup: int, threads: int = 1) -> None:
+        import torch
+
+        from nodes.backends.base import load_backend
+        from nodes.drafters.base import make_drafter
+        from nodes.engine.core import Engine
+        from tools.decode_runs import hf_runner
+
+        torch.set_num_threads(max(threads, 1))
+        self.spec = spec
+        self.backend = load_backend("torch", model)
+        self.tokenizer = self.backend.tokenizer
+        self.engines = {"plain": Engine(self.backend, None),
+                        "ngram": Engine(self.backend, make_drafter("ngram")),
+                        "suffix": Engine(self.backend, make_drafter(spec))}
+        self.hf = {"hf-plain": hf_runner(self.backend),
+                   "hf-prompt-lookup": hf_runner(self.backend,
+                                                 prompt_lookup_num_tokens=hf_lookup)}
+
+    @property
+    def suffix_index(self):
+        return self.engines["suffix"].drafter.index
+
+    def fresh_suffix(self) -> None:
+        """A suffix drafter with nothing indexed (single requests)."""
+        from nodes.drafters.base import make_drafter
+
+        self.engines["suffix"].drafter = make_drafter(self.spec)
+
+    def run(self, name: str, ids: list[int], n: int) -> dict:
+        from nodes.engine.core import GenerationParams, Stats
+
+        _pin({CORE_VERIFIER})
+        try:
+            if name in self.hf:
+                r = self.hf[name](ids, n)
+                return _rec(r.token_ids, r.elapsed_s, 0, 0)
+            stats = Stats()
+            out: list[int] = []
+            t0 = time.perf_counter()
+            for block in self.engines[name].stream(ids, GenerationParams(max_tokens=n),
+                                                   stats=stats):
+                out.extend(block.token_ids)
+            return _rec(out, time.perf_counter() - t0, stats.blocks, stats.drafted)
+        finally:
+            _pin({CORE_PROPOSER})
+
+    def warm(self, ids: list[int]) -> None:
+        for name in INPROC_ROWS:
+            self.run(name, ids, 8)
+
+
+# -- over the bus ------------------------------------------------------------------------------
+
+class _Telemetry:
+    """The latest gossiped `stats` of every node."""
+
+    def __init__(self, cc, cluster: str) -> None:
+        from nodes.telemetry import stats_topic
+
+        self._lock = threading.Lock()
+        self.latest: dict[str, dict] = {}
+        cc.node.register_gossip("stats", self._on_stats)
+        cc.node.gossip.subscribe(stats_topic(cluster))
+
+    def _on_stats(self, topic, msg) -> None:
+        if isinstance(msg.get("stats"), dict):
+            with self._lock:
+                self.latest[msg.sender] = msg["stats"]
+
+    def index(self, node_id: str) -> dict:
+        with self._lock:
+            return dict((self.latest.get(node_id) or {}).get("proposer", {})
+                        .get("suffix_index") or {})
+
+
+class Cluster:
+    """Verifiers v0, v1 (core 0, one torch thread) with suffix proposers p0, p1 (core 1);
+    later a third pair (`start_late`)."""
+
+    def __init__(self, stack: contextlib.ExitStack, model: str | None, spec: str) -> None:
+        from nodes.cluster_client import ClusterClient
+        from tools.local_cluster import LocalCluster
+
+        self.log_dir = Path(tempfile.mkdtemp(prefix="specbus-bench-trace-"))
+        self.model = ("--model", model) if model else ()
+        self.spec = spec
+        self.c = stack.enter_context(LocalCluster(log_dir=self.log_dir, mdns=False,
+                                                  env={"OMP_NUM_THREADS": "1"}))
+        print(f"starting 2 verifiers (core 0, 1 torch thread) and 2 suffix proposers "
+              f"(core 1); logs: {self.log_dir}", file=sys.stderr, flush=True)
+        vs = [self._spawn_verifier(f"v{i}") for i in range(2)]
+        for v in vs:
+            v.wait_ready()
+        ps = [self._spawn_proposer(f"p{i}") for i in range(2)]
+        for p in ps:
+            p.wait_ready()
+        self.nodes = {n.name: n for n in (*vs, *ps)}
+        self.cc = stack.enter_context(ClusterClient(
+            self.c.cluster, peers=tuple(n.stream for n in self.nodes.values()), mdns=False))
+        self.tel = _Telemetry(self.cc, self.c.cluster)
+        self.members: dict = {}
+        self._find({"v0", "v1", "p0", "p1"})
+        self.published = 0  # generations the sharing verifiers ran (each one publishes)
+
+    def _spawn_verifier(self, name: str, seed: bool = False):
+        return self.c.spawn(name, "--role", "verifier", "--cpus", str(CORE_VERIFIER),
+                            "--threads", "1", *self.model, seed=seed)
+
+    def _spawn_proposer(self, name: str):
+        return self.c.spawn(name, "--role", "proposer", "--drafter", self.spec,
+                            "--cpus", str(CORE_PROPOSER), seed=True)
+
+    def _find(self, names: set[str], timeout: float = 60.0) -> None:
+        ms = self.cc.wait_for(lambda ms: names <= {m.card.name for m in ms}, timeout)
+        missing = names - {m.card.name for m in ms}
+        if missing:
+            raise RuntimeError(f"nodes not seen by the bench client: {sorted(missing)}")
+        self.members.update({m.card.name: m for m in ms if m.card.name in names})
+
+    def node_id(self, name: str) -> str:
+        return self.nodes[name].node_id
+
+    def generate(self, verifier: str, ids: list[int], n: int,
+                 proposer: str | None = None) -> dict:
+        from nodes.cluster_client import GenerateRequest
+
+        req = GenerateRequest(tokens=list(ids), max_tokens=n, speculate=proposer is not None,
+                              proposers=[self.node_id(proposer)] if proposer else None)
+        r = self.cc.generate(req, self.members[verifier], failover=False)
+        st = r.stats
+        rec = _rec(st["token_ids"], st["elapsed_s"], st.get("blocks", 0), st.get("drafted", 0))
+        rec["proposers_used"] = sorted(st.get("proposers") or {})
+        if verifier in ("v0", "v1"):
+            self.published += 1
+        return rec
+
+    def wait_indexed(self, proposers: tuple[str, ...], at_least: int,
+                     timeout: float = 20.0) -> bool:
+        """Until each proposer's index took `at_least` publications (telemetry, ~1 s late)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if all(self.tel.index(self.node_id(p)).get("indexed", 0) >= at_least
+                   for p in proposers):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def warm(self, ids: list[int]) -> None:
+        """Open connections, learn costs; each verifier must have drafted with its proposer."""
+        for v, p in (("v0", "p0"), ("v1", "p1")):
+            for _ in range(20):
+                self.generate(v, ids, 8)
+                if self.node_id(p) in self.generate(v, ids, 8, proposer=p)["proposers_used"]:
+                    break
+                time.sleep(0.5)
+            else:
+                raise RuntimeError(f"{v} never drafted with {p}")
+        if not self.wait_indexed(("p0", "p1"), self.published, 30):
+            raise RuntimeError("the proposers did not index the warm-up publications")
+
+    def start_late(self, ids: list[int]) -> dict:
+        """A proposer, then a verifier, started after every answer was given."""
+        p = self._spawn_proposer("p-late")
+        p.wait_ready()
+        self.nodes["p-late"] = p
+        warm = self.wait_indexed(("p-late",), self.published, 60)
+        v = self._spawn_verifier("v-late", seed=True)
+        v.wait_ready()
+        self.nodes["v-late"] = v
+        self._find({"p-late", "v-late"})
+        for _ in range(20):
+            self.generate("v-late", ids, 8)
+            used = self.generate("v-late", ids, 8, proposer="p-late")["proposers_used"]
+            if self.node_id("p-late") in used:
+                break
+            time.sleep(0.5)
+        return {"snapshot_indexed": warm, **self.tel.index(self.node_id("p-late"))}
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+def _speedups(res: dict) -> dict:
+    """Per request: each row's speed over its baseline, and over ngram's speedup."""
+    out = {}
+    for name, r in res.items():
+        ref = res.get("bus-plain") if name == "suffix-shared" else res["plain"]
+        if name == "bus-plain" or not ref or not ref["tok_s"]:
+            continue
+        out[name] = round(r["tok_s"] / ref["tok_s"], 3)
+    ng = out.get("ngram")
+    vs_ngram = {n: round(s / ng, 3) for n, s in out.items() if ng and n not in ("plain",)}
+    extra = {}
+    if "hf-prompt-lookup" in res and res["hf-prompt-lookup"]["tok_s"]:
+        extra["suffix_vs_hf_lookup"] = round(res["suffix"]["tok_s"]
+                                             / res["hf-prompt-lookup"]["tok_s"], 3)
+        if res["hf-plain"]["tok_s"]:
+            extra["hf_lookup_vs_hf_plain"] = round(res["hf-prompt-lookup"]["tok_s"]
+                                                   / res["hf-plain"]["tok_s"], 3)
+    return {"vs_plain": out, "vs_ngram": vs_ngram, **extra}
+
+
+def _identity(res: dict, decode) -> dict:
+    """Each row's output against HF greedy's: token ids, and the decoded bytes."""
+    ref = res["hf-plain"]["tokens"]
+    ref_bytes = decode(ref).encode()
+    return {n: r["tokens"] == ref and decode(r["tokens"]).encode() == ref_bytes
+            for n, r in res.items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (a.get("messages"), a.get("prompt")) == (b.get("messages"), b.get("prompt"))
+
+
+def _order(rows: list[str], k: int) -> list[str]:
+    shift = (k * 2) % len(rows)
+    return rows[shift:] + rows[:shift]
+
+
+def run_singles(inproc: InProcess, n: int) -> list[dict]:
+    from tools.prompts import PROMPTS
+
+    out = []
+    prompts = [(c, t, "tools/prompts.py") for c, t in PROMPTS] + [
+        (c, t, "held-out") for c, t in HELD_OUT]
+    for k, (klass, text, source) in enumerate(prompts):
+        ids = inproc.tokenizer.encode(text, chat=True)
+        res = {}
+        for name in _order(list(SINGLE_ROWS), k):
+            if name == "suffix":
+                inproc.fresh_suffix()  # nothing indexed: a single request
+            res[name] = inproc.run(name, ids, n)
+        rec = {"class": klass, "source": source, "prompt": text[:60], "tokens": len(
+            res["hf-plain"]["tokens"]), "loadavg": loadavg(),
+            "identical_to_hf": _identity(res, inproc.tokenizer.decode), **_speedups(res),
+            "rows": {k2: {x: v for x, v in r.items() if x != "tokens"} for k2, r in res.items()}}
+        out.append(rec)
+        print(f"single {k + 1}/{len(prompts)} {klass} ({source}): suffix/plain "
+              f"{rec['vs_plain'].get('suffix')} suffix/hf-lookup {rec['suffix_vs_hf_lookup']} "
+              f"load {rec['loadavg']}", file=sys.stderr, flush=True)
+    inproc.fresh_suffix()
+    return out
+
+
+def run_traces(args, inproc: InProcess, cluster: Cluster | None, names: list[str]) -> dict:
+    from tools.bench_suffix import encode_request, load_trace
+
+    traces = {name: load_trace(name)[: args.limit or None] for name in names}
+    schedule = [(name, j) for j in range(max(len(t) for t in traces.values()))
+                for name in names if j < len(traces[name])]
+    rows = list(INPROC_ROWS) + (["bus"] if cluster else [])
+    out: dict[str, list[dict]] = {name: [] for name in names}
+    for k, (name, j) in enumerate(schedule):
+        req = traces[name][j]
+        ids = encode_request(inproc.tokenizer, req)
+        n = min(int(req.get("max_tokens", args.max_tokens)), args.max_tokens)
+        earlier = [i for i in range(j) if _same(traces[name][i], req)]
+        res: dict[str, dict] = {}
+        v = k % 2
+        for row in _order(rows, k):
+            if row != "bus":
+                res[row] = inproc.run(row, ids, n)
+                continue
+            # the shared row first: the plain run's answer is published too
+            indexed = cluster.wait_indexed(("p0", "p1"), cluster.published)
+            res["suffix-shared"] = cluster.generate(f"v{v}", ids, n, proposer=f"p{v}")
+            res["suffix-shared"]["indexed_before"] = indexed
+            res["bus-plain"] = cluster.generate(f"v{v}", ids, n)
+        rec = {"trace": name, "request": j, "run_order": k, "repeat_of": earlier[0] if earlier
+               else None, "verifier": f"v{v}" if cluster else None, "max_tokens": n,
+               "tokens": len(res["hf-plain"]["tokens"]), "loadavg": loadavg(),
+               "identical_to_hf": _identity(res, inproc.tokenizer.decode), **_speedups(res),
+               "rows": {r: {x: y for x, y in d.items() if x != "tokens"} for r, d in res.items()}}
+        out[name].append(rec)
+        print(f"{name} {j + 1}/{len(traces[name])}: vs plain {rec['vs_plain']} "
+              f"identical {all(rec['identical_to_hf'].values())} load {rec['loadavg']}",
+              file=sys.stderr, flush=True)
+    return out
+
+
+def run_late(args, inproc: InProcess, cluster: Cluster, names: list[str], warm_ids) -> dict:
+    from tools.bench_suffix import encode_request, load_trace
+
+    start = cluster.start_late(warm_ids)
+    out = []
+    for name in names:
+        for j in range(min(args.late, len(load_trace(name)))):
+            req = load_trace(name)[j]
+            ids = encode_request(inproc.tokenizer, req)
+            n = min(int(req.get("max_tokens", args.max_tokens)), args.max_tokens)
+            res = {"late-shared": cluster.generate("v-late", ids, n, proposer="p-late"),
+                   "late-shared-p0": cluster.generate("v-late", ids, n, proposer="p0"),
+                   "late-plain": cluster.generate("v-late", ids, n)}
+            ref = res["late-plain"]
+            rec = {"trace": name, "request": j, "tokens": len(ref["tokens"]),
+                   "loadavg": loadavg(),
+                   "identical_to_plain": {k: r["tokens"] == ref["tokens"]
+                                          for k, r in res.items()},
+                   "vs_plain": {k: round(r["tok_s"] / ref["tok_s"], 3)
+                                for k, r in res.items() if k != "late-plain"},
+                   "rows": {k: {x: y for x, y in r.items() if x != "tokens"}
+                            for k, r in res.items()}}
+            out.append(rec)
+            print(f"late {name} {j}: {rec['vs_plain']} load {rec['loadavg']}",
+                  file=sys.stderr, flush=True)
+    return {"start": start, "requests": out}
+
+
+def summarize(per_trace: dict[str, list[dict]], skip: int = SKIP_FIRST) -> dict:
+    """Per trace and pooled: medians and the worst request, over requests `skip`.. and all."""
+    def block(recs: list[dict]) -> dict:
+        names = [n for n in ("ngram", "suffix", "suffix-shared", "hf-plain", "hf-prompt-lookup")
+                 if any(n in r["vs_plain"] for r in recs)]
+        out = {}
+        for n in names:
+            vp = [r["vs_plain"].get(n) for r in recs]
+            vn = [r["vs_ngram"].get(n) for r in recs]
+            tpf = [r["rows"][n].get("tok_per_fwd") for r in recs]
+            worst = min((r for r in recs if r["vs_plain"].get(n) is not None),
+                        key=lambda r: r["vs_plain"][n], default=None)
+            out[n] = {"vs_plain_median": _median(vp), "vs_plain_worst": _min(vp),
+                      "worst_request": (worst["trace"], worst["request"]) if worst else None,
+                      "vs_ngram_median": _median(vn) if n != "ngram" else None,
+                      "vs_ngram_worst": _min(vn) if n != "ngram" else None,
+                      "tok_per_fwd_median": _median(tpf)}
+        out["identical_to_hf"] = sum(all(r["identical_to_hf"].values()) for r in recs)
+        out["requests"] = len(recs)
+        return out
+
+    summary = {}
+    for name, recs in per_trace.items():
+        summary[name] = {"all": block(recs)}
+        if len(recs) > skip:
+            summary[name] = {f"after {skip}": block(recs[skip:]), **summary[name]}
+    pooled = [r for recs in per_trace.values() for r in recs[skip:]]
+    if pooled and len(per_trace) > 1:
+        summary["pooled"] = {f"after {skip}": block(pooled)}
+    return summary
+
+
+def summarize_singles(singles: list[dict]) -> dict:
+    out = {}
+    for klass in sorted({s["class"] for s in singles}):
+        sel = [s for s in singles if s["class"] == klass]
+        out[klass] = {
+            "prompts": len(sel),
+            **{f"{n}_vs_plain": {"median": _median(s["vs_plain"].get(n) for s in sel),
+                                 "worst": _min(s["vs_plain"].get(n) for s in sel)}
+               for n in ("ngram", "suffix", "hf-prompt-lookup")},
+            "suffix_vs_hf_lookup": {"median": _median(s["suffix_vs_hf_lookup"] for s in sel),
+                                    "worst": _min(s["suffix_vs_hf_lookup"] for s in sel)},
+            "suffix_vs_ngram": {"median": _median(s["vs_ngram"].get("suffix") for s in sel),
+                                "worst": _min(s["vs_ngram"].get("suffix") for s in sel)},
+            "identical_to_hf": sum(all(s["identical_to_hf"].values()) for s in sel),
+        }
+    return out
+
+
+def _fmt(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_report(doc: dict) -> None:
+    print(f"trace decode benchmark: up to {doc['max_tokens']} new tokens per request; "
+          f"{doc['pinning']}; load average {doc['loadavg_start']} -> {doc['loadavg_end']}")
+    for name, s in doc["summary"].items():
+        for label, b in s.items():
+            print(f"\n{name} ({label}, {b['requests']} requests, {b['identical_to_hf']} with "
+                  "every row identical to HF greedy)")
+            print(f"  {'row':17s} {'vs plain':>8s} {'worst':>6s} {'vs ngram':>8s} "
+                  f"{'worst':>6s} {'tok/fwd':>7s}  worst request")
+            for row, r in b.items():
+                if not isinstance(r, dict):
+                    continue
+                print(f"  {row:17s} {_fmt(r['vs_plain_median']):>8s} "
+                      f"{_fmt(r['vs_plain_worst']):>6s} {_fmt(r['vs_ngram_median']):>8s} "
+                      f"{_fmt(r['vs_ngram_worst']):>6s} {_fmt(r['tok_per_fwd_median']):>7s}"
+                      f"  {r['worst_request']}")
+    late = doc.get("late")
+    if late:
+        print("\nasked again on a verifier and a proposer started after the answers "
+              f"(snapshot: {late['start']})")
+        print(f"  {'trace':12s} {'req':>3s} {'tokens':>6s} {'late-shared':>11s} "
+              f"{'via p0':>7s} {'tok/fwd':>7s} identical")
+        for r in late["requests"]:
+            print(f"  {r['trace']:12s} {r['request']:3d} {r['tokens']:6d} "
+                  f"{_fmt(r['vs_plain']['late-shared']):>11s} "
+                  f"{_fmt(r['vs_plain']['late-shared-p0']):>7s} "
+                  f"{_fmt(r['rows']['late-shared']['tok_per_fwd']):>7s} "
+                  f"{all(r['identical_to_plain'].values())}")
+    singles = doc.get("singles_summary")
+    if singles:
+        print("\nsingle requests, nothing indexed (fresh suffix drafter per prompt)")
+        for klass, s in singles.items():
+            print(f"  {klass} ({s['prompts']} prompts, {s['identical_to_hf']} identical): "
+                  + "; ".join(f"{k} {v['median']:.2f}x (worst {v['worst']:.2f}x)"
+                              for k, v in s.items() if isinstance(v, dict)))
+    idx = doc.get("index")
+    if idx:
+        print(f"\nsuffix index (in process): {idx}")
+
+
+def run_trace(args) -> int:
+    names = trace_names(args.trace)
+    from tools.bench_suffix import TRACES
+
+    for name in names:
+        if not (TRACES / f"{name}.json").exists():
+            print(f"specbus bench decode: no trace {name!r}", file=sys.stderr)
+            return 2
+    start_load = loadavg()
+    t_start = time.monotonic()
+    _pin({CORE_PROPOSER})  # threads made from here on (the bus client's) sit on core 1
+    inproc = InProcess(args.model, args.suffix_spec, args.hf_lookup, args.threads or 1)
+    warm_ids = inproc.tokenizer.encode("Count from one to ten.", chat=True)
+    inproc.warm(warm_ids)
+    doc: dict = {
+        "command": "specbus bench decode " + " ".join(sys.argv[3:] if sys.argv[1:3] == [
+            "bench", "decode"] else sys.argv[1:]),
+        "traces": names, "max_tokens": args.max_tokens, "limit": args.limit,
+        "suffix_spec": args.suffix_spec, "hf_prompt_lookup_num_tokens": args.hf_lookup,
+        "pinning": ("in-process rows and HF: this thread on core 0, 1 torch thread; "
+                    + ("verifiers on core 0 (1 torch thread), suffix proposers on core 1"
+                       if not args.no_cluster else "no cluster")),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpus": os.cpu_count()},
+        "loadavg_start": start_load,
+    }
+    with contextlib.ExitStack() as stack:
+        cluster = None
+        if not args.no_cluster:
+            cluster = Cluster(stack, args.model, args.suffix_spec)
+            cluster.warm(warm_ids)
+        if args.singles:
+            doc["singles"] = run_singles(inproc, args.max_tokens)
+            doc["singles_summary"] = summarize_singles(doc["singles"])
+        per_trace = run_traces(args, inproc, cluster, names)
+        doc["requests"] = per_trace
+        doc["summary"] = summarize(per_trace)
+        stats = inproc.suffix_index.stats()
+        doc["index"] = {**stats, "bytes_per_million_tokens": round(
+            stats["bytes"] / max(stats["tokens"], 1) * 1e6)}
+        if cluster is not None:
+            doc["proposer_index"] = {p: cluster.tel.index(cluster.node_id(p))
+                                     for p in ("p0", "p1")}
+            if args.late > 0:
+                doc["late"] = run_late(args, inproc, cluster, names, warm_ids)
+    doc["loadavg_end"] = loadavg()
+    doc["wall_s"] = round(time.monotonic() - t_start, 1)
+    print_report(doc)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
