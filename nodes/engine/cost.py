@@ -39,7 +39,7 @@ _EMA = 0.3
 POOLED = ""
 
 
-def _ema(old: float | None, new: float) -> float:
+def ema(old: float | None, new: float) -> float:
     """The running estimates' update: the first observation as is, then an EMA."""
     return new if old is None else (1 - _EMA) * old + _EMA * new
 
@@ -244,13 +244,13 @@ class CostModel:
 
     # ---- observations -----------------------------------------------------------------------
     def record_verify(self, fed: int, seconds: float) -> None:
-        self._verify[fed] = _ema(self._verify.get(fed), seconds)
+        self._verify[fed] = ema(self._verify.get(fed), seconds)
 
     def record_draft(self, drafted: int, seconds: float, name: str = POOLED) -> None:
         """`name` spent `seconds` of the verifier's time drafting `drafted` tokens."""
         if drafted <= 0:
             return
-        self._draft[name] = _ema(self._draft.get(name), seconds / drafted)
+        self._draft[name] = ema(self._draft.get(name), seconds / drafted)
 
     def record_delivered(self, name: str, tokens: int, asked: int) -> None:
         """After a wait for `name`, asked for `asked`, it offered `tokens` (its longest
@@ -259,7 +259,7 @@ class CostModel:
         old = self._delivered.get(name)
         if old is not None and tokens >= asked and old > tokens:
             return
-        self._delivered[name] = _ema(old, tokens)
+        self._delivered[name] = ema(old, tokens)
 
     def record_unheard(self, name: str = POOLED) -> None:
         """`name` was asked for drafts and none of its tokens is in this step's tree."""

@@ -28,6 +28,7 @@ only thread that touches links), kept across generations so connections persist.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -48,6 +49,7 @@ from codec.structs import (
     SessionExtend,
     SessionOpen,
 )
+from nodes.engine.cost import ema
 from nodes.engine.errors import OutOfSyncError, TokenizerMismatchError, UnknownSessionError
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import DraftSource, Feedback
@@ -55,7 +57,8 @@ from nodes.engine.tree import Candidate
 
 log = logging.getLogger(__name__)
 
-_EMA = 0.3
+#: round trips a link's estimate is the smallest of (see ProposerLink.observe_rtt)
+RTT_WINDOW = 16
 #: error codes after which a proposer cannot help this session any more
 _FATAL_CODES = frozenset(
     {UnknownSessionError.code, OutOfSyncError.code, TokenizerMismatchError.code})
@@ -99,11 +102,14 @@ class ProposerLink:
     bad_replies: int = 0
     errors: int = 0
     flooded: int = 0  # sessions dropped for sending too many chunks
-    net_s: float | None = None  # EMA of the commit push round trip
+    #: the commit push round trip: the smallest of the last RTT_WINDOW measured
+    net_s: float | None = None
     #: EMA: commit pushed -> first chunk based on it, read while waiting for it (kept across
     #: generations: it belongs to the proposer and the network, not to a prompt)
     fresh_s: float | None = None
     client: DirectClient | None = field(default=None, repr=False)
+    _rtts: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW),
+                                     repr=False)
 
     COUNTERS = ("drafts", "drafted", "accepted", "verified", "chunks", "stale",
                 "timeouts", "bad_replies", "errors", "flooded")
@@ -120,12 +126,20 @@ class ProposerLink:
         return out
 
     def observe_rtt(self, rtt: float) -> None:
-        self.net_s = rtt if self.net_s is None else self.net_s + _EMA * (rtt - self.net_s)
+        """A commit push was answered `rtt` after it was sent, as read by the compute thread.
+
+        The compute thread reads replies between steps, so a reply that came during a verify
+        forward is read a whole forward late (40-150 ms over loopback, where the round trip is
+        well under a millisecond): every reading is an upper bound of the round trip. The
+        tightest of the recent ones is the estimate (a min filter, as BBR's min_rtt): replies
+        read soon after they came (a waiting poll, the next step's planning) set it, late
+        reads never inflate it, and an old low one ages out of the window."""
+        self._rtts.append(rtt)
+        self.net_s = min(self._rtts)
 
     def observe_fresh(self, took: float) -> None:
         """A commit's answer came `took` after the push (read by a waiting poll)."""
-        self.fresh_s = took if self.fresh_s is None else self.fresh_s + _EMA * (
-            took - self.fresh_s)
+        self.fresh_s = ema(self.fresh_s, took)
 
     def fresh_at_least(self, took: float) -> None:
         """A commit's answer had not come `took` after the push: it takes at least that."""
@@ -213,9 +227,9 @@ class ProposerSource(DraftSource):
         now = time.monotonic()
         if self._last_fb is not None:
             dt = now - self._last_fb
-            self.step_s = dt if self.step_s is None else self.step_s + _EMA * (dt - self.step_s)
+            self.step_s = ema(self.step_s, dt)
         self._last_fb = now
-        self.per_step += _EMA * (len(fb.committed) - self.per_step)
+        self.per_step = ema(self.per_step, len(fb.committed))
         link = self.link
         if self.proposed:  # counted as proposed: the tree may have merged it with another's
             link.drafts += 1
