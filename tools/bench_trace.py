@@ -44,6 +44,7 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -107,11 +108,17 @@ def loadavg() -> list[float] | None:
         return None
 
 
+#: the cores this process may use, read once before any pinning (a thread's own affinity,
+#: once pinned, no longer says which others exist)
+_ALLOWED: set[int] = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+
+
 def _pin(cores: set[int]) -> None:
-    """Pin the calling thread (Linux: sched_setaffinity(0) is this thread only)."""
-    if hasattr(os, "sched_setaffinity"):
+    """Pin the calling thread (Linux: sched_setaffinity(0) is this thread only); where those
+    cores are not ours, to every core we have."""
+    if _ALLOWED:
         with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, cores & os.sched_getaffinity(0) or os.sched_getaffinity(0))
+            os.sched_setaffinity(0, cores & _ALLOWED or _ALLOWED)
 
 
 def trace_names(arg: str) -> list[str]:
@@ -557,6 +564,9 @@ def run_trace(args) -> int:
             return 2
     start_load = loadavg()
     t_start = time.monotonic()
+    # SIGTERM (and SIGINT, which a shell's background job ignores) end the run through the
+    # exit stack, so the node processes are stopped, never orphaned
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     _pin({CORE_PROPOSER})  # threads made from here on (the bus client's) sit on core 1
     inproc = InProcess(args.model, args.suffix_spec, args.hf_lookup, args.threads or 1)
     warm_ids = inproc.tokenizer.encode("Count from one to ten.", chat=True)

@@ -60,3 +60,24 @@ def test_trace_bench_with_the_shared_cluster_and_a_late_verifier(tmp_path, tiny_
                                                                        ("file_edits", 0)]
     for r in late["requests"]:
         assert all(r["identical_to_plain"].values()), r
+
+
+def test_a_pinned_thread_can_be_moved_to_another_core():
+    """In-process rows pin this thread to the verifier's core and back: the second pin must not
+    be limited by the first (a thread's own affinity, once pinned, names one core only)."""
+    import os
+
+    from tools import bench_trace
+
+    allowed = bench_trace._ALLOWED
+    if len(allowed) < 2:
+        pytest.skip("needs two cores")
+    a, b = sorted(allowed)[:2]
+    before = os.sched_getaffinity(0)
+    try:
+        bench_trace._pin({a})
+        assert os.sched_getaffinity(0) == {a}
+        bench_trace._pin({b})
+        assert os.sched_getaffinity(0) == {b}
+    finally:
+        os.sched_setaffinity(0, before)
