@@ -27,6 +27,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder for the head")
     parser.add_argument("--prompts", type=int, default=0,
                         help="use the first N built-in prompts (default: all)")
+    parser.add_argument("--chat-prompts", type=int, default=0,
+                        help="use N generated open-ended chat prompts (templates x topics, "
+                        "nodes/drafters/eagle/prompts.py) instead of the 64 built-in ones")
+    parser.add_argument("--cycle-temperatures", action="store_true",
+                        help="answer every prompt once, generation batch b at temperature b "
+                        "mod the list (default: every prompt once per temperature)")
+    parser.add_argument("--gen-minutes", type=float, default=0.0,
+                        help="stop generating responses after this many minutes (0: no "
+                        "limit); what was made is used")
+    parser.add_argument("--hold-every", type=int, default=10,
+                        help="hold out every Nth prompt's responses (default 10)")
     parser.add_argument("--text", action="append", default=[],
                         help="a local text file, teacher-forced in 256-token chunks "
                         "(repeatable)")
@@ -139,23 +150,65 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _make_data(args, backend, layers, D) -> dict:
-    prompts = D.PROMPTS[: args.prompts] if args.prompts else D.PROMPTS
+    import torch
+
+    if args.chat_prompts:
+        from nodes.drafters.eagle.prompts import chat_prompts
+
+        prompts = chat_prompts(args.chat_prompts, seed=args.seed)
+    else:
+        prompts = D.PROMPTS[: args.prompts] if args.prompts else D.PROMPTS
     temps = tuple(float(t) for t in args.temperatures.split(","))
     t0 = time.monotonic()
+    # responses are saved after every batch: an interrupted run goes on where it was
+    resp_file = Path(args.out) / ".train" / "responses.pt"
+    done = torch.load(resp_file)["tokens"] if resp_file.exists() and not args.fresh else []
+    if done:
+        _say(f"data: resuming after {len(done)} responses")
+
+    def keep(seqs) -> None:
+        tmp = resp_file.with_suffix(".tmp")
+        torch.save({"tokens": seqs}, tmp)
+        os.replace(tmp, resp_file)
+        _say(f"data: {len(seqs)} responses, {sum(map(len, seqs))} tokens, "
+             f"{time.monotonic() - t0:.0f} s")
+
+    deadline = t0 + args.gen_minutes * 60 if args.gen_minutes else None
     seqs = D.make_responses(backend, prompts, max_new=args.max_new, batch=args.gen_batch,
-                            temperatures=temps, seed=args.seed)
+                            temperatures=temps, seed=args.seed, cycle=args.cycle_temperatures,
+                            done=done, deadline=deadline, on_batch=keep)
     _say(f"data: {len(seqs.tokens)} responses in {time.monotonic() - t0:.0f} s")
     # hold out whole prompts (all their responses), so held-out text is unseen in training
     n = len(prompts)
-    held_prompts = {i for i in range(n) if i % 10 == 9} or {n - 1}
-    held_out = [k % n in held_prompts for k in range(len(seqs.tokens))]
+    every = max(2, args.hold_every)
+    held_prompts = {i for i in range(n) if i % every == every - 1} or {n - 1}
+    which = (lambda k: k) if args.cycle_temperatures else (lambda k: k % n)
+    held_out = [which(k) in held_prompts for k in range(len(seqs.tokens))]
+    n_resp = len(seqs.tokens)
     for path in args.text:
         chunks = D.text_chunks(backend, Path(path).read_text())
         seqs.tokens += chunks
         held_out += [False] * len(chunks)  # held-out accuracy is measured on responses
     draft_ids = D.draft_vocab(seqs, args.draft_vocab, backend.vocab_size)
-    examples = D.teacher_force(backend, seqs, layers, draft_ids)
+    skip = _shared_prefix(backend) if backend.tokenizer.has_chat_template else 0
+    examples = D.teacher_force(backend, D.Sequences(seqs.tokens[:n_resp]), layers, draft_ids,
+                               skip=skip)
+    examples += D.teacher_force(backend, D.Sequences(seqs.tokens[n_resp:]), layers, draft_ids)
     train = [e for e, h in zip(examples, held_out, strict=True) if not h]
     held = [e for e, h in zip(examples, held_out, strict=True) if h]
-    _say(f"data: teacher-forced {len(examples)} sequences in {time.monotonic() - t0:.0f} s")
-    return {"train": train, "held": held, "draft_ids": draft_ids}
+    _say(f"data: teacher-forced {len(examples)} sequences in {time.monotonic() - t0:.0f} s "
+         f"(the first {skip} positions of each response, the chat template's shared system "
+         "prompt, read but not trained on)")
+    return {"train": train, "held": held, "draft_ids": draft_ids, "responses": n_resp}
+
+
+def _shared_prefix(backend) -> int:
+    """Positions every chat-template prompt starts with (its system prompt), less the two
+    tokens that lead into the user's turn."""
+    tok = backend.tokenizer
+    a = tok.encode("Hello there.", chat=True)
+    b = tok.encode("Why is the sea salty?", chat=True)
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return max(0, n - 2)

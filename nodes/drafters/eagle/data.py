@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -109,20 +110,41 @@ class Example:
 
 
 def make_responses(backend, prompts=PROMPTS, max_new: int = 128, batch: int = 8,
-                   temperatures=(0.0, 0.8), seed: int = 0) -> Sequences:
-    """The verifier's own answers to `prompts` (chat template), once per temperature,
-    generated in left-padded batches (sequence k answers prompt k % len(prompts))."""
+                   temperatures=(0.0, 0.8), seed: int = 0, cycle: bool = False,
+                   done: list[list[int]] | None = None, deadline: float | None = None,
+                   on_batch=None) -> Sequences:
+    """The verifier's own answers to `prompts` (chat template), generated in left-padded
+    batches. Default: every prompt once per temperature (sequence k answers prompt
+    k % len(prompts)). `cycle`: every prompt once, batch b at temperature
+    temperatures[b % len(temperatures)] (sequence k answers prompt k).
+    `done`: sequences already made (resume: generation goes on after them); `deadline`
+    (time.monotonic()): no new batch starts after it; `on_batch(seqs)` after every batch."""
     torch.manual_seed(seed)
     tok = backend.tokenizer
     inputs = [tok.encode(p, chat=tok.has_chat_template) for p in prompts]
     eos = sorted(tok.eos_token_ids)
     pad = eos[0] if eos else 0
-    out: list[list[int]] = []
-    for temp in temperatures:
-        for start in range(0, len(inputs), batch):
-            chunk = inputs[start : start + batch]
-            out += _generate(backend, chunk, max_new, temp, pad, eos)
-            log.info("responses: %d sequences (temperature %.1f)", len(out), temp)
+    if cycle:
+        jobs = [(k, temperatures[(k // batch) % len(temperatures)]) for k in range(len(inputs))]
+    else:
+        jobs = [(k, t) for t in temperatures for k in range(len(inputs))]
+    out: list[list[int]] = list(done or [])
+    while len(out) < len(jobs):
+        if deadline is not None and time.monotonic() >= deadline:
+            log.info("responses: time is up after %d sequences", len(out))
+            break
+        start = len(out)
+        temp = jobs[start][1]
+        chunk = []
+        for k, t in jobs[start : start + batch]:
+            if t != temp:
+                break
+            chunk.append(inputs[k])
+        torch.manual_seed(seed * 1_000_003 + start)
+        out += _generate(backend, chunk, max_new, temp, pad, eos)
+        log.info("responses: %d sequences (temperature %.1f)", len(out), temp)
+        if on_batch is not None:
+            on_batch(out)
     return Sequences(out)
 
 
@@ -171,21 +193,35 @@ def draft_vocab(seqs: Sequences, size: int, vocab: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def teacher_force(backend, seqs: Sequences, layers: tuple[int, ...],
-                  draft_ids: torch.Tensor, max_len: int = 512) -> list[Example]:
-    """One verifier forward per sequence: hidden states and targets from the same pass."""
+                  draft_ids: torch.Tensor, max_len: int = 512, batch: int = 8,
+                  skip: int = 0) -> list[Example]:
+    """Verifier forwards over the sequences (similar lengths batched, right-padded: causal
+    attention never lets a real position see the padding after it): hidden states and
+    targets from the same pass. `skip`: the first positions (a prefix every sequence shares,
+    such as a chat template's system prompt) are dropped from the examples; the verifier
+    still reads them."""
     model = backend.model
-    examples = []
     cols = draft_ids.to(backend.device)
-    for n, s in enumerate(seqs.tokens):
-        ids = torch.tensor([s[:max_len]], device=backend.device)
-        out = model(input_ids=ids, output_hidden_states=True)
-        feats = torch.stack([out.hidden_states[i][0] for i in layers], dim=1)
-        logits = out.logits[0].float()
-        top1 = logits.argmax(-1)
-        p = torch.softmax(logits[:, cols], dim=-1)
-        top = torch.topk(p, min(TOPK, p.shape[-1]), dim=-1)
-        examples.append(Example(ids[0].cpu(), feats.half().cpu(), top.indices.cpu(),
-                                top.values.half().cpu(), top1.cpu()))
-        if (n + 1) % 32 == 0:
-            log.info("teacher forcing: %d/%d sequences", n + 1, len(seqs.tokens))
-    return examples
+    rows = [s[:max_len] for s in seqs.tokens]
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    examples: list[Example | None] = [None] * len(rows)
+    for b0 in range(0, len(order), batch):
+        group = order[b0 : b0 + batch]
+        width = max(len(rows[i]) for i in group)
+        ids = torch.zeros((len(group), width), dtype=torch.long)
+        for r, i in enumerate(group):
+            ids[r, : len(rows[i])] = torch.tensor(rows[i])
+        out = model(input_ids=ids.to(backend.device), output_hidden_states=True)
+        feats = torch.stack([out.hidden_states[i] for i in layers], dim=2)
+        for r, i in enumerate(group):
+            n = len(rows[i])
+            cut = skip if n - skip >= 8 else 0
+            logits = out.logits[r, cut:n].float()
+            top1 = logits.argmax(-1)
+            p = torch.softmax(logits[:, cols], dim=-1)
+            top = torch.topk(p, min(TOPK, p.shape[-1]), dim=-1)
+            examples[i] = Example(ids[r, cut:n].clone(), feats[r, cut:n].half().cpu(),
+                                  top.indices.cpu(), top.values.half().cpu(), top1.cpu())
+        if (b0 // batch + 1) % 16 == 0:
+            log.info("teacher forcing: %d/%d sequences", b0 + len(group), len(rows))
+    return examples  # type: ignore[return-value]
