@@ -111,6 +111,18 @@ def probabilities(name: str, v: Any) -> np.ndarray:
     return arr
 
 
+def log_probabilities(name: str, v: Any) -> np.ndarray:
+    """A 1-D float32 array of natural-log probabilities: each <= 0, -inf allowed, no NaN."""
+    arr = np.asarray(v)
+    if arr.ndim != 1 or (len(arr) and arr.dtype.kind != "f"):
+        raise BadRequest(name, f"must be log probabilities, got shape {list(arr.shape)} "
+                         f"{arr.dtype}")
+    arr = arr.astype(np.float32, copy=False)
+    if len(arr) and not np.all(arr <= 0):  # NaN fails too
+        raise BadRequest(name, "every log probability must be <= 0")
+    return arr
+
+
 def length(name: str, arr: Any, lo: int, hi: int, what: str = "tokens") -> None:
     """A sequence's length within lo..hi."""
     n = len(arr)

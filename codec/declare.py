@@ -174,6 +174,13 @@ def probabilities(*, default: Any = MISSING) -> Any:
                   default, MISSING)
 
 
+def log_probabilities(*, default_factory: Any = MISSING) -> Any:
+    """A tensor frame of natural-log probabilities (<= 0); sent as float32."""
+    return _field(Wire(TENSOR, checks.log_probabilities,
+                       rule=TensorRule("", ("float32", "float16"), 1), encode=_float32),
+                  MISSING, default_factory)
+
+
 def nested(record_cls: type, *, flat: bool = False) -> Any:
     """A record (`@record`) inside a message: its fields flat among the message's own
     (`flat=True`; errors name the inner field, `top_p`), or as one map under this field's
@@ -202,7 +209,7 @@ def _float32(v: Any) -> np.ndarray:
 
 
 FIELD_HELPERS = (integer, number, text, flag, strings, mapping, custom, session, token_ids,
-                 indices, probabilities, nested)
+                 indices, probabilities, log_probabilities, nested)
 
 
 # -- layouts -------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ MAX_LEASE_S = 300.0
 MAX_HORIZON = 256  # tokens a proposer may draft past the last commit it knows
 MAX_ALTERNATIVES = 128  # alternative tokens one draft chunk may carry beside its chain
 MAX_COMMITTED = 2**31 - 1
+MAX_TOP_LOGPROBS = 20  # alternatives per token with their log probabilities (OpenAI's cap)
 MAX_PUB_TOKENS = 8192  # tokens one publication carries (a longer generation sends its end)
 MAX_SNAPSHOT_TOKENS = 1 << 18  # tokens one snapshot reply carries (1 MiB of int32)
 MAX_SNAPSHOT_DOCS = 4096
@@ -67,6 +68,9 @@ class GenerateReq(wire.Struct):
     proposers: tuple[str, ...] | None = wire.strings(MAX_PROPOSERS, blank=False, default=None)
     #: "force": ask exactly `proposers` every block, with the full deadline, never judged slow
     draft: str | None = wire.text(default=None, choices=(FORCE,))
+    #: the verifier's log probability of each token, and of its `logprobs` most likely
+    #: alternatives (0: the token's own only); None: none
+    logprobs: int | None = wire.integer(0, MAX_TOP_LOGPROBS, default=None)
 
     def _cross_check(self) -> None:
         given = [n for n in ("prompt", "messages", "tokens") if getattr(self, n) is not None]
@@ -85,6 +89,10 @@ class GenerateReq(wire.Struct):
         return self.draft == FORCE
 
 
+def _no_floats() -> np.ndarray:
+    return np.zeros(0, dtype=np.float32)
+
+
 @wire.message("token_chunk", eq=False)
 class TokenChunk(wire.Struct):
     """Tokens committed by the verifier, streamed as they come; `index` counts the chunks."""
@@ -92,6 +100,22 @@ class TokenChunk(wire.Struct):
     index: int = wire.integer(0, MAX_COMMITTED)
     tokens: np.ndarray = wire.token_ids()
     text: str = wire.text(default="")
+    #: with `logprobs` asked: the verifier's log probability of each token, and row-major
+    #: [tokens x top_n] its top_n most likely tokens at that position with theirs
+    top_n: int | None = wire.integer(0, MAX_TOP_LOGPROBS, default=None)
+    logprobs: np.ndarray = wire.log_probabilities(default_factory=_no_floats)
+    top_ids: np.ndarray = wire.indices(0, default_factory=lambda: EMPTY_TOKENS)
+    top_logprobs: np.ndarray = wire.log_probabilities(default_factory=_no_floats)
+
+    def _cross_check(self) -> None:
+        n = len(self.tokens)
+        if len(self.logprobs) not in (0, n):
+            raise BadRequest("logprobs", f"one per token: {n}, got {len(self.logprobs)}")
+        want = n * (self.top_n or 0) if len(self.logprobs) else 0
+        for name in ("top_ids", "top_logprobs"):
+            if len(getattr(self, name)) != want:
+                raise BadRequest(name, f"must hold tokens x top_n = {want} values, got "
+                                 f"{len(getattr(self, name))}")
 
 
 @wire.message("done")

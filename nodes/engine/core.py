@@ -25,6 +25,7 @@ import numpy as np
 
 from nodes.engine.cost import CostModel
 from nodes.engine.errors import BadRequestError
+from nodes.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs, token_logprobs
 from nodes.engine.sampling import (
     SamplingParams,
     accept_tree_greedy,
@@ -49,6 +50,9 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     #: None: the tokenizer's EOS; an empty set: never stop on EOS
     eos_token_ids: frozenset[int] | None = None
+    #: None: no log probabilities; N >= 0: each committed token's and its N most likely
+    #: alternatives' (`Block.logprobs`)
+    logprobs: int | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -56,6 +60,8 @@ class GenerationParams:
         check_sampling(self.sampling)
         if any(not s for s in self.stop):
             raise BadRequestError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequestError(f"logprobs must be 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
 
 @dataclass
@@ -69,6 +75,7 @@ class Block:
     cache_len: int  # verifier cache positions after this block (== committed_len - 1)
     finish_reason: str | None = None  # "eos" | "length" | "stop"
     text: str | None = None  # full generated text so far, truncated at a stop string
+    logprobs: TokenLogprobs | None = None  # of `token_ids`, when the params ask for them
 
 
 @dataclass
@@ -311,7 +318,7 @@ class Engine:
             first = int(np.argmax(row)) if sp.greedy else sample(probs_from_logits(row, sp)[0],
                                                                  seq.rng)
             return self._commit(seq, [first], drafted=0, accepted=0, base=0,
-                                hidden=self._take_hidden(seq, None))
+                                hidden=self._take_hidden(seq, None), rows=row)
 
         tree = self._plan(seq)
         base = backend.cache_length(seq.cache)
@@ -346,7 +353,7 @@ class Engine:
         else:
             stats.plain_steps += 1
         return self._commit(seq, new, drafted=tree.drafted, accepted=len(path), tree=tree,
-                            path=path, base=base, hidden=hidden)
+                            path=path, base=base, hidden=hidden, rows=logits[[0, *path]])
 
     def _take_hidden(self, seq: SequenceState, rows: list[int] | None) -> Any:
         """The captured hidden states of the fed rows `rows` (None: all), in path order."""
@@ -521,8 +528,13 @@ class Engine:
         path: list[int] | None = None,
         base: int = 0,
         hidden: Any = None,
+        rows: Any = None,
     ) -> Block:
+        """`rows[i]`: the verifier's logits `new[i]` was chosen from."""
         new, finish, text = self._finish(seq.generated, new, seq.params, seq.eos)
+        top = seq.params.logprobs
+        logprobs = None if top is None or not new else token_logprobs(
+            np.atleast_2d(rows)[: len(new)], new, min(top, self.backend.vocab_size))
         seq.generated.extend(new)
         seq.finish_reason = finish
         seq.stats.blocks += 1
@@ -555,6 +567,7 @@ class Engine:
             cache_len=self.backend.cache_length(seq.cache),
             finish_reason=finish,
             text=text,
+            logprobs=logprobs,
         )
 
     # ---- helpers ----------------------------------------------------------------------------

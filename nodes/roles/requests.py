@@ -26,7 +26,8 @@ DEFAULT_MAX_CONTEXT = 8192
 
 
 def generation_params(req: GenerateReq) -> GenerationParams:
-    return GenerationParams(max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop)
+    return GenerationParams(max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop,
+                            logprobs=req.logprobs)
 
 
 def check_ids(field: str, ids: np.ndarray, vocab_size: int) -> None:

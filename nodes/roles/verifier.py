@@ -39,6 +39,7 @@ from types import MappingProxyType
 import numpy as np
 
 from bus.streams import Request
+from codec.envelope import Message
 from codec.errors import CodecError
 from codec.structs import Done, GenerateReq, TokenChunk
 from discovery.counters import Counters
@@ -279,8 +280,7 @@ class VerifierRole:
                     piece = ""  # half of a multi-byte character: wait for the rest
                 else:
                     sent_text = text
-                req.reply(TokenChunk(index, np.asarray(block.token_ids, dtype=np.int32),
-                                     piece).to_message(), more=True)
+                req.reply(_token_chunk(index, block, piece), more=True)
                 if remote:
                     self._publish()
                 if block.finish_reason is not None:
@@ -422,3 +422,14 @@ class VerifierRole:
         s.busy_s += elapsed
         s.last_tok_s = len(generated) / elapsed if elapsed > 0 else 0.0
         s.last_acceptance = stats.acceptance
+
+
+def _token_chunk(index: int, block, piece: str) -> Message:
+    """A block as the wire's `token_chunk`, with its tokens' log probabilities if asked."""
+    tokens = np.asarray(block.token_ids, dtype=np.int32)
+    lp = block.logprobs
+    if lp is None:
+        return TokenChunk(index, tokens, piece).to_message()
+    return TokenChunk(index, tokens, piece, top_n=lp.top_ids.shape[1], logprobs=lp.logprobs,
+                      top_ids=lp.top_ids.reshape(-1),
+                      top_logprobs=lp.top_logprobs.reshape(-1)).to_message()

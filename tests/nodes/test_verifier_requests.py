@@ -275,3 +275,26 @@ def test_an_anonymous_clients_work_is_dropped_when_it_vanishes(host, verifier):
         ctx.term()
     # the running one stopped within a block; the next client is served at once
     assert generate(host, prompt=PROMPT, chat=False, max_tokens=4).type == "done"
+
+
+def test_token_chunks_carry_the_verifiers_logprobs_when_asked(host, verifier, tiny_backend):
+    """Over the wire as in process: one log probability per token, and N alternatives."""
+    from codec.structs import TokenChunk
+    from nodes.engine.core import GenerationParams
+
+    msg = make("generate_req", prompt=PROMPT, max_tokens=8, logprobs=3)
+    call = host.client.request(host.server.endpoint, msg, timeout=60)
+    chunks = [TokenChunk.from_message(m) for m in call.replies(60) if m.type == "token_chunk"]
+    tokens = [int(t) for c in chunks for t in c.tokens]
+    got = np.concatenate([c.logprobs for c in chunks])
+    assert all(c.top_n == 3 and len(c.top_ids) == 3 * len(c.tokens) for c in chunks)
+    ids = tiny_backend.tokenizer.encode(PROMPT, chat=True)
+    local = [b for b in Engine(tiny_backend).stream(ids, GenerationParams(max_tokens=8,
+                                                                           logprobs=3))]
+    assert tokens == [t for b in local for t in b.token_ids]
+    np.testing.assert_allclose(got, np.concatenate([b.logprobs.logprobs for b in local]),
+                               atol=1e-5)
+    call = host.client.request(host.server.endpoint, make("generate_req", prompt=PROMPT,
+                                                          max_tokens=8), timeout=60)
+    plain = [TokenChunk.from_message(m) for m in call.replies(60) if m.type == "token_chunk"]
+    assert plain and all(len(c.logprobs) == 0 and c.top_n is None for c in plain)  # not asked
