@@ -24,7 +24,7 @@ class LocalConfig:
 def load_engine(cfg: LocalConfig) -> Engine:
     """Load the verifier backend and the drafter (heavy: imports torch or mlx)."""
     from nodes.backends.base import load_backend
-    from nodes.drafters.base import make_drafter
+    from nodes.drafters.registry import make_drafter
 
     backend = load_backend(cfg.backend, cfg.model)
     drafter = make_drafter(cfg.drafter, backend)

@@ -170,7 +170,7 @@ def _decode(engine, ids: list[int], max_tokens: int) -> dict:
 
 
 def _engines(backend, spec: str):
-    from nodes.drafters.base import make_drafter
+    from nodes.drafters.registry import make_drafter
     from nodes.engine.core import Engine
 
     engines = {"plain": Engine(backend, None), "ngram": Engine(backend, make_drafter("ngram")),
@@ -182,7 +182,7 @@ def _engines(backend, spec: str):
 def _warm(backend, engines) -> None:
     """First forwards are cold (allocation, kernel selection): not any config's cost. The
     suffix drafter is replaced afterwards, so the warm-up text is never in its index."""
-    from nodes.drafters.base import make_drafter
+    from nodes.drafters.registry import make_drafter
 
     warm = backend.tokenizer.encode("Count from one to ten.", chat=True)
     for e in engines.values():
@@ -193,7 +193,7 @@ def _warm(backend, engines) -> None:
 def compare(max_tokens: int, repeat: int, spec: str) -> dict:
     """Each prompt plain / ngram / suffix (fresh drafter: nothing indexed), interleaved;
     the fastest of `repeat` runs per config."""
-    from nodes.drafters.base import make_drafter
+    from nodes.drafters.registry import make_drafter
 
     backend = _backend()
     engines = _engines(backend, spec)

@@ -156,7 +156,7 @@ class InProcess:
         import torch
 
         from nodes.backends.base import load_backend
-        from nodes.drafters.base import make_drafter
+        from nodes.drafters.registry import make_drafter
         from nodes.engine.core import Engine
         from tools.decode_runs import hf_runner
 
@@ -177,7 +177,7 @@ class InProcess:
 
     def fresh_suffix(self) -> None:
         """A suffix drafter with nothing indexed (single requests)."""
-        from nodes.drafters.base import make_drafter
+        from nodes.drafters.registry import make_drafter
 
         self.engines["suffix"].drafter = make_drafter(self.spec)
 

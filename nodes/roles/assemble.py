@@ -196,7 +196,7 @@ def _make_drafter(name: str, backend, backend_name: str):
         from nodes.drafters.model import ModelDrafter
 
         return ModelDrafter(load_backend(backend_name, name[len("model:"):]))
-    from nodes.drafters.base import make_drafter
+    from nodes.drafters.registry import make_drafter
 
     return make_drafter(name, backend)
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from nodes.drafters.base import make_drafter
 from nodes.drafters.eagle.cache import HeadCache
 from nodes.drafters.eagle.checkpoint import VerifierShape, load_head
 from nodes.drafters.eagle.source import EagleDrafter
 from nodes.drafters.eagle.tree import draft_tree
+from nodes.drafters.registry import make_drafter
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sources import DraftSource

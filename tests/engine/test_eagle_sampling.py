@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nodes.drafters.base import make_drafter
+from nodes.drafters.registry import make_drafter
 from nodes.engine import Engine
 from tests.engine.eagle_heads import head_config, head_tensors, write_head
 from tests.engine.test_engine_sampling import (  # noqa: F401 - fixtures used by name

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nodes.drafters.base import make_drafter
+from nodes.drafters.registry import make_drafter
 from nodes.drafters.eagle.checkpoint import save_head
 from nodes.drafters.eagle.train import new_head
 from nodes.engine import Engine, GenerationParams

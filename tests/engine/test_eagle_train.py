@@ -8,9 +8,9 @@ import json
 import torch
 
 from nodes.cli import main
-from nodes.drafters.base import make_drafter
 from nodes.drafters.eagle import data as D
 from nodes.drafters.eagle import train as T
+from nodes.drafters.registry import make_drafter
 from nodes.engine import Engine, GenerationParams
 from tests.engine.conftest import hf_greedy
 

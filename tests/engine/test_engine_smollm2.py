@@ -39,7 +39,7 @@ def hf_reference(smol_torch, smol_prompt):
 
 @pytest.mark.parametrize("drafter_name", ["ngram", "int8"])
 def test_smollm2_torch_matches_hf(smol_torch, smol_prompt, hf_reference, drafter_name):
-    from nodes.drafters.base import make_drafter
+    from nodes.drafters.registry import make_drafter
 
     engine = Engine(smol_torch, make_drafter(drafter_name, smol_torch))
     stats = Stats()
@@ -74,8 +74,8 @@ def test_smollm2_mlx_matches_mlx_lm(smollm2_folder):
 @pytest.mark.parametrize("drafter_name", ["ngram", "int8"])
 def test_smollm2_trees_match_hf(smol_torch, smol_prompt, hf_reference, drafter_name):
     """Pinned node budget, so branching trees are really verified (not left to the cost model)."""
-    from nodes.drafters.base import make_drafter
     from nodes.drafters.ngram import NgramDrafter
+    from nodes.drafters.registry import make_drafter
 
     if drafter_name == "ngram":
         drafter = NgramDrafter(branches=4)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodes.drafters.base import make_drafter
+from nodes.drafters.registry import make_drafter
 from nodes.drafters.suffix import SuffixDrafter, SuffixOptions, parse_spec, plan_tree
 from nodes.drafters.suffix_index import START, GlobalIndex, LocalIndex
 from nodes.engine.errors import BadRequestError
