@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _request(args: argparse.Namespace):
-    """The typed request (validated: a bad value raises BadRequest naming the field)."""
+    """The wire's typed request (validated: a bad value raises BadRequest naming the field)."""
     from codec.errors import BadRequest
     from codec.sampling import SamplingParams
     from nodes.cluster_client import GenerateRequest
@@ -114,7 +114,7 @@ def _request(args: argparse.Namespace):
     elif args.system and args.chat:  # the verifier renders them with its chat template
         prompt, messages = None, [{"role": "system", "content": args.system},
                                   {"role": "user", "content": args.prompt}]
-    req = GenerateRequest(
+    return GenerateRequest(
         prompt=prompt, messages=messages, max_tokens=args.max_tokens,
         sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
         stop=tuple(args.stop),
@@ -122,8 +122,6 @@ def _request(args: argparse.Namespace):
         proposers=getattr(args, "proposers", None),
         force_draft=getattr(args, "force_draft", False),
     )
-    req.typed()
-    return req
 
 
 def _run_cluster(args: argparse.Namespace) -> int:
@@ -170,8 +168,8 @@ def _run_local(args: argparse.Namespace) -> int:
     from nodes.roles.requests import generation_params
 
     # validate cheap things before loading a model: the same typed path as the wire
-    params = generation_params(_request(args).typed())
     req = _request(args)
+    params = generation_params(req)
     drafter = args.drafter or "ngram"
     engine = load_engine(
         LocalConfig(
@@ -182,7 +180,7 @@ def _run_local(args: argparse.Namespace) -> int:
         )
     )
     if req.messages is not None:
-        ids = engine.backend.tokenizer.encode_messages(req.messages)
+        ids = engine.backend.tokenizer.encode_messages([m.as_dict() for m in req.messages])
     else:
         ids = encode_prompt(engine, args.prompt, chat=args.chat, system=args.system)
 

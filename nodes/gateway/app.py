@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from nodes.client_tokenizers import TokenizerCache, encode_messages, encode_prompt
-from nodes.gateway.balancer import Balancer, verifiers_of
+from nodes.cluster_client.choice import Balancer, verifiers_of
 from nodes.gateway.generation import Final, Generation, Piece, Plan, Started, StreamFailed
 from nodes.gateway.http_server import mark_request
 from nodes.gateway.metrics import CONTENT_TYPE, GatewayMetrics

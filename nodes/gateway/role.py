@@ -18,8 +18,8 @@ from typing import Any
 from aiohttp import web
 
 from nodes.client_tokenizers import TokenizerCache
+from nodes.cluster_client.choice import Balancer
 from nodes.gateway.app import GatewayApp
-from nodes.gateway.balancer import Balancer
 from nodes.gateway.http_server import (
     HEADER_TIMEOUT_S,
     KEEPALIVE_S,

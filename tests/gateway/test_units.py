@@ -6,10 +6,10 @@ import pytest
 
 from discovery.cards import Card
 from discovery.table import Member, State
-from nodes.gateway.balancer import Balancer, NoCapacity, VerifierInfo, verifiers_of
+from nodes.cluster_client.choice import Balancer, NoCapacity, VerifierInfo, verifiers_of
+from nodes.cluster_client.text import TextAssembler
 from nodes.gateway.metrics import GatewayMetrics
 from nodes.gateway.openai_schema import ApiError, parse_json, parse_request
-from nodes.gateway.text import TextAssembler
 
 
 # -- request parsing ----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ def main() -> None:
         endpoint = verifier.card.endpoints["stream"]
         req = GenerateRequest("Write a long story about a lighthouse keeper and the sea.",
                               max_tokens=int(max_tokens), speculate=False)
-        calls = [cc.node.client.request(endpoint, req.message()) for _ in range(int(n))]
+        calls = [cc.node.client.request(endpoint, req.to_message()) for _ in range(int(n))]
         calls[0].next(timeout=120)  # the first one runs: the others wait in the queue
         print("ready", cc.node.node_id, flush=True)
         if mode == "hang":

@@ -1,10 +1,10 @@
 """Turn streamed token text into what the client may see: stop strings cut, nothing taken back.
 
 The verifier cuts its output at a stop string, but a stop string can straddle two blocks, and
-after a failover the new verifier only sees its own part of the text. So the gateway owns the
-final say: it holds back any tail that could still grow into a stop string (or that ends in half
-of a multi-byte character), cuts at the earliest stop string over the whole text, and never
-emits a character it would have to retract.
+after a failover the new verifier only sees its own part of the text. So the cluster client
+(core.py) has the final say: it holds back any tail that could still grow into a stop string
+(or that ends in half of a multi-byte character), cuts at the earliest stop string over the
+whole text, and never emits a character it would have to retract.
 """
 
 from __future__ import annotations

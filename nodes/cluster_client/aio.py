@@ -1,0 +1,50 @@
+"""The cluster client's async face: `core.Failover` driven from an asyncio loop (the gateway).
+
+The replies reach the loop through `loop.call_soon_threadsafe` from the bus I/O thread; the
+StreamClient's `request` and `cancel` are its thread-safe entry points, so no socket is touched
+here. Every decision is the core's, as in the sync face (sync.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from nodes.cluster_client.core import POLL_S, Failover
+
+
+async def events(core: Failover, client, loop: asyncio.AbstractEventLoop
+                 ) -> AsyncIterator[Any]:
+    """core.Started, Piece, Resuming, then Final; raises core.ClusterError. Closing the
+    generator (a client that went away) cancels the verifier's work and frees the slot."""
+    while not core.finished:
+        att = core.begin()
+        queue: asyncio.Queue = asyncio.Queue()
+        call = None
+        try:
+            call = client.request(att.verifier.endpoint, att.message,
+                                  on_reply=_forward_to(queue, loop))
+            for ev in core.started(att):
+                yield ev
+            while att.open:
+                try:
+                    item = await asyncio.wait_for(queue.get(), POLL_S)
+                except TimeoutError:
+                    item = None
+                for ev in core.quiet(att) if item is None else core.reply(att, item):
+                    yield ev
+        finally:
+            core.end(att)
+            if call is not None and not call.done:
+                call.cancel()  # thread-safe: tells the verifier to drop the work
+
+
+def _forward_to(queue: asyncio.Queue, loop: asyncio.AbstractEventLoop):
+    """A reply callback (bus I/O thread) that hands each reply to the asyncio loop."""
+
+    def forward(_call, item) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    return forward

@@ -1,0 +1,224 @@
+"""The cluster client's decisions, without sockets: `core.Failover` fed scripted replies and
+membership, and its async face over a stand-in StreamClient. (The real thing, with verifiers
+killed and stopped: test_cluster_faults.py, test_client_liveness.py, tests/gateway.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from bus.streams import PeerUnavailable
+from codec.structs import Done, ErrorReply, TokenChunk
+from nodes.cluster_client import GenerateRequest, aio
+from nodes.cluster_client.choice import Balancer, VerifierInfo
+from nodes.cluster_client.core import ClusterError, Failover, Final, Piece, Resuming, Started
+
+WORD = {1: "one ", 2: "two ", 3: "three ", 4: "four ", 5: "five "}
+
+
+class Tok:
+    fingerprint = "fp"
+
+    def decode(self, ids):
+        return "".join(WORD[i] for i in ids)
+
+
+class View:
+    """Membership as the test says it is."""
+
+    def __init__(self, *verifiers: VerifierInfo) -> None:
+        self.alive = list(verifiers)
+        self.dead: dict[str, str] = {}
+
+    def verifiers(self):
+        return [v for v in self.alive if v.node_id not in self.dead]
+
+    def gone(self, v):
+        return self.dead.get(v.node_id)
+
+
+def verifier(node_id: str, model: str = "m", tokenizer: str = "fp", load: float = 0.0):
+    return VerifierInfo(node_id, node_id, f"tcp://{node_id}", model, tokenizer, 10.0, load)
+
+
+def chunk(index: int, *ids: int):
+    return TokenChunk(index, np.array(ids, np.int32), "".join(WORD[i] for i in ids)).to_message()
+
+
+def done(text: str | None, reason: str = "length"):
+    return Done(reason, text, {"drafted": 0}).to_message()
+
+
+def core_for(view, balancer=None, **kw):
+    kw.setdefault("prompt_ids", (7, 8))
+    kw.setdefault("tokenizer", Tok())
+    return Failover(GenerateRequest("hi", max_tokens=5), view, balancer or Balancer(), model="m",
+                    **kw)
+
+
+def test_a_lost_verifier_resumes_on_another_from_prompt_and_received_tokens():
+    view = View(verifier("a"), verifier("b", load=1))
+    balancer = Balancer()
+    core = core_for(view, balancer)
+    att = core.begin(now=0)
+    assert att.verifier.node_id == "a" and balancer.inflight == {"a": 1}
+    assert core.started(att) == [Started("a")]
+    out = core.reply(att, chunk(0, 1, 2), now=1)
+    view.dead["a"] = "membership says dead; connection closed"
+    out += core.quiet(att, now=2)
+    assert not att.open and isinstance(out[-1], Resuming) and out[-1].tokens == 2
+    core.end(att)
+    assert balancer.inflight == {}
+    att = core.begin(now=3)
+    assert att.verifier.node_id == "b"
+    sent = att.message
+    assert list(sent.tensors[0]) == [7, 8, 1, 2] and sent["max_tokens"] == 3
+    out += core.reply(att, chunk(0, 3, 4, 5), now=4)  # b numbers its own chunks from 0
+    out += core.reply(att, done("three four five "), now=5)
+    text = "".join(e.text for e in out if isinstance(e, Piece))
+    final = out[-1]
+    assert isinstance(final, Final) and core.finished and not att.open
+    assert text == final.text == "one two three four five "
+    assert final.token_ids == (1, 2, 3, 4, 5) and final.verifiers == ("a", "b")
+    assert final.failovers == 1 and final.prompt_tokens == 2
+
+
+def test_a_lost_verifier_without_prompt_ids_is_an_error():
+    view = View(verifier("a"), verifier("b"))
+    core = core_for(view, prompt_ids=None, tokenizer=None)
+    att = core.begin()
+    core.reply(att, chunk(0, 1))
+    with pytest.raises(ClusterError) as err:
+        core.reply(att, PeerUnavailable("gone"))
+    assert err.value.code == "verifier_lost" and "a died mid-generation" in str(err.value)
+
+
+def test_no_other_verifier_after_a_loss_is_no_verifier():
+    view = View(verifier("a"), verifier("other-model", model="x"), verifier("b", tokenizer="x"))
+    core = core_for(view)
+    att = core.begin()
+    core.reply(att, PeerUnavailable("gone"))
+    core.end(att)
+    with pytest.raises(ClusterError) as err:
+        core.begin()
+    assert err.value.code == "no_verifier" and "failed mid-generation" in str(err.value)
+
+
+def test_busy_before_output_tries_another_then_says_busy():
+    view = View(verifier("a"), verifier("b", load=1))
+    core = core_for(view)
+    for expected in ("a", "b"):
+        att = core.begin()
+        assert att.verifier.node_id == expected
+        busy = ErrorReply("busy", "queue full").to_message()
+        assert core.reply(att, busy) == [] and not att.open
+        core.end(att)
+    with pytest.raises(ClusterError) as err:
+        core.begin()
+    assert err.value.code == "busy"
+
+
+def test_the_verifiers_own_error_keeps_its_code():
+    core = core_for(View(verifier("a")))
+    att = core.begin()
+    with pytest.raises(ClusterError) as err:
+        core.reply(att, ErrorReply("too_long", "prompt over the context").to_message())
+    assert err.value.code == "too_long" and err.value.remote
+    assert err.value.detail == "prompt over the context"
+
+
+def test_a_stall_moves_only_where_another_verifier_can_take_over():
+    view = View(verifier("a"))
+    core = core_for(view, stall_s=15.0)
+    att = core.begin(now=0)
+    core.reply(att, chunk(0, 1), now=1)
+    assert core.quiet(att, now=100) == [] and att.open  # alone: waited for
+    view.alive.append(verifier("b"))
+    out = core.quiet(att, now=100)
+    assert isinstance(out[0], Resuming) and "no reply for 15s" in out[0].why
+
+
+def test_silence_past_the_idle_limit_is_a_timeout():
+    core = core_for(View(verifier("a")), idle_s=5.0)
+    att = core.begin(now=0)
+    assert core.quiet(att, now=4) == []
+    with pytest.raises(ClusterError) as err:
+        core.quiet(att, now=6)
+    assert err.value.code == "timeout"
+
+
+def test_a_missing_chunk_is_a_broken_stream():
+    core = core_for(View(verifier("a")))
+    att = core.begin()
+    core.reply(att, chunk(0, 1))
+    with pytest.raises(ClusterError) as err:
+        core.reply(att, chunk(2, 2))
+    assert err.value.code == "broken_stream"
+
+
+def test_a_full_verifier_is_not_picked_and_all_full_is_busy():
+    balancer = Balancer(max_inflight=1)
+    view = View(verifier("a"), verifier("b"))
+    first = core_for(view, balancer).begin()
+    second = core_for(view, balancer).begin()
+    assert {first.verifier.node_id, second.verifier.node_id} == {"a", "b"}
+    with pytest.raises(ClusterError) as err:
+        core_for(view, balancer).begin()
+    assert err.value.code == "busy"
+
+
+class Client:
+    """A StreamClient stand-in: each request gets its script of replies, or none (silence)."""
+
+    def __init__(self, scripts):
+        self.scripts = list(scripts)
+        self.sent = []
+        self.cancelled = 0
+
+    def request(self, endpoint, message, on_reply):
+        self.sent.append((endpoint, message))
+        for item in self.scripts.pop(0):
+            on_reply(self, item)
+        return self
+
+    @property
+    def done(self):
+        return False
+
+    def cancel(self):
+        self.cancelled += 1
+
+
+def test_the_async_face_fails_over_and_frees_every_slot():
+    view = View(verifier("a"), verifier("b", load=1))
+    balancer = Balancer()
+    core = core_for(view, balancer)
+    client = Client([[chunk(0, 1, 2), PeerUnavailable("connection closed")],
+                     [chunk(0, 3, 4, 5), done(None)]])
+
+    async def run():
+        return [ev async for ev in aio.events(core, client, asyncio.get_running_loop())]
+
+    events = asyncio.run(run())
+    assert [type(e).__name__ for e in events] == [
+        "Started", "Piece", "Resuming", "Started", "Piece", "Final"]
+    assert events[-1].text == "one two three four five "
+    assert [ep for ep, _ in client.sent] == ["tcp://a", "tcp://b"]
+    assert balancer.inflight == {} and client.cancelled == 2
+
+
+def test_closing_the_async_face_cancels_the_call_and_frees_the_slot():
+    balancer = Balancer()
+    core = core_for(View(verifier("a")), balancer)
+    client = Client([[]])
+
+    async def run():
+        gen = aio.events(core, client, asyncio.get_running_loop())
+        assert isinstance(await anext(gen), Started)
+        assert balancer.inflight == {"a": 1}
+        await gen.aclose()  # the HTTP client went away
+
+    asyncio.run(run())
+    assert balancer.inflight == {} and client.cancelled == 1
