@@ -14,6 +14,11 @@ on the embedded model, and checks every output equals plain greedy. `--trace NAM
 tools/traces/NAME.json request by request: plain, per-request ngram, and one suffix drafter whose
 global index keeps what the trace has written so far. Pin it yourself (`taskset -c 0`); torch
 gets one thread. Ratios are only meaningful within one run on a shared machine.
+
+The issue's full benchmark (the shared rows over real node processes, HF prompt lookup, a
+verifier started later, single requests against HF) is `specbus bench decode --trace`
+(tools/bench_trace.py); this module keeps the model-free `--micro` and the quick in-process
+replays.
 """
 
 from __future__ import annotations
