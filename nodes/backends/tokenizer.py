@@ -123,3 +123,41 @@ class Tokenizer:
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each token decoded on its own (for display; may split multi-byte characters)."""
         return [self.hf.decode([int(i)]) for i in ids]
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """Each token's own bytes: exact for a byte-level BPE token that holds part of a
+        multi-byte character (its text alone would be a replacement character)."""
+        out = []
+        for i, piece in zip(ids, self.hf.convert_ids_to_tokens([int(i) for i in ids]),
+                            strict=True):
+            text = self.hf.decode([int(i)])
+            raw = None
+            if "\ufffd" in text and piece is not None:
+                raw = _byte_level(piece)
+            out.append(raw if raw is not None else text.encode("utf-8"))
+        return out
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable Latin-1 bytes stand for themselves,
+    the other bytes for the code points from 256 on, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+def _byte_level(piece: str) -> bytes | None:
+    """A byte-level BPE token's bytes; None when the token is not written in that alphabet."""
+    if not piece or any(c not in _BYTE_LEVEL for c in piece):
+        return None
+    return bytes(_BYTE_LEVEL[c] for c in piece)

@@ -39,6 +39,7 @@ from codec.errors import BadRequest, CodecError
 from codec.messages import Message
 from codec.structs import Done, ErrorReply, GenerateReq, TokenChunk
 from nodes.cluster_client.choice import Balancer, ClusterView, NoCapacity, VerifierInfo
+from nodes.cluster_client.logprobs import ReceivedLogprobs
 from nodes.cluster_client.text import TextAssembler
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class Started:
 @dataclass(frozen=True)
 class Piece:
     text: str  # the next piece of text, safe to show (never taken back)
+    #: log probabilities of the tokens received since the last piece (when asked for)
+    logprobs: ReceivedLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class Final:
     stats: dict[str, Any] = field(default_factory=dict)  # the last verifier's `done` stats
     verifiers: tuple[str, ...] = ()
     failovers: int = 0
+    logprobs: ReceivedLogprobs | None = None  # of `token_ids`, when asked for
 
 
 @dataclass
@@ -137,6 +141,9 @@ class Failover:
         self.failovers = 0
         self.busy = 0
         self.finished = False
+        #: every token's log probability, when the request asks for them
+        self.logprobs = ReceivedLogprobs() if req.logprobs is not None else None
+        self._unsent = ReceivedLogprobs()  # received since the last piece
 
     # -- an attempt's life ---------------------------------------------------------------------
     def begin(self, now: float | None = None) -> Attempt:
@@ -226,6 +233,16 @@ class Failover:
                                "broken_stream", verifier=v.node_id, failovers=self.failovers)
         att.expect += 1
         self.ids.extend(int(t) for t in chunk.tokens)
+        if self.logprobs is not None and len(chunk.logprobs):
+            # an end-of-sequence token ends the text without being part of it: OpenAI lists
+            # no log probability for it
+            eos = getattr(self.tokenizer, "eos_token_ids", frozenset())
+            keep = np.asarray([int(t) not in eos for t in chunk.tokens], dtype=bool)
+            top = chunk.top_n or 0
+            rows = np.repeat(keep, top)
+            for into in (self.logprobs, self._unsent):
+                into.add(chunk.tokens[keep], chunk.logprobs[keep], chunk.top_ids[rows],
+                         chunk.top_logprobs[rows], top)
         self.pieces += chunk.text
         out = self._piece(self.asm.update(self._decode() if self.failovers else self.pieces))
         if self.asm.stopped:
@@ -307,7 +324,10 @@ class Failover:
         return self.tokenizer.decode(self.ids) if self.tokenizer is not None else self.pieces
 
     def _piece(self, text: str) -> list:
-        return [Piece(text)] if text else []
+        if not text:
+            return []
+        sent, self._unsent = self._unsent, ReceivedLogprobs()
+        return [Piece(text, sent if self.logprobs is not None else None)]
 
     def _final(self, reason: str, stats: dict[str, Any]) -> Final:
         self.finished = True
@@ -316,8 +336,11 @@ class Failover:
             prompt = len(self.prompt_ids)
         elif not isinstance(prompt, int) or isinstance(prompt, bool) or prompt < 0:
             prompt = 0
+        lp = self.logprobs
+        if lp is not None and self.asm.stopped and self.tokenizer is not None:
+            lp = lp.cut_to(self.tokenizer, self.asm.text)
         return Final(reason, self.asm.text, tuple(self.ids), prompt, stats, tuple(self.used),
-                     self.failovers)
+                     self.failovers, lp)
 
     def _bad(self, v: VerifierInfo, why: str) -> ClusterError:
         return ClusterError(f"{why} from verifier {v.node_id}", "bad_reply", detail=why,

@@ -20,6 +20,7 @@ from nodes.client_tokenizers import TokenizerCache, encode_messages, encode_prom
 from nodes.cluster_client.choice import Balancer, verifiers_of
 from nodes.gateway.generation import Final, Generation, Piece, Plan, Started, StreamFailed
 from nodes.gateway.http_server import mark_request
+from nodes.gateway.logprobs import chat_logprobs, completion_logprobs
 from nodes.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from nodes.gateway.openai_schema import ApiError, ApiRequest, parse_json, parse_request
 
@@ -114,8 +115,8 @@ class GatewayApp:
             raise exc.error from None
         try:
             if api.stream:
-                return await self._stream(request, api, events, first)
-            return await self._collect(request, api, events)
+                return await self._stream(request, api, events, first, plan.tokenizer)
+            return await self._collect(request, api, events, plan.tokenizer)
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.cancelled += 1  # the client went away
             raise
@@ -145,9 +146,14 @@ class GatewayApp:
                                param="messages" if api.kind == "chat" else "prompt") from None
             if not ids:
                 raise ApiError(400, "the prompt is empty once tokenized", param="prompt")
+        if api.logprobs is not None and tok is None:
+            raise ApiError(400, f"log probabilities need the tokenizer of {api.model!r}, "
+                           "which this gateway does not have", param="logprobs",
+                           code="unsupported_parameter")
         return Plan(api, ids, tok)
 
-    async def _collect(self, request: web.Request, api: ApiRequest, events) -> web.Response:
+    async def _collect(self, request: web.Request, api: ApiRequest, events,
+                       tok) -> web.Response:
         final = None
         async for ev in events:
             if isinstance(ev, Final):
@@ -155,12 +161,13 @@ class GatewayApp:
         if final is None:  # pragma: no cover - events() always ends with Final or raises
             raise ApiError(502, "the generation ended without a result", type_="server_error")
         rid, created = _ids(api.kind)
+        logprobs = _render_logprobs(api, tok, final.logprobs)
         if api.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": final.text},
-                      "logprobs": None, "finish_reason": final.finish_reason}
+                      "logprobs": logprobs, "finish_reason": final.finish_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": final.text, "logprobs": None,
+            choice = {"index": 0, "text": final.text, "logprobs": logprobs,
                       "finish_reason": final.finish_reason}
             obj = "text_completion"
         return self._json(request, 200, {
@@ -168,7 +175,7 @@ class GatewayApp:
             "choices": [choice], "usage": _usage(final), "specbus": final.specbus})
 
     async def _stream(self, request: web.Request, api: ApiRequest, events,
-                      first: Started) -> web.StreamResponse:
+                      first: Started, tok) -> web.StreamResponse:
         origin = request.get("cors_origin")
         resp = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -180,12 +187,16 @@ class GatewayApp:
         obj = "chat.completion.chunk" if chat else "text_completion"
         usage_null = {"usage": None} if api.include_usage else {}
 
-        def chunk(text: str | None, finish: str | None, extra: dict | None = None) -> dict:
+        sent_chars = 0  # completions: where the next chunk's tokens start in the text
+
+        def chunk(text: str | None, finish: str | None, extra: dict | None = None,
+                  logprobs: dict | None = None) -> dict:
             if chat:
                 delta: dict[str, Any] = {} if text is None else {"content": text}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None,
+                choice = {"index": 0, "text": text or "", "logprobs": logprobs,
                           "finish_reason": finish}
             return {"id": rid, "object": obj, "created": created, "model": api.model,
                     "choices": [choice], **usage_null, **(extra or {})}
@@ -205,7 +216,9 @@ class GatewayApp:
                 if isinstance(ev, Started):
                     verifier = {"specbus": {"verifier": ev.verifier}}
                 elif isinstance(ev, Piece):
-                    await send(chunk(ev.text, None, verifier))
+                    await send(chunk(ev.text, None, verifier,
+                                     _render_logprobs(api, tok, ev.logprobs, sent_chars)))
+                    sent_chars += len(ev.text)
                     verifier = None
                 elif isinstance(ev, Final):
                     await send(chunk(None if chat else "", ev.finish_reason,
@@ -295,3 +308,12 @@ def _ids(kind: str) -> tuple[str, int]:
 def _usage(final: Final) -> dict[str, int]:
     return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
             "total_tokens": final.prompt_tokens + final.completion_tokens}
+
+
+def _render_logprobs(api: ApiRequest, tok, lp, offset: int = 0) -> dict | None:
+    """`choices[0].logprobs` in the endpoint's OpenAI shape; None when not asked for."""
+    if api.logprobs is None or lp is None:
+        return None
+    if api.kind == "chat":
+        return chat_logprobs(tok, lp, api.logprobs)
+    return completion_logprobs(tok, lp, api.logprobs, offset)

@@ -34,6 +34,7 @@ from nodes.cluster_client.core import (
     Started,
 )
 from nodes.cluster_client.core import Final as Finished
+from nodes.cluster_client.logprobs import ReceivedLogprobs
 from nodes.gateway.metrics import GatewayMetrics
 from nodes.gateway.openai_schema import ApiError, ApiRequest
 
@@ -62,6 +63,7 @@ class Final:
     completion_tokens: int
     text: str
     specbus: dict[str, Any] = field(default_factory=dict)
+    logprobs: ReceivedLogprobs | None = None  # of the completion's tokens, when asked for
 
 
 class StreamFailed(Exception):
@@ -106,7 +108,8 @@ class Generation:
         api, plan = self.plan.api, self.plan
         common: dict[str, Any] = dict(
             max_tokens=api.max_tokens, sampling=api.sampling, stop=tuple(api.stop),
-            speculate=api.extra.get("speculate", True), proposers=api.extra.get("proposers"))
+            speculate=api.extra.get("speculate", True), proposers=api.extra.get("proposers"),
+            logprobs=api.logprobs)
         try:
             if plan.prompt_ids is not None:
                 return GenerateReq(tokens=np.asarray(plan.prompt_ids, dtype=np.int32),
@@ -131,7 +134,7 @@ class Generation:
                          "drafted": drafted, "accepted": accepted, "proposers": proposers,
                          "verifier": verifier, "verifiers": list(done.verifiers),
                          "failovers": done.failovers,
-                     })
+                     }, logprobs=done.logprobs)
 
 
 def _int(v: Any) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 from codec.errors import BadRequest
 from codec.sampling import SamplingParams
+from nodes.gateway.logprobs import MAX_CHAT_TOP, MAX_COMPLETION_TOP
 
 MAX_TOKENS_LIMIT = 4096  # the verifier's own limit (nodes/roles/verifier.py)
 DEFAULT_MAX_TOKENS_COMPLETION = 16  # OpenAI's default for /v1/completions
@@ -70,11 +71,13 @@ class ApiRequest:
     stream: bool = False
     include_usage: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # specbus extension: speculate, ...
+    #: None: no log probabilities; N: each token's and its N most likely alternatives'
+    logprobs: int | None = None
 
 
 # fields accepted only at their neutral value; anything else is refused by name
 _NEUTRAL: dict[str, Any] = {
-    "n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None,
+    "n": 1, "best_of": 1, "echo": False,
     "suffix": None, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
     "tools": None, "tool_choice": None, "functions": None, "function_call": None,
     "parallel_tool_calls": None, "response_format": None, "audio": None, "modalities": None,
@@ -82,8 +85,8 @@ _NEUTRAL: dict[str, Any] = {
 }
 _IGNORED = ("user", "store", "metadata")  # bookkeeping fields with no effect on the output
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-           "stream_options", "specbus")
-_CHAT_ONLY = ("messages", "max_completion_tokens")
+           "stream_options", "specbus", "logprobs")
+_CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs")
 _COMPLETION_ONLY = ("prompt",)
 
 
@@ -182,7 +185,8 @@ def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
     include_usage = _stream_options(body.get("stream_options"), stream)
     common = dict(model=model, max_tokens=max_tokens, sampling=sampling,
                   stop=_stop(body.get("stop")), stream=stream,
-                  include_usage=include_usage, extra=_extension(body.get("specbus")))
+                  include_usage=include_usage, extra=_extension(body.get("specbus")),
+                  logprobs=_logprobs(kind, body))
     if kind == "chat":
         return ApiRequest(kind="chat", messages=_messages(body.get("messages")), **common)
     text, ids = _prompt(body.get("prompt"))
@@ -197,15 +201,25 @@ def _is_neutral(key: str, value: Any, neutral: Any) -> bool:
         return True
     if key == "response_format":
         return value == {"type": "text"}
-    if key in ("echo", "logprobs", "parallel_tool_calls"):
+    if key in ("echo", "parallel_tool_calls"):
         return value is False  # tools clients send these defaults; they change nothing here
     if key == "service_tier":
         return value in ("auto", "default")
-    if key == "top_logprobs":
-        return value == 0 and not isinstance(value, bool)
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
     return value == neutral
+
+
+def _logprobs(kind: str, body: dict) -> int | None:
+    """Chat: `logprobs` true/false and `top_logprobs` 0..20 (only with logprobs true);
+    completions: `logprobs` 0..5 (the number of alternatives) or null."""
+    if kind != "chat":
+        return _int(body, "logprobs", None, 0, MAX_COMPLETION_TOP)
+    on = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, 0, MAX_CHAT_TOP)
+    if top and not on:
+        raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return (top or 0) if on else None
 
 
 def _sampling(body: dict) -> SamplingParams:

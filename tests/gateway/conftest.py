@@ -164,4 +164,5 @@ def reference():
         return greedy([int(i) for i in ids], max_new)
 
     return type("Reference", (), {"completion": staticmethod(completion),
-                                  "chat": staticmethod(chat), "tokenizer": tok})
+                                  "chat": staticmethod(chat), "tokenizer": tok,
+                                  "backend": backend})
