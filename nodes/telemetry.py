@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -110,3 +111,44 @@ class Telemetry:
                 self.rtt_ms[node_id] = round((time.perf_counter() - t0) * 1000, 3)
 
         self.node.client.request(endpoint, Ping().to_message(), timeout=1.0, on_reply=done)
+
+
+class StatsWatcher:
+    """The latest gossiped `stats` of every node of a cluster, as a node of one's own hears
+    them (monitors, benchmarks, tests). The node's I/O thread writes; readers get copies."""
+
+    def __init__(self, node, cluster: str) -> None:
+        self._cond = threading.Condition()
+        self._latest: dict[str, dict] = {}
+        node.register_gossip("stats", self._on_stats)
+        node.gossip.subscribe(stats_topic(cluster))
+
+    def _on_stats(self, topic: str, msg: Message) -> None:  # I/O thread
+        stats = msg.get("stats")
+        if isinstance(stats, dict):
+            with self._cond:
+                self._latest[msg.sender] = stats
+                self._cond.notify_all()
+
+    def latest(self, node_id: str, *path: str) -> dict:
+        """A copy of `node_id`'s last stats, or of the map at `path` inside them ({}: none)."""
+        with self._cond:
+            got: Any = self._latest.get(node_id) or {}
+            for key in path:
+                got = got.get(key) if isinstance(got, dict) else None
+            return dict(got) if isinstance(got, dict) else {}
+
+    def wait(self, node_id: str, pred: Callable[[dict], bool], *path: str,
+             timeout: float = 120.0) -> dict:
+        """Block until `pred` holds for `latest(node_id, *path)`; AssertionError on timeout
+        (with the last value seen)."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                got = self.latest(node_id, *path)
+                if got and pred(got):
+                    return got
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"stats of {node_id} never matched; last: {got}")
+                self._cond.wait(left)

@@ -48,7 +48,6 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -204,29 +203,10 @@ class InProcess:
             self.run(name, ids, 8)
 
 
+#: where a suffix proposer's index figures are in its stats
+INDEX = ("proposer", "suffix_index")
+
 # -- over the bus ------------------------------------------------------------------------------
-
-class _Telemetry:
-    """The latest gossiped `stats` of every node."""
-
-    def __init__(self, cc, cluster: str) -> None:
-        from nodes.telemetry import stats_topic
-
-        self._lock = threading.Lock()
-        self.latest: dict[str, dict] = {}
-        cc.node.register_gossip("stats", self._on_stats)
-        cc.node.gossip.subscribe(stats_topic(cluster))
-
-    def _on_stats(self, topic, msg) -> None:
-        if isinstance(msg.get("stats"), dict):
-            with self._lock:
-                self.latest[msg.sender] = msg["stats"]
-
-    def index(self, node_id: str) -> dict:
-        with self._lock:
-            return dict((self.latest.get(node_id) or {}).get("proposer", {})
-                        .get("suffix_index") or {})
-
 
 class Cluster:
     """Verifiers v0, v1 (core 0, one torch thread) with suffix proposers p0, p1 (core 1);
@@ -252,7 +232,9 @@ class Cluster:
         self.nodes = {n.name: n for n in (*vs, *ps)}
         self.cc = stack.enter_context(ClusterClient(
             self.c.cluster, peers=tuple(n.stream for n in self.nodes.values()), mdns=False))
-        self.tel = _Telemetry(self.cc, self.c.cluster)
+        from nodes.telemetry import StatsWatcher
+
+        self.tel = StatsWatcher(self.cc.node, self.c.cluster)
         self.members: dict = {}
         self._find({"v0", "v1", "p0", "p1"})
         self.published = 0  # generations the sharing verifiers ran (each one publishes)
@@ -294,7 +276,7 @@ class Cluster:
         """Until each proposer's index took `at_least` publications (telemetry, ~1 s late)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if all(self.tel.index(self.node_id(p)).get("indexed", 0) >= at_least
+            if all(self.tel.latest(self.node_id(p), *INDEX).get("indexed", 0) >= at_least
                    for p in proposers):
                 return True
             time.sleep(0.05)
@@ -329,7 +311,7 @@ class Cluster:
             if self.node_id("p-late") in used:
                 break
             time.sleep(0.5)
-        return {"snapshot_indexed": warm, **self.tel.index(self.node_id("p-late"))}
+        return {"snapshot_indexed": warm, **self.tel.latest(self.node_id("p-late"), *INDEX)}
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -598,7 +580,7 @@ def run_trace(args) -> int:
         doc["index"] = {**stats, "bytes_per_million_tokens": round(
             stats["bytes"] / max(stats["tokens"], 1) * 1e6)}
         if cluster is not None:
-            doc["proposer_index"] = {p: cluster.tel.index(cluster.node_id(p))
+            doc["proposer_index"] = {p: cluster.tel.latest(cluster.node_id(p), *INDEX)
                                      for p in ("p0", "p1")}
             if args.late > 0:
                 doc["late"] = run_late(args, inproc, cluster, names, warm_ids)

@@ -20,7 +20,7 @@ import pytest
 
 from discovery.table import State
 from nodes.cluster_client import ClusterClient, ClusterError, GenerateRequest
-from nodes.telemetry import stats_topic
+from nodes.telemetry import StatsWatcher
 from tools.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
@@ -28,33 +28,6 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 QUEUED = 4  # generations the orphaned client leaves behind: 1 running + 3 queued
-
-
-class VerifierStats:
-    """The latest `verifier` telemetry of each node, as gossiped on the stats topic."""
-
-    def __init__(self, cc: ClusterClient) -> None:
-        self._cond = threading.Condition()
-        self.latest: dict[str, dict] = {}
-        cc.node.register_gossip("stats", self._on_stats)
-
-    def _on_stats(self, topic: str, msg) -> None:  # I/O thread
-        stats = msg.get("stats")
-        if isinstance(stats, dict) and isinstance(stats.get("verifier"), dict):
-            with self._cond:
-                self.latest[msg.sender] = stats["verifier"]
-                self._cond.notify_all()
-
-    def wait(self, node_id: str, pred, timeout: float = 120.0) -> dict:
-        end = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                v = self.latest.get(node_id)
-                if v is not None and pred(v):
-                    return v
-                left = end - time.monotonic()
-                assert left > 0, f"verifier telemetry never matched; last: {v}"
-                self._cond.wait(left)
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +43,9 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(cluster):
     cc = ClusterClient(cluster.cluster, peers=(cluster.nodes[0].stream,), mdns=False)
-    stats = VerifierStats(cc)
     with cc:
-        cc.node.gossip.subscribe(stats_topic(cluster.cluster))
+        cc.stats = StatsWatcher(cc.node, cluster.cluster)
         cc.verifiers(60)
-        cc.stats = stats
         yield cc
 
 
@@ -95,32 +66,38 @@ def start_orphan_client(cluster, mode: str) -> subprocess.Popen:
 
 def test_a_killed_clients_queued_and_running_work_is_dropped(cluster, client, verifier_id):
     stats = client.stats
-    before = stats.wait(verifier_id, lambda v: v["active"] == 0 and v["queued"] == 0)
+    before = stats.wait(verifier_id, lambda v: v["active"] == 0 and v["queued"] == 0,
+                        "verifier")
     proc = start_orphan_client(cluster, "hang")
     try:
-        stats.wait(verifier_id, lambda v: v["active"] == 1 and v["queued"] == QUEUED - 1)
+        stats.wait(verifier_id, lambda v: v["active"] == 1 and v["queued"] == QUEUED - 1,
+                   "verifier")
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
         after = stats.wait(verifier_id, lambda v: v["orphans_dropped"]
-                           >= before["orphans_dropped"] + QUEUED)
+                           >= before["orphans_dropped"] + QUEUED, "verifier")
     finally:
         proc.kill()
         proc.wait()
-    after = stats.wait(verifier_id, lambda v: v["active"] == 0 and v["queued"] == 0)
+    after = stats.wait(verifier_id, lambda v: v["active"] == 0 and v["queued"] == 0,
+                        "verifier")
     assert after["orphans_dropped"] == before["orphans_dropped"] + QUEUED
     # the next user is served at once: none of the orphans ran to completion before it
     result = client.generate(GenerateRequest("Say hello.", max_tokens=8))
     assert result.finish_reason in ("length", "eos")
-    done = stats.wait(verifier_id, lambda v: v["generations"] > before["generations"])
+    done = stats.wait(verifier_id, lambda v: v["generations"] > before["generations"],
+                        "verifier")
     assert done["generations"] == before["generations"] + 1
 
 
 def test_a_client_that_exits_cancels_its_work(cluster, client, verifier_id):
     stats = client.stats
-    before = stats.wait(verifier_id, lambda v: v["active"] == 0 and v["queued"] == 0)
+    before = stats.wait(verifier_id, lambda v: v["active"] == 0 and v["queued"] == 0,
+                        "verifier")
     proc = start_orphan_client(cluster, "exit")
     assert proc.wait(60) == 0
-    after = stats.wait(verifier_id, lambda v: v["active"] == 0 and v["queued"] == 0)
+    after = stats.wait(verifier_id, lambda v: v["active"] == 0 and v["queued"] == 0,
+                        "verifier")
     # cancelled by the client itself on close: not orphans, and nothing ran to completion
     assert after["orphans_dropped"] == before["orphans_dropped"]
     assert after["generations"] == before["generations"]

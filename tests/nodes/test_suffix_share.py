@@ -9,44 +9,19 @@ count tokens (forced drafting, never timed); every output equals the plain one.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from nodes.cluster_client import ClusterClient, GenerateRequest
-from nodes.telemetry import stats_topic
+from nodes.telemetry import StatsWatcher
 from tests.nodes.test_suffix_proposer import tiny_model  # noqa: F401 - fixture
 from tests.polling import wait_until
+from tools.bench_trace import INDEX
 from tools.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "Write the numbers from one to twenty in words, separated by commas."
 MAX = 24
-
-
-class Telemetry:
-    """The latest `stats` of every node, as gossiped."""
-
-    def __init__(self, cc: ClusterClient, cluster: str) -> None:
-        self._lock = threading.Lock()
-        self.latest: dict[str, dict] = {}
-        cc.node.register_gossip("stats", self._on_stats)
-        cc.node.gossip.subscribe(stats_topic(cluster))
-
-    def _on_stats(self, topic, msg) -> None:
-        if isinstance(msg.get("stats"), dict):
-            with self._lock:
-                self.latest[msg.sender] = msg["stats"]
-
-    def index(self, node_id: str) -> dict:
-        with self._lock:
-            return dict((self.latest.get(node_id) or {}).get("proposer", {})
-                        .get("suffix_index") or {})
-
-    def verifier(self, node_id: str) -> dict:
-        with self._lock:
-            return dict((self.latest.get(node_id) or {}).get("verifier") or {})
 
 
 def forced(cc, target, proposer_id):
@@ -62,14 +37,14 @@ def test_answers_are_shared_across_verifiers_and_late_proposers(tmp_path, tiny_m
                           "--suffix-budget", "4")
         quiet = c.start_node("quiet", "--role", "verifier", "--no-share", *tiny)
         with ClusterClient(c.cluster, peers=(v1.stream,), mdns=False) as cc:
-            tel = Telemetry(cc, c.cluster)
+            tel = StatsWatcher(cc.node, c.cluster)
             cc.wait_for(lambda ms: {"v1", "suffix1", "quiet"} <= {m.card.name for m in ms}, 60)
             target = next(m for m in cc.verifiers() if m.card.name == "v1")
             plain = cc.generate(GenerateRequest(PROMPT, max_tokens=MAX, speculate=False),
                                 target)
             # the answer reached the proposer as a publication only (no session saw it)
-            assert wait_until(lambda: tel.index(p1.node_id).get("indexed", 0) >= 1, 60), \
-                tel.index(p1.node_id)
+            assert wait_until(lambda: tel.latest(p1.node_id, *INDEX).get("indexed", 0) >= 1, 60), \
+                tel.latest(p1.node_id, *INDEX)
 
             # a verifier started after the answer was given: the repeat is drafted from it
             v2 = c.start_node("v2", "--role", "verifier", *tiny, seed=True)
@@ -83,9 +58,9 @@ def test_answers_are_shared_across_verifiers_and_late_proposers(tmp_path, tiny_m
             # a proposer started after the answer: warm from a verifier's snapshot
             p2 = c.start_node("suffix2", "--role", "proposer", "--drafter", "suffix",
                               "--suffix-budget", "4", seed=True)
-            assert wait_until(lambda: tel.index(p2.node_id).get("snapshots", 0) >= 1
-                              and tel.index(p2.node_id).get("indexed", 0) >= 1, 60), \
-                tel.index(p2.node_id)
+            assert wait_until(lambda: tel.latest(p2.node_id, *INDEX).get("snapshots", 0) >= 1
+                              and tel.latest(p2.node_id, *INDEX).get("indexed", 0) >= 1, 60), \
+                tel.latest(p2.node_id, *INDEX)
             cc.wait_for(lambda ms: any(m.node_id == p2.node_id for m in ms), 60)
             warm = forced(cc, target, p2.node_id)
             assert warm.stats["token_ids"] == plain.stats["token_ids"]
@@ -95,7 +70,7 @@ def test_answers_are_shared_across_verifiers_and_late_proposers(tmp_path, tiny_m
             quiet_m = next(m for m in cc.verifiers() if m.node_id == quiet.node_id)
             cc.generate(GenerateRequest("Name a colour.", max_tokens=4, speculate=False),
                         quiet_m)
-            assert wait_until(lambda: tel.verifier(quiet.node_id).get("generations", 0) >= 1,
-                              30)
-            assert "suffix_published" not in tel.verifier(quiet.node_id)
-            assert tel.verifier(v1.node_id).get("suffix_published", 0) >= 1
+            assert wait_until(
+                lambda: tel.latest(quiet.node_id, "verifier").get("generations", 0) >= 1, 30)
+            assert "suffix_published" not in tel.latest(quiet.node_id, "verifier")
+            assert tel.latest(v1.node_id, "verifier").get("suffix_published", 0) >= 1

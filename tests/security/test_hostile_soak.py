@@ -29,7 +29,7 @@ from discovery.cards import Card
 from discovery.limits import MAX_TABLE
 from discovery.membership import topic_for
 from nodes.node import Node, NodeConfig
-from nodes.telemetry import stats_topic
+from nodes.telemetry import StatsWatcher, stats_topic
 from tools.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
@@ -95,20 +95,11 @@ class Forger:
         self.cluster = cluster.cluster
         self.node = Node(NodeConfig(cluster=self.cluster, observer=True, peers=(seed,),
                                     mdns=False)).start()
-        self.stats: dict[str, dict] = {}
-        self._lock = threading.Lock()
-        self.node.register_gossip("stats", self._on_stats)
-        self.node.gossip.subscribe(stats_topic(self.cluster))
+        self.watch = StatsWatcher(self.node, self.cluster)
         self.seq = 0
 
-    def _on_stats(self, topic, msg) -> None:  # I/O thread
-        if isinstance(msg.get("stats"), dict):
-            with self._lock:
-                self.stats[msg.sender] = msg["stats"]
-
     def latest(self, node_id: str) -> dict:
-        with self._lock:
-            return dict(self.stats.get(node_id) or {})
+        return self.watch.latest(node_id)
 
     def publish(self, topic: str, type_: str, sender: str, **fields) -> None:
         self.seq += 1
