@@ -111,6 +111,18 @@ def probabilities(name: str, v: Any) -> np.ndarray:
     return arr
 
 
+def features(name: str, v: Any) -> np.ndarray:
+    """A 1-D float16 array of finite values (a model's hidden states, flattened)."""
+    arr = np.asarray(v)
+    if arr.ndim != 1 or (len(arr) and arr.dtype.kind != "f"):
+        raise BadRequest(name, f"must be a 1-D float tensor, got shape {list(arr.shape)} "
+                         f"{arr.dtype}")
+    arr = arr.astype(np.float16, copy=False)
+    if len(arr) and not np.isfinite(arr).all():
+        raise BadRequest(name, "every value must be finite (fp16 overflows past 65504)")
+    return arr
+
+
 def log_probabilities(name: str, v: Any) -> np.ndarray:
     """A 1-D float32 array of natural-log probabilities: each <= 0, -inf allowed, no NaN."""
     arr = np.asarray(v)

@@ -174,6 +174,13 @@ def probabilities(*, default: Any = MISSING) -> Any:
                   default, MISSING)
 
 
+def features(*, default_factory: Any = MISSING) -> Any:
+    """A tensor frame of hidden-state values, flattened; sent as float16."""
+    return _field(Wire(TENSOR, checks.features, rule=TensorRule("", ("float16",), 1),
+                       encode=lambda v: np.ascontiguousarray(v, dtype=np.float16)),
+                  MISSING, default_factory)
+
+
 def log_probabilities(*, default_factory: Any = MISSING) -> Any:
     """A tensor frame of natural-log probabilities (<= 0); sent as float32."""
     return _field(Wire(TENSOR, checks.log_probabilities,
@@ -209,7 +216,7 @@ def _float32(v: Any) -> np.ndarray:
 
 
 FIELD_HELPERS = (integer, number, text, flag, strings, mapping, custom, session, token_ids,
-                 indices, probabilities, log_probabilities, nested)
+                 indices, probabilities, log_probabilities, features, nested)
 
 
 # -- layouts -------------------------------------------------------------------------------------

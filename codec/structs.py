@@ -38,6 +38,7 @@ MAX_LEASE_S = 300.0
 MAX_HORIZON = 256  # tokens a proposer may draft past the last commit it knows
 MAX_ALTERNATIVES = 128  # alternative tokens one draft chunk may carry beside its chain
 MAX_COMMITTED = 2**31 - 1
+MAX_HIDDEN_WIDTH = 1 << 16  # values per hidden-state row (3 layers x a 16k-wide model fit)
 MAX_TOP_LOGPROBS = 20  # alternatives per token with their log probabilities (OpenAI's cap)
 MAX_PUB_TOKENS = 8192  # tokens one publication carries (a longer generation sends its end)
 MAX_SNAPSHOT_TOKENS = 1 << 18  # tokens one snapshot reply carries (1 MiB of int32)
@@ -151,6 +152,10 @@ class SessionOpen(wire.Struct):
     horizon: int | None = wire.integer(0, MAX_HORIZON, default=None)
 
 
+def _no_features() -> np.ndarray:
+    return np.zeros(0, dtype=np.float16)
+
+
 @wire.message("session_extend", eq=False)
 class SessionExtend(wire.Struct):
     """Tokens committed since the last message; `committed` is the total after them. Pushed by
@@ -160,9 +165,24 @@ class SessionExtend(wire.Struct):
     tokens: np.ndarray = wire.token_ids()
     committed: int = wire.integer(0, MAX_COMMITTED)
     horizon: int | None = wire.integer(0, MAX_HORIZON, default=None)
+    #: for a proposer that reads the verifier's hidden states (an EAGLE-3 head): the rows of
+    #: the positions the verifier cached since the last push (the prompt's with the first),
+    #: each `hidden_width` values (layers x hidden size), row-major, fp16
+    hidden_width: int | None = wire.integer(1, MAX_HIDDEN_WIDTH, default=None)
+    hidden: np.ndarray = wire.features(default_factory=_no_features)
 
     def _cross_check(self) -> None:
         checks.int_in("committed", self.committed, len(self.tokens), MAX_COMMITTED)
+        if len(self.hidden) and (not self.hidden_width or len(self.hidden) % self.hidden_width):
+            raise BadRequest("hidden", f"must hold whole rows of hidden_width "
+                             f"{self.hidden_width} values, got {len(self.hidden)}")
+
+    @property
+    def hidden_rows(self) -> np.ndarray:
+        """The hidden states as [rows, hidden_width] (no rows: [0, 0])."""
+        if not len(self.hidden):
+            return np.zeros((0, 0), dtype=np.float16)
+        return self.hidden.reshape(-1, self.hidden_width)
 
 
 def _empty_tokens() -> np.ndarray:

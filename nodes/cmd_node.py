@@ -64,9 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model the verifier runs (and int8 quantizes): alias, folder or "
                              "cached HF repo id (default: the embedded smollm2-135m)")
     parser.add_argument("--drafter", default="",
-                        help="ngram | suffix[:OPTS] | int8 | model:REF | none; a proposer's "
-                             "drafter (default ngram), or a verifier's own fallback (default "
-                             "none)")
+                        help="ngram | suffix[:OPTS] | int8 | eagle[:PATH] | model:REF | none; "
+                             "a proposer's drafter (default ngram; an eagle head is served to "
+                             "torch verifiers of its model, which send it their hidden "
+                             "states), or a verifier's own fallback (default none)")
     parser.add_argument("--suffix-budget", type=positive_float, default=None, metavar="MB",
                         help="memory for the suffix drafter's index of earlier outputs (default "
                              "64; the same as --drafter suffix:budget=MB)")

@@ -75,6 +75,11 @@ class DraftSession(ABC):
         """Optional: do per-session set-up (e.g. prompt prefill) ahead of the first draft."""
         return None
 
+    def features(self, rows: np.ndarray) -> None:
+        """The verifier's hidden states ([n, layers x hidden], feed order) of the next n
+        positions it cached, for drafters that read them (`Drafter.hidden_layers`)."""
+        return None
+
     def close(self) -> None:
         """Release per-session resources (caches); the session is unusable afterwards."""
         return None
@@ -88,6 +93,10 @@ class Drafter(SourceOpener):
     ahead_chunk: int = 0
     #: drafting ahead: candidates per position offered to the verifier (1: a chain only)
     tree_width: int = 1
+    #: verifier layers whose hidden states this drafter reads (EAGLE-3 heads), and their
+    #: width; a proposer's card asks verifiers for them (None: it reads none)
+    hidden_layers: tuple[int, ...] | None = None
+    hidden_size: int | None = None
 
     @abstractmethod
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftSession:

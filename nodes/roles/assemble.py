@@ -100,13 +100,17 @@ def assemble(spec: RoleSpec) -> Roles:
         raise BadRequestError(f"--threads must be >= 0, got {spec.threads}")
     if spec.max_context < 0:
         raise BadRequestError(f"--max-context must be >= 0, got {spec.max_context}")
+    # an eagle head is shaped by its verifier's model (embedding, widths): a proposer serving
+    # one loads that model too
+    eagle = spec.drafter == "eagle" or spec.drafter.startswith("eagle:")
     loads_torch = spec.backend == "torch" and (
-        "verifier" in spec.roles or spec.drafter == "int8" or spec.drafter.startswith("model:"))
+        "verifier" in spec.roles or spec.drafter == "int8" or spec.drafter.startswith("model:")
+        or eagle)
     if spec.threads and loads_torch:
         import torch
 
         torch.set_num_threads(spec.threads)
-    needs_model = "verifier" in spec.roles or spec.drafter == "int8"
+    needs_model = "verifier" in spec.roles or spec.drafter == "int8" or eagle
     backend = None
     if needs_model:
         from nodes.backends.base import load_backend
@@ -147,7 +151,8 @@ def assemble(spec: RoleSpec) -> Roles:
         from nodes.roles.verifier import ANY_TOKENIZER
 
         if drafter is None:
-            raise BadRequestError("a proposer needs a drafter: ngram, int8 or model:<ref>")
+            raise BadRequestError("a proposer needs a drafter: ngram, suffix, int8, eagle or "
+                                  "model:<ref>")
         own = getattr(drafter, "backend", None) or backend  # a model drafter's own model
         vocab = own.vocab_size if own is not None else 0
         from nodes.roles.requests import model_context
@@ -169,6 +174,9 @@ def assemble(spec: RoleSpec) -> Roles:
             roles.card.setdefault("model", own.model_name)
         roles.card["extras"] = {"drafter": drafter.name,
                                 "draft_tok_s": round(_measure_draft(drafter), 1)}
+        if drafter.hidden_layers:  # an EAGLE-3 head: verifiers send their hidden states
+            roles.card["extras"].update(hidden_layers=list(drafter.hidden_layers),
+                                        hidden_size=drafter.hidden_size)
         if "verifier" not in spec.roles and backend is None:
             roles.card.setdefault("backend", "none")
     return roles

@@ -313,6 +313,8 @@ class ProposerRole:
         new = delta[s.committed - base :].tolist()
         if not new:
             return  # a duplicate
+        if len(ext.hidden):  # the verifier's hidden states of what it cached (EAGLE-3 heads)
+            s.draft.features(ext.hidden_rows)
         n = 0
         while n < len(new) and n < len(s.assumed) and new[n] == s.assumed[n]:
             n += 1

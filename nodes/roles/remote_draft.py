@@ -108,6 +108,8 @@ class ProposerLink:
     #: generations: it belongs to the proposer and the network, not to a prompt)
     fresh_s: float | None = None
     client: DirectClient | None = field(default=None, repr=False)
+    #: verifier layers whose hidden states the proposer reads (its card says; an EAGLE-3 head)
+    hidden_layers: tuple[int, ...] | None = None
     _rtts: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW),
                                      repr=False)
 
@@ -179,6 +181,8 @@ class ProposerSource(DraftSource):
         self.link = link
         self.client = client
         self.name = f"remote:{link.name or link.node_id}"
+        #: the engine captures these layers' hidden states; they go with each commit push
+        self.hidden_layers = link.hidden_layers
         self.sid = session_id
         self.vocab_size = vocab_size
         self.policy = policy or DraftPolicy()
@@ -242,8 +246,11 @@ class ProposerSource(DraftSource):
         if self.dropped or not fb.committed:
             return
         self.horizon = self._horizon()
+        rows = _hidden_rows(fb.hidden)
         push = SessionExtend(self.sid, np.asarray(fb.committed, dtype=np.int32),
-                             len(self.tokens), self.horizon).to_message()
+                             len(self.tokens), self.horizon,
+                             rows.shape[1] if len(rows) else None,
+                             rows.reshape(-1)).to_message()
         call = self._send(push, self.policy.commit_timeout_s)
         if call is not None:
             self.commits[call] = now
@@ -465,6 +472,17 @@ class ProposerSource(DraftSource):
             # whatever it still streams pile up against the receive high-water mark (libzmq
             # 4.3.5 can abort the process on an engine whose input stopped at the HWM)
             self.client.close_peer(self.link.endpoint)
+
+
+def _hidden_rows(hidden) -> np.ndarray:
+    """The engine's captured hidden states ([n, layers, H], a framework tensor, or None) as the
+    wire's fp16 rows [n, layers x H]."""
+    if hidden is None or not len(hidden):
+        return np.zeros((0, 0), dtype=np.float16)
+    if hasattr(hidden, "detach"):  # a torch tensor (the only backend that captures them)
+        hidden = hidden.detach().float().cpu().numpy()
+    arr = np.asarray(hidden, dtype=np.float32)
+    return np.clip(arr, -65504, 65504).astype(np.float16).reshape(len(arr), -1)
 
 
 def _alternative_leaves(c: DraftChunk) -> list[tuple[int, list[int]]]:

@@ -43,6 +43,7 @@ from codec.envelope import Message
 from codec.errors import CodecError
 from codec.structs import Done, GenerateReq, TokenChunk
 from discovery.counters import Counters
+from nodes.backends.base import Backend
 from nodes.engine.core import Engine, Stats
 from nodes.engine.errors import BUSY, GenerationError, NoProposerError, error_code
 from nodes.roles import requests
@@ -401,15 +402,37 @@ class VerifierRole:
             if (card.vocab and card.tokenizer != ANY_TOKENIZER
                     and card.vocab != self.engine.backend.vocab_size):
                 continue
+            hidden = self._hidden_wanted(card)
+            if hidden is False:
+                continue
             link = self.links.get(card.node_id)
             endpoint = card.endpoints.get("stream", "")
-            if link is None or link.endpoint != endpoint:
+            if link is None or link.endpoint != endpoint or link.hidden_layers != hidden:
                 if link is not None:
                     link.close()
-                link = ProposerLink(card.node_id, endpoint, card.name)
+                link = ProposerLink(card.node_id, endpoint, card.name, hidden_layers=hidden)
                 self.links[card.node_id] = link
             out.append(link)
         return out
+
+    def _hidden_wanted(self, card) -> tuple[int, ...] | None | bool:
+        """The layers whose hidden states a proposer reads (its card's `hidden_layers`), None
+        when it reads none, False when this verifier cannot serve them (a backend without
+        capture, another width, layers it does not have): such a proposer is left out."""
+        layers, size = card.extras.get("hidden_layers"), card.extras.get("hidden_size")
+        if layers is None:
+            return None
+        backend = self.engine.backend
+        fits = (isinstance(layers, list) and 0 < len(layers) <= 8
+                and all(isinstance(i, int) and not isinstance(i, bool)
+                        and 0 <= i < getattr(backend, "num_layers", 0) for i in layers)
+                and size == getattr(backend, "hidden_size", None)
+                and type(backend).capture_hidden is not Backend.capture_hidden)
+        if not fits:
+            log.debug("proposer %s reads hidden states %s x %s this verifier cannot send",
+                      card.node_id, layers, size)
+            return False
+        return tuple(layers)
 
     def _is_alive(self, node_id: str) -> bool:
         m = self._node.membership.get(node_id) if self._node else None

@@ -46,9 +46,11 @@ class FakeMembership:
     def __init__(self) -> None:
         self.members: list = []
 
-    def add_proposer(self, node_id: str, endpoint: str, name: str = "") -> None:
+    def add_proposer(self, node_id: str, endpoint: str, name: str = "",
+                     extras: dict | None = None) -> None:
         card = SimpleNamespace(roles=("proposer",), node_id=node_id, name=name or node_id,
-                               tokenizer="any", vocab=0, endpoints={"stream": endpoint})
+                               tokenizer="any", vocab=0, endpoints={"stream": endpoint},
+                               extras=extras or {})
         self.members.append(SimpleNamespace(node_id=node_id, card=card, is_self=False,
                                             state=SimpleNamespace(value="alive")))
 

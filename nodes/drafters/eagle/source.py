@@ -22,6 +22,7 @@ from nodes.drafters.base import Drafter, DraftSession
 from nodes.drafters.eagle.cache import HeadCache
 from nodes.drafters.eagle.checkpoint import VerifierShape, load_head
 from nodes.drafters.eagle.head import Eagle3Head
+from nodes.drafters.eagle.session import EagleSession
 from nodes.drafters.eagle.tree import draft_tree
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams, probs_from_logits, sample
@@ -131,13 +132,16 @@ class EagleSource(DraftSource):
 
 
 class EagleDrafter(Drafter):
-    """An EAGLE-3 head for one torch verifier (in process: it reads that verifier's hidden
-    states). Serving a head to remote verifiers (hidden states over the wire) is not built."""
+    """An EAGLE-3 head for torch verifiers of one model: in process it reads its verifier's
+    hidden states; behind a proposer node they come over the wire (`EagleSession`)."""
 
     def __init__(self, head: Eagle3Head, layers: tuple[int, ...], fingerprint: str,
                  name: str = "eagle", tree_width: int = TREE_WIDTH) -> None:
         self.head, self.layers = head, tuple(layers)
         self.fingerprint, self.name, self.tree_width = fingerprint, name, tree_width
+        #: what a proposer serving this head asks of verifiers (its card says so)
+        self.hidden_layers = self.layers
+        self.hidden_size = head.cfg.feature_size
 
     @classmethod
     def load(cls, path: str | Path | None, verifier) -> EagleDrafter:
@@ -156,9 +160,9 @@ class EagleDrafter(Drafter):
         return cls(head, layers, verifier.fingerprint)
 
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftSession:
-        raise BadRequestError("the eagle drafter runs in process beside its verifier (it reads "
-                              "the verifier's hidden states); serving it remotely is not "
-                              "supported yet")
+        """A proposer's session: the verifier's hidden states come with its commits."""
+        source = EagleSource(self.head, self.layers, prompt_ids, SamplingParams(), 1, self.name)
+        return EagleSession(source, self.hidden_size, prompt_ids)
 
     def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> EagleSource:
         return EagleSource(self.head, self.layers, prompt_ids, params, self.tree_width,

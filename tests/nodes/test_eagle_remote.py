@@ -1,0 +1,67 @@
+"""An EAGLE-3 head served by a proposer node (issue 23's F3 data plane): the verifier sends the
+hidden states of what it cached with every commit push, the proposer's head drafts from them.
+A tiny random model and a random head in the published layout, over real sockets: the output
+is the verifier's own whatever the head drafts, and the head really drafts."""
+
+from __future__ import annotations
+
+import pytest
+
+from nodes.drafters.eagle.source import EagleDrafter
+from nodes.engine.core import Engine
+from nodes.roles.proposer import ProposerRole
+from nodes.roles.remote_draft import DraftPolicy
+from nodes.roles.verifier import VerifierRole
+from tests.engine.eagle_heads import head_config, head_tensors, write_head
+from tests.nodes.conftest import BusHost
+from tests.nodes.test_verifier_requests import (  # noqa: F401 - fixture
+    PROMPT,
+    FakeMembership,
+    generate,
+    refused,
+    tiny_backend,
+)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    return write_head(tmp_path_factory.mktemp("eagle_remote"), head_tensors(), head_config())
+
+
+@pytest.fixture
+def cluster(bus, host, tiny_backend, head_dir):  # noqa: F811 - the fixture
+    host.membership = FakeMembership()
+    verifier = VerifierRole(Engine(tiny_backend, None, max_draft=4),
+                            policy=DraftPolicy(forced_s=60.0))
+    verifier.attach(host)
+    proposer_host = BusHost(*bus, node_id="eagle-1")
+    drafter = EagleDrafter.load(head_dir, tiny_backend)
+    proposer = ProposerRole(drafter, vocab_size=tiny_backend.vocab_size)
+    proposer.attach(proposer_host)
+    yield host, proposer, drafter, proposer_host.server.endpoint
+    proposer.close()
+    verifier.close()
+
+
+def test_a_remote_head_drafts_from_the_verifiers_hidden_states(cluster):
+    host, proposer, drafter, endpoint = cluster
+    host.membership.add_proposer("eagle-1", endpoint, name="eagle", extras={
+        "hidden_layers": list(drafter.hidden_layers), "hidden_size": drafter.hidden_size})
+    plain = generate(host, prompt=PROMPT, max_tokens=24, speculate=False)
+    forced = generate(host, prompt=PROMPT, max_tokens=24, proposers=["eagle"], draft="force")
+    assert forced["stats"]["token_ids"] == plain["stats"]["token_ids"]
+    link = forced["stats"]["proposers"]["eagle-1"]
+    assert link["chunks"] >= 1 and link["bad_replies"] == 0 and link["errors"] == 0
+    # a head drafts only once it holds the verifier's features of every committed position
+    # (EagleSession.draft_ahead): drafted tokens prove they came, aligned, over the wire
+    assert proposer.stats.draft_tokens > 0
+    assert link["drafted"] > 0
+
+
+def test_a_proposer_wanting_hidden_states_the_verifier_lacks_is_left_out(cluster):
+    host, proposer, drafter, endpoint = cluster
+    host.membership.add_proposer("eagle-1", endpoint, name="eagle", extras={
+        "hidden_layers": [0, 7], "hidden_size": drafter.hidden_size})  # the tiny model has 2
+    err = refused(host, prompt=PROMPT, max_tokens=4, proposers=["eagle"], draft="force")
+    assert err.code == "no_proposer"
+    assert generate(host, prompt=PROMPT, max_tokens=4)["finish_reason"] in ("length", "eos")
