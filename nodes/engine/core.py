@@ -29,10 +29,11 @@ from nodes.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs, token_logprob
 from nodes.engine.sampling import (
     SamplingParams,
     accept_tree_greedy,
-    accept_tree_sampling,
+    accept_tree_keyed,
     check_sampling,
+    keyed_sample,
+    position_noise,
     probs_from_logits,
-    sample,
 )
 from nodes.engine.sources import DraftSource, Feedback, SourceOpener
 from nodes.engine.tree import Candidate, TokenTree
@@ -155,7 +156,8 @@ class SequenceState:
     prompt: list[int]
     params: GenerationParams
     eos: frozenset[int]
-    rng: np.random.Generator
+    #: the sampling noise's key: the request's seed, else one drawn for this sequence
+    noise_seed: int
     cache: Any
     cost: CostModel
     stats: Stats
@@ -279,7 +281,8 @@ class Engine:
             prompt=prompt,
             params=params,
             eos=eos,
-            rng=np.random.default_rng(sp.seed),
+            noise_seed=sp.seed if sp.seed is not None else int(
+                np.random.default_rng().integers(2**63)),
             cache=self.backend.new_cache(),
             cost=self.cost.fork(),
             stats=stats if stats is not None else Stats(),
@@ -315,8 +318,8 @@ class Engine:
             t0 = time.perf_counter()
             row = backend.prefill(seq.cache, seq.prompt)
             stats.verify_s += time.perf_counter() - t0
-            first = int(np.argmax(row)) if sp.greedy else sample(probs_from_logits(row, sp)[0],
-                                                                 seq.rng)
+            first = int(np.argmax(row)) if sp.greedy else keyed_sample(
+                probs_from_logits(row, sp)[0], self._noise(seq, len(seq.prompt)))
             return self._commit(seq, [first], drafted=0, accepted=0, base=0,
                                 hidden=self._take_hidden(seq, None), rows=row)
 
@@ -334,7 +337,9 @@ class Engine:
         if sp.greedy:
             path, nxt = accept_tree_greedy(logits, tree)
         else:
-            path, nxt = accept_tree_sampling(logits, tree, sp, seq.rng)
+            at = len(seq.prompt) + len(seq.generated)  # the position node 0's row predicts
+            path, nxt = accept_tree_keyed(logits, tree, sp,
+                                          lambda depth: self._noise(seq, at + depth))
         hidden = self._take_hidden(seq, [0, *path])
         if not tree.is_chain():
             backend.compact(seq.cache, base, [0, *path])
@@ -354,6 +359,11 @@ class Engine:
             stats.plain_steps += 1
         return self._commit(seq, new, drafted=tree.drafted, accepted=len(path), tree=tree,
                             path=path, base=base, hidden=hidden, rows=logits[[0, *path]])
+
+    def _noise(self, seq: SequenceState, position: int) -> np.ndarray:
+        """The sampling noise of `position` in `seq` (a function of its seed and the position
+        alone: the text never depends on drafts, batching or the verifier that served it)."""
+        return position_noise(seq.noise_seed, position, self.backend.vocab_size)
 
     def _take_hidden(self, seq: SequenceState, rows: list[int] | None) -> Any:
         """The captured hidden states of the fed rows `rows` (None: all), in path order."""

@@ -1,9 +1,15 @@
 """Token selection: logits processing (temperature, top-k, top-p) and draft acceptance.
 
-Greedy acceptance is exact argmax matching. Sampling uses speculative rejection sampling
-(Leviathan et al. 2023 / Chen et al. 2023): accept draft d with probability min(1, p(d)/q(d)),
-on rejection sample from norm(max(0, p - q)); a deterministic drafter is a point mass q. The
-committed tokens are then distributed exactly as if the verifier sampled alone.
+Greedy acceptance is exact argmax matching. Sampling draws the token at each position by the
+Gumbel-max trick with noise that is a function of the request's seed and the position alone
+(`position_noise`): token = argmax(log p + g(seed, position)), an exact draw from p. Acceptance
+follows at once: a draft token is accepted exactly when it is that token, so the committed
+text is a function of the seed, the positions and the verifier's distributions, never of which
+drafts were proposed, by whom, in which batch or on which verifier after a failover (issue 24:
+the same seeded request gave another text in 2 of 40 runs under rejection sampling, whose
+random draws depended on the drafts). A deterministic drafter's token x is accepted with
+probability p(x), as under rejection sampling with a point mass; a sampling drafter is accepted
+as often as its draw meets the verifier's.
 
 The settings are `codec.sampling.SamplingParams`, the type the wire, the CLI and the gateway
 hold too (re-exported here, where the drafters import it); `check_sampling` is its one range
@@ -12,6 +18,7 @@ check, reported as the engine's own error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,8 +30,8 @@ from nodes.engine.errors import BadRequestError
 if TYPE_CHECKING:
     from nodes.engine.tree import TokenTree
 
-__all__ = ["SamplingParams", "accept_greedy", "accept_sampling", "accept_tree_greedy",
-           "accept_tree_sampling", "check_sampling", "probs_from_logits", "sample"]
+__all__ = ["SamplingParams", "accept_greedy", "accept_tree_greedy", "accept_tree_keyed",
+           "check_sampling", "keyed_sample", "position_noise", "probs_from_logits", "sample"]
 
 
 def check_sampling(params: SamplingParams) -> None:
@@ -72,34 +79,21 @@ def accept_greedy(logits: np.ndarray, drafts: np.ndarray) -> tuple[int, int]:
     return n, int(targets[n])
 
 
-def accept_sampling(
-    logits: np.ndarray,
-    drafts: np.ndarray,
-    draft_probs: np.ndarray | None,
-    params: SamplingParams,
-    rng: np.random.Generator,
-) -> tuple[int, int]:
-    """(number of drafts accepted, next token) by rejection sampling against the drafter's q."""
-    p_rows = probs_from_logits(logits, params)
-    for i, d in enumerate(drafts):
-        d = int(d)
-        p = p_rows[i]
-        if draft_probs is None:
-            q_d = 1.0
-        else:
-            q_row = np.asarray(draft_probs[i], dtype=np.float64)
-            q_d = float(q_row[d])
-        if q_d > 0 and rng.random() < min(1.0, p[d] / q_d):
-            continue
-        if draft_probs is None:
-            residual = p.copy()
-            residual[d] = 0.0
-        else:
-            residual = np.maximum(p - q_row / max(q_row.sum(), 1e-30), 0.0)
-        if residual.sum() <= 0:
-            residual = p
-        return i, sample(residual / residual.sum(), rng)
-    return len(drafts), sample(p_rows[len(drafts)], rng)
+def position_noise(seed: int, position: int, vocab: int) -> np.ndarray:
+    """Gumbel(0, 1) noise over the vocabulary for one position of one seeded generation: a
+    function of (seed, position) alone. Philox keyed by the seed; the position is the high
+    half of its 256-bit counter, so positions never share draws."""
+    gen = np.random.Generator(np.random.Philox(key=int(seed) % 2**64,
+                                               counter=int(position) << 128))
+    u = 1.0 - gen.random(vocab)  # (0, 1]
+    with np.errstate(divide="ignore"):
+        return -np.log(-np.log(u))
+
+
+def keyed_sample(p: np.ndarray, noise: np.ndarray) -> int:
+    """The token Gumbel-max picks from probability row `p` with `noise`: an exact draw."""
+    with np.errstate(divide="ignore"):
+        return int(np.argmax(np.log(p) + noise))
 
 
 def accept_tree_greedy(logits: np.ndarray, tree: TokenTree) -> tuple[list[int], int]:
@@ -118,39 +112,22 @@ def accept_tree_greedy(logits: np.ndarray, tree: TokenTree) -> tuple[list[int], 
         node = child
 
 
-def accept_tree_sampling(
+def accept_tree_keyed(
     logits: np.ndarray,
     tree: TokenTree,
     params: SamplingParams,
-    rng: np.random.Generator,
+    noise_at: Callable[[int], np.ndarray],
 ) -> tuple[list[int], int]:
-    """(accepted path nodes, next token) by recursive rejection over siblings (SpecInfer).
-
-    At a node with target p, each proposal (x, q) in turn is accepted with min(1, p(x)/q(x));
-    on rejection p becomes norm(max(0, p - q)) (a point mass q removes x) and the next proposal
-    is tried against that residual. When all fail, the next token is drawn from the residual.
-    Each proposal was drawn independently of the earlier ones' fate, so by the single-draft
-    argument applied step by step the output is distributed exactly as p. A chain (one trial
-    per node) is exactly `accept_sampling`, random draws included.
-    """
+    """(accepted path nodes, next token) when sampling: at each node the verifier's token is
+    the Gumbel-max draw with the noise of that node's position (`noise_at(depth)`, depth 0 the
+    pending token's row); the child holding it is followed, else that token is the next one.
+    Greedy acceptance over perturbed scores: the path is the one a plain run would sample."""
     rows = probs_from_logits(logits, params)
     node, path = 0, []
     while True:
-        p = rows[node]
-        for child, q_row in tree.trials[node]:
-            x = tree.tokens[child]
-            q_x = 1.0 if q_row is None else float(q_row[x])
-            if q_x > 0 and rng.random() < min(1.0, p[x] / q_x):
-                path.append(child)
-                node = child
-                break
-            if q_row is None:
-                residual = p.copy()
-                residual[x] = 0.0
-            else:
-                q = np.asarray(q_row, dtype=np.float64)
-                residual = np.maximum(p - q / max(q.sum(), 1e-30), 0.0)
-            if residual.sum() > 0:  # else p == q up to rounding: keep p
-                p = residual / residual.sum()
-        else:
-            return path, sample(p, rng)
+        token = keyed_sample(rows[node], noise_at(tree.depths[node]))
+        child = tree.children[node].get(token)
+        if child is None:
+            return path, token
+        path.append(child)
+        node = child

@@ -3,9 +3,8 @@
 Node 0 is the *pending* token (committed, its logits not computed yet); every other node is a
 draft token whose parent is the token before it. Candidates from all sources are merged into
 one tree: identical prefixes share nodes, so a token is fed once however many sources propose
-it. Each parent also keeps its *trials*: every (child, q row) proposal in the order it was
-made, duplicates included, because lossless multi-candidate rejection sampling must apply each
-proposal's residual update even when the token is the same (see `sampling.accept_tree_sampling`).
+it. Acceptance walks the tree from the root following the verifier's own token at each node
+(its argmax, or its seeded Gumbel-max draw: `sampling.accept_tree_keyed`).
 """
 
 from __future__ import annotations
@@ -37,8 +36,6 @@ class TokenTree:
         self.parents: list[int] = [-1]
         self.depths: list[int] = [0]
         self.children: list[dict[int, int]] = [{}]
-        #: per node, (child node, q row or None) in proposal order, duplicates included
-        self.trials: list[list[tuple[int, np.ndarray | None]]] = [[]]
         #: per node, the indices of the sources that proposed it
         self.owners: list[set[int]] = [set()]
         #: per node, the highest draft probability any proposal gave it (None: none said)
@@ -108,9 +105,6 @@ class TokenTree:
                         alive[ci] = False
                         continue
                     child = self._new(tok, parent)
-                q = None if cand.probs is None else cand.probs[d]
-                if q is not None or (child, None) not in _ids(self.trials[parent]):
-                    self.trials[parent].append((child, q))
                 self.owners[child].add(src)
                 if cand.conf is not None:
                     c, old = float(cand.conf[d]), self.conf[child]
@@ -124,7 +118,6 @@ class TokenTree:
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
         self.children.append({})
-        self.trials.append([])
         self.owners.append(set())
         self.conf.append(None)
         self.children[parent][tok] = node
@@ -157,7 +150,7 @@ class TokenTree:
 
     def subtree(self, keep: Sequence[int]) -> TokenTree:
         """The root and the nodes `keep` (ascending, every parent of a kept node kept),
-        renumbered; trials of dropped children are dropped with them."""
+        renumbered."""
         out = TokenTree(self.tokens[0])
         new = {0: 0}
         for node in keep:
@@ -165,8 +158,6 @@ class TokenTree:
             out.owners[child] = set(self.owners[node])
             out.conf[child] = self.conf[node]
             new[node] = child
-        for old, node in new.items():
-            out.trials[node] = [(new[c], q) for c, q in self.trials[old] if c in new]
         return out
 
     def offered_by(self, source: int) -> int:
@@ -187,7 +178,3 @@ class TokenTree:
             n += 1
         return n
 
-
-def _ids(trials: list[tuple[int, np.ndarray | None]]) -> list[tuple[int, None]]:
-    """The point-mass trials of a parent (a repeated point mass adds nothing: skip it)."""
-    return [(c, None) for c, q in trials if q is None]

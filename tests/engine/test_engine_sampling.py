@@ -10,10 +10,13 @@ more than this test tolerates (see test_chi_square_detects_bias).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from nodes.drafters.base import Drafter
+from nodes.drafters.ngram import NgramDrafter
 from nodes.engine import Engine, GenerationParams, SamplingParams
 from nodes.engine.sampling import probs_from_logits
 from nodes.engine.sources import SourceOpener
@@ -213,24 +216,21 @@ class TopKTreeDrafter(SourceOpener):
         return self.inner.open_source(prompt_ids, params)
 
 
-def wrong_tree_rule(logits, tree, params, rng):
-    """Deliberately wrong: every sibling is tested against the untouched p (no residual
-    update between siblings), and the fallback draws from p itself."""
-    from nodes.engine.sampling import sample
+def wrong_tree_rule(logits, tree, params, noise_at):
+    """Deliberately wrong: a proposed child is accepted whenever the verifier gives its token
+    any probability (the sample is never compared with it); only the fix is drawn right."""
+    from nodes.engine.sampling import keyed_sample
 
     rows = probs_from_logits(logits, params)
     node, path = 0, []
     while True:
-        p = rows[node]
-        for child, q_row in tree.trials[node]:
-            x = tree.tokens[child]
-            q_x = 1.0 if q_row is None else float(q_row[x])
-            if q_x > 0 and rng.random() < min(1.0, p[x] / q_x):
+        for token, child in tree.children[node].items():
+            if rows[node][token] > 0:
                 path.append(child)
                 node = child
                 break
         else:
-            return path, sample(p, rng)
+            return path, keyed_sample(rows[node], noise_at(tree.depths[node]))
 
 
 @pytest.mark.parametrize("which", ["iid_chains", "topk_tree"])
@@ -245,7 +245,7 @@ def test_tree_sampling_matches_exact(tiny_torch, prompt_ids, exact, which):
 def test_tree_sampling_catches_a_wrong_rule(tiny_torch, prompt_ids, exact, monkeypatch):
     import nodes.engine.core as core
 
-    monkeypatch.setattr(core, "accept_tree_sampling", wrong_tree_rule)
+    monkeypatch.setattr(core, "accept_tree_keyed", wrong_tree_rule)
     engine = Engine(tiny_torch, TopKTreeDrafter(tiny_torch), fixed_k=3)
     counts, _ = sample_counts(engine, prompt_ids)
     assert chi_square(counts, exact, SAMPLES) > CHI2_CRIT_DF15_ALPHA1E3
@@ -261,3 +261,18 @@ def test_tree_blocks_really_branch(tiny_torch, prompt_ids):
                                   eos_token_ids=frozenset())
         list(Engine(tiny_torch, drafter, fixed_k=6).stream(prompt_ids, params, stats=stats))
         assert stats.tree_blocks > 0, drafter.name
+
+
+def test_a_seed_gives_one_text_whatever_drafts_it(tiny_torch, prompt_ids):
+    """The sampled token at each position is a function of the seed, the position and the
+    verifier's distribution alone: no drafter, tree or draft length changes the text."""
+    params = GenerationParams(max_tokens=24, eos_token_ids=frozenset(),
+                              sampling=SamplingParams(1.0, 0.95, 0, seed=11))
+    engines = [Engine(tiny_torch), Engine(tiny_torch, NgramDrafter()),
+               Engine(tiny_torch, TopKTreeDrafter(tiny_torch), fixed_k=4),
+               Engine(tiny_torch, IidChainsDrafter(tiny_torch), fixed_k=6),
+               Engine(tiny_torch, TemperedSelfDrafter(tiny_torch), fixed_k=3)]
+    texts = [e.generate(prompt_ids, params).token_ids for e in engines]
+    assert all(t == texts[0] for t in texts), texts
+    other = replace(params, sampling=SamplingParams(1.0, 0.95, 0, seed=12))
+    assert Engine(tiny_torch).generate(prompt_ids, other).token_ids != texts[0]
