@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,6 +63,16 @@ class GenerationParams:
             raise BadRequestError("stop strings must be non-empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequestError(f"logprobs must be 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
+
+    def seeded(self) -> GenerationParams:
+        """These params with a seed drawn when they sample without one: the sequence's noise
+        key, which the sources opened for it see too (a drafter drawing with the verifier's
+        noise agrees with it: `sampling.position_noise`)."""
+        sp = self.sampling
+        if sp.greedy or sp.seed is not None:
+            return self
+        return replace(self, sampling=replace(
+            sp, seed=int(np.random.default_rng().integers(2**63))))
 
 
 @dataclass
@@ -265,6 +275,7 @@ class Engine:
         one source on its own drafter, if it has one, and closes it with the sequence."""
         prompt = self._check_prompt(prompt_ids)
         params.validate()
+        params = params.seeded()
         sp = params.sampling
         eos = (
             self.backend.tokenizer.eos_token_ids
@@ -281,8 +292,7 @@ class Engine:
             prompt=prompt,
             params=params,
             eos=eos,
-            noise_seed=sp.seed if sp.seed is not None else int(
-                np.random.default_rng().integers(2**63)),
+            noise_seed=sp.seed if sp.seed is not None else 0,  # greedy: no noise
             cache=self.backend.new_cache(),
             cost=self.cost.fork(),
             stats=stats if stats is not None else Stats(),

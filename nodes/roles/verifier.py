@@ -256,7 +256,7 @@ class VerifierRole:
 
     def _generate(self, req: Request, parsed: GenerateReq) -> None:
         tok = self.engine.backend.tokenizer
-        params = requests.generation_params(parsed)
+        params = requests.generation_params(parsed).seeded()  # its sources see the seed
         prompt_ids = self._prompt_ids(parsed)
         engine = self._engine_for(parsed)
         remote = self._remote_sources(parsed, prompt_ids, params.sampling, engine)

@@ -25,7 +25,13 @@ from nodes.drafters.eagle.head import Eagle3Head
 from nodes.drafters.eagle.session import EagleSession
 from nodes.drafters.eagle.tree import draft_tree
 from nodes.engine.errors import BadRequestError
-from nodes.engine.sampling import SamplingParams, probs_from_logits, sample
+from nodes.engine.sampling import (
+    SamplingParams,
+    keyed_sample,
+    position_noise,
+    probs_from_logits,
+    sample,
+)
 from nodes.engine.sources import DraftSource, Feedback
 from nodes.engine.tree import Candidate
 
@@ -114,7 +120,12 @@ class EagleSource(DraftSource):
                 full = np.full(vocab, -np.inf)
                 full[target.cpu().numpy()] = logits.cpu().numpy()
                 q = probs_from_logits(full, self.params)[0]
-                tok = sample(q, self.rng)
+                if self.params.seed is not None:  # the verifier's own noise there: its draw
+                    # and this one agree whenever the head's q is close to its p
+                    tok = keyed_sample(q, position_noise(self.params.seed,
+                                                         len(self.tokens) + depth - 1, vocab))
+                else:
+                    tok = sample(q, self.rng)
                 rows.append(q.astype(np.float32))
                 conf.append(float(q[tok]))
             ids.append(tok)
