@@ -75,6 +75,55 @@ def test_chat_non_stream_and_stream(oai, reference):
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
+def _hf_logprobs(reference, prompt_ids: list[int], max_new: int):
+    """HF greedy ids and the log-softmax of one forward over prompt + output."""
+    import torch
+
+    model = reference.backend.model
+    eos = next(iter(reference.tokenizer.eos_token_ids))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new,
+                             eos_token_id=eos, pad_token_id=eos, top_k=None, top_p=None,
+                             temperature=None,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+        ids = out[0, len(prompt_ids):].tolist()
+        logits = model(torch.tensor([prompt_ids + ids])).logits[0].double()
+    logp = torch.log_softmax(logits, -1)[len(prompt_ids) - 1 : -1]
+    return ids, logp
+
+
+def test_logprobs_are_the_verifiers_own(oai, reference):
+    tok = reference.tokenizer
+    prompt = [int(i) for i in tok.hf.apply_chat_template(CHAT, add_generation_prompt=True,
+                                                         tokenize=True, return_dict=False)]
+    ids, logp = _hf_logprobs(reference, prompt, 16)
+    r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0,
+                                    logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(ids) == r.usage.completion_tokens
+    eos = reference.tokenizer.eos_token_ids
+    ids = [t for t in ids if t not in eos]  # an end token ends the text, is not part of it
+    assert len(content) == len(ids)
+    assert b"".join(bytes(e.bytes) for e in content).decode() == r.choices[0].message.content
+    for i, e in enumerate(content):
+        assert abs(e.logprob - float(logp[i, ids[i]])) < 1e-3
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == e.logprob  # greedy
+    plain = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
+                                        temperature=0)
+    assert plain.choices[0].logprobs is None  # not asked: none
+
+    ids, logp = _hf_logprobs(reference, tok.encode(PROMPT, chat=False), 12)
+    chunks = list(oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                         temperature=0, logprobs=1, stream=True))
+    got = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    values = [v for lp in got for v in lp.token_logprobs]
+    assert len(values) == len(ids)
+    assert all(abs(v - float(logp[i, ids[i]])) < 1e-3 for i, v in enumerate(values))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert "".join(t for lp in got for t in lp.tokens) == text
+    assert [o for lp in got for o in lp.text_offset][0] == 0
+
+
 def test_stop_string_cuts_the_text(oai, reference):
     full = reference.completion(PROMPT, 24)
     word = full.split()[1]  # a word that greedy decoding produces
@@ -491,51 +540,3 @@ def test_no_verifier_left_ends_the_stream_with_an_error_event(raw, cluster):
     status, headers, body = raw.json("POST", "/v1/completions", {"model": MODEL, "prompt": "x"})
     assert status == 503 and body["error"]["code"] == "no_verifier"  # not a 404 for the model
 
-
-def _hf_logprobs(reference, prompt_ids: list[int], max_new: int):
-    """HF greedy ids and the log-softmax of one forward over prompt + output."""
-    import torch
-
-    model = reference.backend.model
-    eos = next(iter(reference.tokenizer.eos_token_ids))
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new,
-                             eos_token_id=eos, pad_token_id=eos, top_k=None, top_p=None,
-                             temperature=None,
-                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
-        ids = out[0, len(prompt_ids):].tolist()
-        logits = model(torch.tensor([prompt_ids + ids])).logits[0].double()
-    logp = torch.log_softmax(logits, -1)[len(prompt_ids) - 1 : -1]
-    return ids, logp
-
-
-def test_logprobs_are_the_verifiers_own(oai, reference):
-    tok = reference.tokenizer
-    prompt = [int(i) for i in tok.hf.apply_chat_template(CHAT, add_generation_prompt=True,
-                                                         tokenize=True, return_dict=False)]
-    ids, logp = _hf_logprobs(reference, prompt, 16)
-    r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0,
-                                    logprobs=True, top_logprobs=2)
-    content = r.choices[0].logprobs.content
-    assert len(ids) == r.usage.completion_tokens
-    eos = reference.tokenizer.eos_token_ids
-    ids = [t for t in ids if t not in eos]  # an end token ends the text, is not part of it
-    assert len(content) == len(ids)
-    assert b"".join(bytes(e.bytes) for e in content).decode() == r.choices[0].message.content
-    for i, e in enumerate(content):
-        assert abs(e.logprob - float(logp[i, ids[i]])) < 1e-3
-        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == e.logprob  # greedy
-    plain = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
-                                        temperature=0)
-    assert plain.choices[0].logprobs is None  # not asked: none
-
-    ids, logp = _hf_logprobs(reference, tok.encode(PROMPT, chat=False), 12)
-    chunks = list(oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
-                                         temperature=0, logprobs=1, stream=True))
-    got = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
-    values = [v for lp in got for v in lp.token_logprobs]
-    assert len(values) == len(ids)
-    assert all(abs(v - float(logp[i, ids[i]])) < 1e-3 for i, v in enumerate(values))
-    text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert "".join(t for lp in got for t in lp.tokens) == text
-    assert [o for lp in got for o in lp.text_offset][0] == 0
