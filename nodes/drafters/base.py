@@ -5,9 +5,11 @@ sequence with `open_source` (the engine's one draft interface, nodes/engine/sour
 drafter with trees or hidden-state inputs implements it directly. Behind a proposer node the
 same drafter is driven through a `DraftSession` (`open(prompt_ids, params)`): told what was
 committed with `extend(delta)`, asked `draft(k)` for up to k tokens, or `draft_ahead(k,
-width)` for a chain plus alternatives (`Branch`: a model's runners-up at a position, the
-n-gram index's other continuations) with the drafter's probability of each token, which the
-verifier uses to rank the nodes of the tree it builds; sessions can roll back (`truncate`).
+width)` for a chain plus alternative paths (a model's runners-up at a position, the n-gram
+index's other continuations) as the engine's own `Candidate`s with the drafter's probability
+of each token, which the verifier uses to rank the nodes of the tree it builds: one draft type
+from the drafter to the engine, flattened only on the wire (`draft_chunk`); sessions can roll
+back (`truncate`).
 `draft` returns `(ids int32 [n], probs float32 [n, vocab] | None)` with 0 <= n <= k and never
 padding; `probs` is the distribution each token was sampled from (None: a point mass). A
 drafter with only a session gets `open_source` for free (`SessionSource`).
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,24 +29,43 @@ from nodes.engine.tree import Candidate
 EMPTY_DRAFT = np.zeros(0, dtype=np.int32)
 
 
-@dataclass(frozen=True)
-class Branch:
-    """An alternative inside a draft: `tokens` continue the draft's first `at` chain tokens
-    (so its first token is an alternative to chain token `at`, or extends a chain of `at`)."""
+def draft_paths(chain: Sequence[int], conf: Sequence[float] | None = None,
+                alternatives: Sequence[tuple[int, Sequence[int], Sequence[float] | None]] = (),
+                ) -> list[Candidate]:
+    """A draft tree as the engine's candidates: the chain first, then each alternative
+    `(at, tokens, conf)` (its first token an alternative to chain token `at`, continuing the
+    chain's first `at`) as the whole path from the same point. `conf`: the drafter's
+    probability of each token (None: it gave none)."""
+    if not len(chain):
+        return []
+    head = np.asarray(chain, dtype=np.int64)
+    head_conf = None if conf is None else np.asarray(conf, dtype=np.float64)
+    out = [Candidate(head, None, head_conf)]
+    for at, tokens, alt_conf in alternatives:
+        if not tokens or at > len(head):
+            continue
+        path = np.concatenate([head[:at], np.asarray(tokens, dtype=np.int64)])
+        path_conf = (None if head_conf is None or alt_conf is None
+                     else np.concatenate([head_conf[:at], np.asarray(alt_conf, np.float64)]))
+        out.append(Candidate(path, None, path_conf))
+    return out
 
-    at: int
-    tokens: tuple[int, ...]
-    conf: tuple[float, ...] | None = None  # the drafter's probability of each token
 
-
-@dataclass(frozen=True)
-class AheadDraft:
-    """What `DraftSession.draft_ahead` drafted: a chain, its tokens' draft probabilities
-    (None: the drafter has none) and alternatives."""
-
-    ids: np.ndarray  # int32 [n]
-    conf: np.ndarray | None = None  # float32 [n]
-    branches: tuple[Branch, ...] = ()
+def branch_points(chain: Sequence[int], paths: Sequence[Candidate]
+                  ) -> list[tuple[int, tuple[int, ...], tuple[float, ...] | None]]:
+    """`draft_paths` undone for the alternatives: (at, tokens, conf) for each path, where it
+    leaves `chain` (its first token an alternative to chain token `at`) and what follows."""
+    chain = [int(t) for t in chain]
+    out = []
+    for c in paths:
+        toks = [int(t) for t in c.tokens]
+        at = 0
+        while at < min(len(chain), len(toks)) and chain[at] == toks[at]:
+            at += 1
+        if at < len(toks):
+            conf = None if c.conf is None else tuple(float(x) for x in c.conf[at:])
+            out.append((at, tuple(toks[at:]), conf))
+    return out
 
 
 class DraftSession(ABC):
@@ -59,11 +79,12 @@ class DraftSession(ABC):
     def draft(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Up to k proposed next tokens after everything committed so far."""
 
-    def draft_ahead(self, k: int, width: int = 1) -> AheadDraft:
-        """Up to k chain tokens like `draft`, and up to `width - 1` alternatives where the
-        drafter has any (this default: none). The session advances by the chain only."""
+    def draft_ahead(self, k: int, width: int = 1) -> list[Candidate]:
+        """Up to k chain tokens like `draft` (the first candidate; the session advances by
+        it), then up to `width - 1` alternative paths from the same point where the drafter
+        has any (this default: none): the engine's own draft type (`draft_paths`)."""
         ids, _probs = self.draft(k)
-        return AheadDraft(np.asarray(ids, dtype=np.int32).reshape(-1))
+        return draft_paths(np.asarray(ids).reshape(-1))
 
     def truncate(self, length: int) -> None:
         """Forget every token past the first `length` (prompt + extended), so a proposer that

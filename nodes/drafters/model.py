@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from nodes.backends.base import Backend
-from nodes.drafters.base import AheadDraft, Branch, Drafter, DraftSession
+from nodes.drafters.base import Drafter, DraftSession, draft_paths
 from nodes.engine.sampling import SamplingParams, probs_from_logits, sample
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import Candidate
@@ -83,7 +83,7 @@ class ModelSession(DraftSession):
         ids = self._decode(k, choose)
         return np.asarray(ids, dtype=np.int32), (np.stack(probs) if probs else None)
 
-    def draft_ahead(self, k: int, width: int = 1) -> AheadDraft:
+    def draft_ahead(self, k: int, width: int = 1) -> list[Candidate]:
         """The likeliest chain (`draft`'s under greedy), each token's draft probability, and at
         each position up to `width - 1` runners-up worth at least MIN_ALT_CONF (one-token
         branches).
@@ -95,7 +95,7 @@ class ModelSession(DraftSession):
         docs/engine.md: 0.35 vs 0.28 per token at temperature 0.7, 0.26 vs 0.14 at 1.0).
         """
         conf: list[float] = []
-        branches: list[Branch] = []
+        branches: list[tuple[int, tuple[int, ...], tuple[float, ...]]] = []
 
         def choose(row: np.ndarray) -> int:
             q = self._probs(row)
@@ -105,12 +105,11 @@ class ModelSession(DraftSession):
             if width > 1:
                 top = sorted(np.argpartition(-q, width)[:width].tolist(), key=lambda t: -q[t])
                 runners = [t for t in top if t != tok and q[t] >= MIN_ALT_CONF][: width - 1]
-                branches.extend(Branch(at, (int(t),), (float(q[t]),)) for t in runners)
+                branches.extend((at, (int(t),), (float(q[t]),)) for t in runners)
             return tok
 
         ids = self._decode(k, choose)
-        return AheadDraft(np.asarray(ids, dtype=np.int32), np.asarray(conf, dtype=np.float32),
-                          tuple(branches))
+        return draft_paths(ids, conf[: len(ids)], branches)
 
     def _decode(self, k: int, choose) -> list[int]:
         """k decode steps after everything committed, `choose(logits row) -> token` each."""

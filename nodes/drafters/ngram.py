@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from nodes.drafters.base import EMPTY_DRAFT, AheadDraft, Branch, Drafter, DraftSession
+from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession, draft_paths
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import DraftSource
@@ -68,22 +68,22 @@ class NgramSession(DraftSession):
                 return np.asarray(toks[ends[-1] : ends[-1] + k], dtype=np.int32), None
         return EMPTY_DRAFT, None
 
-    def draft_ahead(self, k: int, width: int = 1) -> AheadDraft:
+    def draft_ahead(self, k: int, width: int = 1) -> list[Candidate]:
         """The chain `draft` gives and, for width > 1, the other continuations (up to `width`
         in all) as branches off the point where each leaves the chain."""
         if width <= 1:
-            return AheadDraft(self.draft(k)[0])
+            return draft_paths(self.draft(k)[0])
         conts = self.continuations(k, width)
         if not conts:
-            return AheadDraft(EMPTY_DRAFT)
+            return []
         chain, branches = conts[0], []
         for cont in conts[1:]:
             at = 0
             while at < min(len(chain), len(cont)) and chain[at] == cont[at]:
                 at += 1
             if at < len(cont):
-                branches.append(Branch(at, tuple(cont[at:])))
-        return AheadDraft(np.asarray(chain, dtype=np.int32), None, tuple(branches))
+                branches.append((at, tuple(cont[at:]), None))
+        return draft_paths(chain, None, branches)
 
     def continuations(self, k: int, limit: int | None = None) -> list[list[int]]:
         """Distinct continuations (up to k tokens) of the earlier occurrences of the longest

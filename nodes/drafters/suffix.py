@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nodes.drafters.base import EMPTY_DRAFT, AheadDraft, Branch, Drafter, DraftSession
+from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession, draft_paths
 from nodes.drafters.suffix_index import MAX_MATCH, START, GlobalIndex, LocalIndex, Match
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
@@ -275,13 +275,9 @@ class SuffixSession(DraftSession):
             return EMPTY_DRAFT, None
         return np.asarray(tree.chain, dtype=np.int32), None
 
-    def draft_ahead(self, k: int, width: int = 1) -> AheadDraft:
+    def draft_ahead(self, k: int, width: int = 1) -> list[Candidate]:
         tree = self.plan(k, width)
-        if not tree.chain and not tree.branches:
-            return AheadDraft(EMPTY_DRAFT)
-        return AheadDraft(np.asarray(tree.chain, dtype=np.int32),
-                          np.asarray(tree.conf, dtype=np.float32),
-                          tuple(Branch(at, tuple(t), tuple(c)) for at, t, c in tree.branches))
+        return draft_paths(tree.chain, tree.conf, tree.branches)
 
     def close(self) -> None:
         """Give the finished text to the global index (once)."""

@@ -8,8 +8,9 @@ commit it knows, assuming its own drafts will be accepted, up to the session's h
 streams each chunk tagged with its base (that commit) and the tokens it assumed. A commit that
 disagrees with what it assumed rolls the drafter back (`DraftSession.truncate`, or a reopen)
 and drafting continues from the correction. With a tree width above 1 a chunk also carries the
-drafter's alternatives (`DraftSession.draft_ahead`: a model's runners-up, the n-gram index's
-other continuations) and the drafter's probabilities, kept while the position they compete for
+drafter's alternatives (`DraftSession.draft_ahead`'s further paths: a model's runners-up,
+the n-gram index's other continuations) and the drafter's probabilities, kept while the
+position they compete for
 is uncommitted (docs/protocol.md, "Draft trees"). Model drafters draft one token per turn, so a
 commit is seen within one draft step.
 
@@ -41,7 +42,7 @@ from codec.structs import (
     SessionOpen,
 )
 from discovery.counters import Counters
-from nodes.drafters.base import Drafter, DraftSession
+from nodes.drafters.base import Drafter, DraftSession, branch_points
 from nodes.engine.errors import (
     GenerationError,
     OutOfSyncError,
@@ -363,14 +364,16 @@ class ProposerRole:
             t0 = time.perf_counter()
             # drafts travel as point masses, also under sampling (lossless whatever we do;
             # docs/protocol.md "Why q is not sent"): model drafters propose q's mode
-            out = s.draft.draft_ahead(k, self.tree_width)
+            cands = s.draft.draft_ahead(k, self.tree_width)
             self.stats.draft_s += time.perf_counter() - t0
-            ids = [int(t) for t in out.ids[:k]]
+            chain = cands[0] if cands else None
+            ids = [int(t) for t in chain.tokens[:k]] if chain is not None else []
             if ids:
                 start = s.committed + len(s.assumed)
-                s.branches.extend((start + b.at, b.tokens, b.conf) for b in out.branches
-                                  if b.at <= len(ids) and b.tokens)
-                conf = out.conf[: len(ids)] if out.conf is not None else [math.nan] * len(ids)
+                s.branches.extend((start + at, toks, conf)
+                                  for at, toks, conf in branch_points(ids, cands[1:]))
+                conf = (chain.conf[: len(ids)] if chain.conf is not None
+                        else [math.nan] * len(ids))
                 s.assumed_conf.extend(float(c) for c in conf)
                 s.draft.extend(ids)
                 s.assumed.extend(ids)

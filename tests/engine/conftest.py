@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from nodes.drafters.base import Drafter
+from nodes.drafters.base import Drafter, branch_points
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -181,3 +181,26 @@ def hf_greedy(backend, prompt_ids, max_new, eos_id):
         temperature=None,
     )
     return out[0, len(prompt_ids) :].tolist()
+
+
+class Ahead:
+    """`DraftSession.draft_ahead`'s paths read back as a proposer sends them: the chain
+    (`ids`, `conf`) and the alternatives as `(at, tokens, conf)` branches off it."""
+
+    def __init__(self, paths) -> None:
+        chain = paths[0] if paths else None
+        self.ids = (chain.tokens.astype(np.int64) if chain is not None
+                    else np.zeros(0, dtype=np.int64))
+        self.conf = None if chain is None else chain.conf
+        self.branches = tuple(Branch(*b) for b in branch_points(self.ids, paths[1:]))
+
+
+class Branch(tuple):
+    """(at, tokens, conf) with names."""
+
+    def __new__(cls, at, tokens, conf=None):
+        return super().__new__(cls, (at, tuple(tokens), conf))
+
+    at = property(lambda self: self[0])
+    tokens = property(lambda self: self[1])
+    conf = property(lambda self: self[2])

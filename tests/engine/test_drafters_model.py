@@ -6,6 +6,7 @@ import numpy as np
 
 from nodes.drafters.model import ModelDrafter
 from nodes.engine import SamplingParams
+from tests.engine.conftest import Ahead
 
 
 def test_rollback_matches_fresh_session(tiny_torch, tiny_draft_folder, prompt_ids):
@@ -73,7 +74,7 @@ def test_draft_ahead_is_the_chain_plus_runners_up_with_their_probabilities(
     drafter = ModelDrafter(tiny_torch)
     chain = drafter.open(prompt_ids, SamplingParams()).draft(5)[0]
     s = drafter.open(prompt_ids, SamplingParams())
-    out = s.draft_ahead(5, width=3)
+    out = Ahead(s.draft_ahead(5, width=3))
     assert out.ids.tolist() == chain.tolist()
     assert [b.at for b in out.branches] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert all(len(b.tokens) == 1 and b.tokens[0] != chain[b.at] for b in out.branches)
@@ -89,21 +90,21 @@ def test_draft_ahead_is_the_chain_plus_runners_up_with_their_probabilities(
         assert [b.tokens[0] for b in alts] == np.argsort(-q, kind="stable")[1:3].tolist()
         assert all(np.isclose(b.conf[0], q[b.tokens[0]], rtol=1e-3) for b in alts)
     # width 1: a chain only; the default threshold drops runners-up a drafter gives < 5 %
-    assert s.draft_ahead(3, width=1).branches == ()
+    assert Ahead(s.draft_ahead(3, width=1)).branches == ()
     monkeypatch.undo()
-    assert all(c >= model_mod.MIN_ALT_CONF for b in drafter.open(
-        prompt_ids, SamplingParams()).draft_ahead(4, 3).branches for c in b.conf)
+    assert all(c >= model_mod.MIN_ALT_CONF for b in Ahead(drafter.open(
+        prompt_ids, SamplingParams()).draft_ahead(4, 3)).branches for c in b.conf)
 
 
 def test_draft_ahead_when_sampling_offers_runners_up_of_the_sampling_distribution(
         tiny_torch, prompt_ids):
     s = ModelDrafter(tiny_torch).open(prompt_ids, SamplingParams(1.0, 1.0, 5, seed=3))
-    out = s.draft_ahead(4, width=3)
+    out = Ahead(s.draft_ahead(4, width=3))
     assert len(out.ids) == 4
     # the chain is the mode of q, whatever the seed (a point mass is accepted with p(x): the
     # likeliest token is the best guess), and each runner-up is less likely than its token
     other = ModelDrafter(tiny_torch).open(prompt_ids, SamplingParams(1.0, 1.0, 5, seed=4))
-    assert other.draft_ahead(4, width=3).ids.tolist() == out.ids.tolist()
+    assert Ahead(other.draft_ahead(4, width=3)).ids.tolist() == out.ids.tolist()
     assert out.ids.tolist() == ModelDrafter(tiny_torch).open(
         prompt_ids, SamplingParams()).draft(4)[0].tolist()
     assert all(b.conf[0] <= out.conf[b.at] for b in out.branches)

@@ -66,13 +66,13 @@ def test_truncate_rolls_back_to_a_fresh_sessions_index():
 
 
 def test_draft_ahead_sends_the_other_continuations_as_branches():
-    from nodes.drafters.base import Branch
+    from tests.engine.conftest import Ahead, Branch
 
     # "1 2" was followed by 3 and by 4; "9 1 2" (the longest match) by 4
     prompt = [1, 2, 3, 9, 1, 2, 4, 9, 1, 2]
     s = NgramDrafter().open(prompt, SamplingParams())
-    out = s.draft_ahead(4, width=3)
+    out = Ahead(s.draft_ahead(4, width=3))
     assert out.ids.tolist() == s.draft(4)[0].tolist() == [4, 9, 1, 2]
     assert out.conf is None  # n-grams have no probabilities
     assert out.branches == (Branch(0, (3, 9, 1, 2)),)
-    assert s.draft_ahead(4, width=1).branches == ()
+    assert Ahead(s.draft_ahead(4, width=1)).branches == ()

@@ -11,6 +11,7 @@ from nodes.drafters.eagle.source import EagleDrafter, EagleSource
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import Feedback
+from tests.engine.conftest import Ahead
 from tests.engine.test_eagle import LAYERS, foreign_head  # noqa: F401 - fixture
 
 
@@ -30,18 +31,18 @@ def test_the_session_drafts_what_the_source_drafts(tiny_torch, prompt_ids, forei
     session = drafter.open(prompt_ids, SamplingParams())
     session.extend([17])
     session.features(rows)
-    first = session.draft_ahead(3)
+    first = Ahead(session.draft_ahead(3))
     assert first.ids.tolist() == want[:3]
     session.extend(first.ids.tolist())  # assumed, as a proposer drafting ahead does
-    assert session.draft_ahead(3).ids.tolist() == want[3:6]
+    assert Ahead(session.draft_ahead(3)).ids.tolist() == want[3:6]
     session.truncate(len(committed))  # the commit disagreed: rolled back to it
-    assert session.draft_ahead(6).ids.tolist() == want
+    assert Ahead(session.draft_ahead(6)).ids.tolist() == want
     session.close()
 
 
 def test_no_features_no_drafts(tiny_torch, prompt_ids, foreign_head):  # noqa: F811
     session = EagleDrafter.load(foreign_head, tiny_torch).open(prompt_ids, SamplingParams())
     session.extend([17])
-    assert len(session.draft_ahead(4).ids) == 0
+    assert session.draft_ahead(4) == []
     with pytest.raises(BadRequestError, match="do not fit"):
         session.features(np.zeros((2, 5), dtype=np.float16))

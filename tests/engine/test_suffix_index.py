@@ -19,6 +19,7 @@ from nodes.drafters.suffix import SuffixDrafter, SuffixOptions, parse_spec, plan
 from nodes.drafters.suffix_index import START, GlobalIndex, LocalIndex
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
+from tests.engine.conftest import Ahead
 
 SP = SamplingParams()
 
@@ -73,7 +74,7 @@ def test_a_chain_from_the_session_follows_the_latest_occurrence():
     prompt = [nl, *head, 1, nl, *head, 2, nl, *head, 3]
     s = SuffixDrafter().open(prompt, SP)
     s.extend([nl, *item, 4, nl])
-    out = s.draft_ahead(3)
+    out = Ahead(s.draft_ahead(3))
     assert out.ids.tolist() == [*item, 4]
     # 4 earlier line breaks: 1 of 4 goes on with 60, then it alone
     assert out.conf.tolist() == pytest.approx([0.25, 1.0, 1.0])
@@ -102,12 +103,12 @@ def test_draft_ahead_carries_conf_and_branches():
         s.close()
     s = d.open([8], SP)
     s.extend([3])  # [START, 3] matched: 2 tokens, so up to 4 drafted
-    out = s.draft_ahead(4, width=3)
+    out = Ahead(s.draft_ahead(4, width=3))
     assert out.ids.tolist() == [5, 6]
     assert out.conf.tolist() == pytest.approx([1.0, 2 / 3])
     assert [(b.at, b.tokens) for b in out.branches] == [(1, (7,))]
     assert out.branches[0].conf == pytest.approx((1 / 3,))
-    assert s.draft_ahead(4, width=1).branches == ()
+    assert Ahead(s.draft_ahead(4, width=1)).branches == ()
 
 
 def test_truncate_restores_a_fresh_index():

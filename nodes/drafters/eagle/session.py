@@ -17,9 +17,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from nodes.drafters.base import EMPTY_DRAFT, AheadDraft, DraftSession
+from nodes.drafters.base import EMPTY_DRAFT, DraftSession, draft_paths
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sources import DraftSource, Feedback
+from nodes.engine.tree import Candidate
 
 
 class EagleSession(DraftSession):
@@ -49,24 +50,24 @@ class EagleSession(DraftSession):
         del self.tokens[length:]
 
     def draft(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
-        return self.draft_ahead(k).ids, None
+        cands = self.draft_ahead(k)
+        return (cands[0].tokens.astype(np.int32) if cands else EMPTY_DRAFT), None
 
-    def draft_ahead(self, k: int, width: int = 1) -> AheadDraft:
+    def draft_ahead(self, k: int, width: int = 1) -> list[Candidate]:
         known = self.source.known  # positions whose verifier features arrived
         committed, assumed = self.tokens[: known + 1], self.tokens[known + 1 :]
         if k <= 0 or len(committed) != known + 1:
-            return AheadDraft(EMPTY_DRAFT)
+            return []
         cands = self.source.propose(committed, len(assumed) + k)
         if not cands:
-            return AheadDraft(EMPTY_DRAFT)
+            return []
         chain = [int(t) for t in cands[0].tokens]
         if chain[: len(assumed)] != assumed:  # the verifier's features changed its mind
-            return AheadDraft(EMPTY_DRAFT)
+            return []
         ids = chain[len(assumed) : len(assumed) + k]
         conf = cands[0].conf
-        return AheadDraft(np.asarray(ids, dtype=np.int32),
-                          None if conf is None else np.asarray(
-                              conf[len(assumed) : len(assumed) + len(ids)], dtype=np.float32))
+        return draft_paths(ids, None if conf is None else
+                           conf[len(assumed) : len(assumed) + len(ids)])
 
     def close(self) -> None:
         self.source.close()
