@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "limit); what was made is used")
     parser.add_argument("--hold-every", type=int, default=10,
                         help="hold out every Nth prompt's responses (default 10)")
+    parser.add_argument("--init", default=None,
+                        help="start from this head (its weights and draft vocabulary) "
+                        "instead of the verifier's LM head")
     parser.add_argument("--text", action="append", default=[],
                         help="a local text file, teacher-forced in 256-token chunks "
                         "(repeatable)")
@@ -105,6 +108,16 @@ def _run(args: argparse.Namespace) -> int:
     train, held, draft_ids = blob["train"], blob["held"], blob["draft_ids"]
 
     head = T.new_head(backend, draft_ids, layers, seed=args.seed)
+    if args.init:
+        from nodes.drafters.eagle.checkpoint import VerifierShape, load_head
+
+        start, start_layers = load_head(args.init, VerifierShape.of(backend))
+        if tuple(start_layers) != tuple(layers) or not torch.equal(
+                start.d2t.cpu() + torch.arange(len(start.d2t)), draft_ids.cpu()):
+            raise ValueError(f"--init {args.init}: other layers or draft vocabulary than "
+                             "this run's data")
+        head.load_state_dict(start.state_dict())
+        _say(f"starting from the head in {args.init}")
     head.to(device)
     head.shared_embedding = head.shared_embedding.to(device)
     state = opt = None
@@ -140,6 +153,7 @@ def _run(args: argparse.Namespace) -> int:
             "steps": state.step, "epochs": state.epoch, "train_seconds": round(state.elapsed_s),
             "data_seconds": round(data_s), "ttt": args.ttt, "batch": args.batch,
             "lr": args.lr, "device": device, "draft_vocab": len(draft_ids),
+            "init": args.init,
             "held_out_top1_per_depth": [round(a, 4) for a in held_acc],
         },
     }
@@ -189,7 +203,13 @@ def _make_data(args, backend, layers, D) -> dict:
         chunks = D.text_chunks(backend, Path(path).read_text())
         seqs.tokens += chunks
         held_out += [False] * len(chunks)  # held-out accuracy is measured on responses
-    draft_ids = D.draft_vocab(seqs, args.draft_vocab, backend.vocab_size)
+    if args.init:  # the starting head's draft vocabulary
+        from nodes.drafters.eagle.checkpoint import VerifierShape, load_head
+
+        start, _ = load_head(args.init, VerifierShape.of(backend))
+        draft_ids = (start.d2t.cpu() + torch.arange(len(start.d2t))).long()
+    else:
+        draft_ids = D.draft_vocab(seqs, args.draft_vocab, backend.vocab_size)
     skip = _shared_prefix(backend) if backend.tokenizer.has_chat_template else 0
     examples = D.teacher_force(backend, D.Sequences(seqs.tokens[:n_resp]), layers, draft_ids,
                                skip=skip)

@@ -59,3 +59,19 @@ def test_the_command_writes_a_loadable_head_and_resumes(tiny_folder, tiny_torch,
     params = GenerationParams(max_tokens=24, eos_token_ids=frozenset({2}))
     gen = Engine(tiny_torch, drafter, fixed_k=4).generate(prompt_ids, params)
     assert gen.token_ids == hf_greedy(tiny_torch, prompt_ids, 24, 2)
+
+
+def test_init_starts_from_a_head_with_its_draft_vocabulary(tiny_folder, tmp_path, capsys):
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = ["train-drafter", "--model", str(tiny_folder), "--max-new", "8", "--temperatures",
+              "0", "--draft-vocab", "256", "--batch", "2", "--save-every", "2", "--ttt", "2",
+              "--steps", "2"]
+    assert main([*common, "--out", str(first), "--prompts", "3"]) == 0
+    assert main([*common, "--out", str(second), "--chat-prompts", "4", "--cycle-temperatures",
+                 "--init", str(first)]) == 0
+    assert f"starting from the head in {first}" in capsys.readouterr().err
+    meta = json.loads((second / "specbus_head.json").read_text())
+    assert meta["training"]["init"] == str(first)
+    a = torch.load(first / ".train" / "data.pt", weights_only=False)["draft_ids"]
+    b = torch.load(second / ".train" / "data.pt", weights_only=False)["draft_ids"]
+    assert torch.equal(a, b)
