@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nodes.drafters.registry import make_drafter
 from nodes.drafters.eagle.checkpoint import save_head
 from nodes.drafters.eagle.train import new_head
+from nodes.drafters.registry import make_drafter
 from nodes.engine import Engine, GenerationParams
 from tests.engine.conftest import hf_greedy
 
@@ -37,3 +37,29 @@ def test_a_random_head_of_the_real_shape_is_lossless_on_smollm2(smollm2, tmp_pat
     gen = Engine(smollm2, drafter, fixed_k=6).generate(prompt, params)
     assert gen.token_ids == hf_greedy(smollm2, prompt, 24, eos)
     assert gen.stats.tree_blocks > 0 and gen.stats.drafter_errors == 0
+
+
+def test_the_shipped_head_loads_offline_and_stays_lossless(smollm2):
+    """`--drafter eagle` with no path: the head in the package, for this very verifier."""
+    import configparser
+    import json
+
+    from nodes.drafters.eagle.source import SHIPPED_HEAD
+
+    if not (SHIPPED_HEAD / "config.json").exists():
+        pytest.skip("no head shipped")
+    assert (SHIPPED_HEAD / "model.safetensors").stat().st_size <= 25e6
+    meta = json.loads((SHIPPED_HEAD / "specbus_head.json").read_text())
+    assert meta["tokenizer_fingerprint"] == smollm2.fingerprint
+    cfg = configparser.ConfigParser()
+    cfg.read(SHIPPED_HEAD.parents[3] / "setup.cfg")
+    declared = cfg["options.package_data"]["nodes.drafters.eagle"].split()
+    assert sorted(declared) == sorted(f"smollm2_head/{p.name}" for p in SHIPPED_HEAD.iterdir()
+                                      if not p.name.startswith("."))
+    drafter = make_drafter("eagle", smollm2)
+    prompt = smollm2.tokenizer.encode("Tell me about the tallest mountains on Earth.",
+                                      chat=True)
+    eos = min(smollm2.tokenizer.eos_token_ids)
+    gen = Engine(smollm2, drafter, fixed_k=8).generate(prompt, GenerationParams(max_tokens=32))
+    assert gen.token_ids == hf_greedy(smollm2, prompt, 32, eos)
+    assert gen.stats.accepted > 0 and gen.stats.drafter_errors == 0
