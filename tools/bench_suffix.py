@@ -95,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def micro(n_tokens: int, spec: str) -> dict:
     """Index ~n_tokens of synthetic repetitive documents; time lookups and drafts."""
+    from nodes.drafters.base import branch_points
     from nodes.drafters.suffix import SuffixDrafter
     from nodes.engine.sampling import SamplingParams
 
@@ -131,10 +132,13 @@ def micro(n_tokens: int, spec: str) -> dict:
         t1 = time.perf_counter()
         session.extend([t])
         t2 = time.perf_counter()
-        out = session.draft_ahead(16, drafter.tree_width)
+        paths = session.draft_ahead(16, drafter.tree_width)
         t_draft += time.perf_counter() - t2
         t_extend += t2 - t1
-        drafted += len(out.ids) + sum(len(b.tokens) for b in out.branches)
+        if paths:  # tree nodes: the chain, then each alternative past where it leaves it
+            chain = paths[0].tokens
+            drafted += len(chain) + sum(len(toks) for _, toks, _ in
+                                        branch_points(chain, paths[1:]))
     per_m = 1e6 / max(stats["tokens"], 1)
     return {
         "indexed_tokens": stats["tokens"], "documents": stats["documents"],
