@@ -99,40 +99,33 @@ def indices_1d(name: str, t: Any, lo: int) -> np.ndarray:
     return arr.astype(np.int32, copy=False)
 
 
-def probabilities(name: str, v: Any) -> np.ndarray:
-    """A 1-D float32 array of probabilities, each finite and in [0, 1]."""
+def _floats_1d(name: str, v: Any, what: str, dtype, ok, rule: str) -> np.ndarray:
+    """A 1-D float array in `dtype` whose values all pass `ok` (an empty one passes)."""
     arr = np.asarray(v)
     if arr.ndim != 1 or (len(arr) and arr.dtype.kind != "f"):
-        raise BadRequest(name, f"must be probabilities, got shape {list(arr.shape)} "
-                         f"{arr.dtype}")
-    arr = arr.astype(np.float32, copy=False)
-    if len(arr) and not np.all((arr >= 0) & (arr <= 1)):  # NaN fails too
-        raise BadRequest(name, "every probability must be in [0, 1]")
+        raise BadRequest(name, f"must be {what}, got shape {list(arr.shape)} {arr.dtype}")
+    arr = arr.astype(dtype, copy=False)
+    if len(arr) and not np.all(ok(arr)):  # NaN fails every rule
+        raise BadRequest(name, rule)
     return arr
+
+
+def probabilities(name: str, v: Any) -> np.ndarray:
+    """A 1-D float32 array of probabilities, each finite and in [0, 1]."""
+    return _floats_1d(name, v, "probabilities", np.float32, lambda a: (a >= 0) & (a <= 1),
+                      "every probability must be in [0, 1]")
 
 
 def features(name: str, v: Any) -> np.ndarray:
     """A 1-D float16 array of finite values (a model's hidden states, flattened)."""
-    arr = np.asarray(v)
-    if arr.ndim != 1 or (len(arr) and arr.dtype.kind != "f"):
-        raise BadRequest(name, f"must be a 1-D float tensor, got shape {list(arr.shape)} "
-                         f"{arr.dtype}")
-    arr = arr.astype(np.float16, copy=False)
-    if len(arr) and not np.isfinite(arr).all():
-        raise BadRequest(name, "every value must be finite (fp16 overflows past 65504)")
-    return arr
+    return _floats_1d(name, v, "a 1-D float tensor", np.float16, np.isfinite,
+                      "every value must be finite (fp16 overflows past 65504)")
 
 
 def log_probabilities(name: str, v: Any) -> np.ndarray:
     """A 1-D float32 array of natural-log probabilities: each <= 0, -inf allowed, no NaN."""
-    arr = np.asarray(v)
-    if arr.ndim != 1 or (len(arr) and arr.dtype.kind != "f"):
-        raise BadRequest(name, f"must be log probabilities, got shape {list(arr.shape)} "
-                         f"{arr.dtype}")
-    arr = arr.astype(np.float32, copy=False)
-    if len(arr) and not np.all(arr <= 0):  # NaN fails too
-        raise BadRequest(name, "every log probability must be <= 0")
-    return arr
+    return _floats_1d(name, v, "log probabilities", np.float32, lambda a: a <= 0,
+                      "every log probability must be <= 0")
 
 
 def length(name: str, arr: Any, lo: int, hi: int, what: str = "tokens") -> None:
