@@ -79,6 +79,7 @@ class _Session:
     #: alternative to the token at that position)
     branches: list[tuple[int, tuple[int, ...], tuple[float, ...] | None]] = field(
         default_factory=list)
+    hidden_rows: int = 0  # the verifier's hidden-state rows received (EAGLE-3 heads)
     exhausted: bool = False  # the drafter had nothing more at this point: wait for a commit
     dirty: bool = True  # a commit arrived since the last chunk: tell the verifier even if empty
     chunks: int = 0
@@ -315,7 +316,13 @@ class ProposerRole:
         if not new:
             return  # a duplicate
         if len(ext.hidden):  # the verifier's hidden states of what it cached (EAGLE-3 heads)
-            s.draft.features(ext.hidden_rows)
+            rows = ext.hidden_rows
+            if s.hidden_rows + len(rows) > committed - 1:  # more than it has cached: refused,
+                raise OutOfSyncError(  # so a peer cannot grow a session past its tokens
+                    f"session {s.sid}: {s.hidden_rows + len(rows)} hidden-state rows for "
+                    f"{committed - 1} cached positions")
+            s.hidden_rows += len(rows)
+            s.draft.features(rows)
         n = 0
         while n < len(new) and n < len(s.assumed) and new[n] == s.assumed[n]:
             n += 1

@@ -65,3 +65,27 @@ def test_a_proposer_wanting_hidden_states_the_verifier_lacks_is_left_out(cluster
     err = refused(host, prompt=PROMPT, max_tokens=4, proposers=["eagle"], draft="force")
     assert err.code == "no_proposer"
     assert generate(host, prompt=PROMPT, max_tokens=4)["finish_reason"] in ("length", "eos")
+
+
+def test_hidden_rows_beyond_the_cached_positions_are_refused(cluster):
+    """A peer cannot grow a session's features past its tokens: rows for more positions than
+    the verifier has cached are an out_of_sync error, and the proposer keeps serving."""
+    import numpy as np
+
+    from bus.streams import RemoteError
+    from codec.sampling import SamplingParams
+    from codec.structs import SessionExtend, SessionOpen
+
+    host, proposer, drafter, endpoint = cluster
+    width = len(drafter.hidden_layers) * drafter.hidden_size
+    call = host.client.request(endpoint, SessionOpen(
+        "s-rows", np.arange(1, 6, dtype=np.int32), 30.0, SamplingParams()).to_message(),
+        timeout=30)
+    rows = np.zeros(10 * width, dtype=np.float16)  # 10 rows; 5 positions cached after it
+    push = SessionExtend("s-rows", np.array([7], np.int32), 6, None, width, rows)
+    with pytest.raises(RemoteError) as err:
+        host.client.request(endpoint, push.to_message(), timeout=30).result(30)
+    assert err.value.code == "out_of_sync"
+    fine = SessionExtend("s-rows", np.array([7], np.int32), 6, None, width, rows[: 5 * width])
+    assert host.client.request(endpoint, fine.to_message(), timeout=30).result(30).type == "done"
+    call.cancel()

@@ -153,6 +153,9 @@ class EagleDrafter(Drafter):
         #: what a proposer serving this head asks of verifiers (its card says so)
         self.hidden_layers = self.layers
         self.hidden_size = head.cfg.feature_size
+        #: a served session's cost per token (the proposer's session budget): its hidden
+        #: states as float32 and the head's K/V, with room to spare
+        self.bytes_per_token = 4 * self.hidden_size * (len(self.layers) + 2) + 256
 
     @classmethod
     def load(cls, path: str | Path | None, verifier) -> EagleDrafter:
