@@ -67,6 +67,22 @@ class Backend(ABC):
         """
         raise NotImplementedError(f"backend {self.name!r} cannot verify token trees")
 
+    def forward_batch(self, caches: Sequence[Any],
+                      feeds: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
+        """Feed several sequences at once: `feeds[b] = (token_ids, parents)` is appended to
+        `caches[b]` as by `forward_tree` (a chain, `parents[i] == i - 1`, as by `forward`);
+        returns each sequence's logits float32 [len(token_ids), vocab].
+
+        This default runs one sequence at a time (what a backend without a batched forward,
+        MLX today, does): exact, with no batching gain. A backend that batches overrides it."""
+        out = []
+        for cache, (ids, parents) in zip(caches, feeds, strict=True):
+            if is_chain(parents):
+                out.append(self.forward(cache, ids))
+            else:
+                out.append(self.forward_tree(cache, ids, parents))
+        return out
+
     def compact(self, cache: Any, base: int, keep: Sequence[int]) -> None:
         """After a tree forward at cache length `base`: keep the fed nodes `keep` (ascending
         feed indices, one root-to-node path), moved to positions base.., and drop the rest."""
@@ -95,6 +111,11 @@ class Backend(ABC):
     @abstractmethod
     def crop(self, cache: Any, length: int) -> None:
         """Drop cached positions beyond `length` (rolls back rejected draft tokens)."""
+
+
+def is_chain(parents: Sequence[int]) -> bool:
+    """Whether a fed token tree is one chain (each node the child of the one before it)."""
+    return all(p == i - 1 for i, p in enumerate(parents))
 
 
 def tree_layout(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

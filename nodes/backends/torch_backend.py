@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from nodes import models
+from nodes.backends import torch_batch
 from nodes.backends.base import Backend, tree_layout
 from nodes.backends.tokenizer import Tokenizer
 from nodes.engine.errors import BadRequestError, ModelNotFoundError
@@ -39,6 +40,9 @@ class TorchBackend(Backend):
         self.vocab_size = int(model.config.vocab_size)
         self._hooked = False  # pre-hooks on the decoder layers, installed at the first capture
         self._tap: dict[int, Any] | None = None  # layer -> its input, during a capturing forward
+        #: run a batch one sequence at a time, so each sequence's logits are bit for bit
+        #: those it gets alone (docs/engine.md, "Batching": batched CPU matmuls differ)
+        self.batch_invariant = False
 
     @classmethod
     def load(cls, model_ref: str | None = None, device: str | None = None) -> TorchBackend:
@@ -112,7 +116,7 @@ class TorchBackend(Backend):
             tap = self._tap
             if tap is not None and index in tap:
                 h = args[0] if args else kwargs["hidden_states"]
-                tap[index] = h[0]
+                tap[index] = h  # [batch, n, hidden]; `_run` splits it per row
             return None
 
         return hook
@@ -126,13 +130,23 @@ class TorchBackend(Backend):
     def _run(self, cache: Any, **kwargs: Any) -> Any:
         """One model call; on a capturing cache, the listed layers' inputs are kept (the
         layers' own inputs, not copies made by a second pass) as [n, layers, hidden]."""
-        layers = getattr(cache, "specbus_capture", None)
-        if not layers:
-            return self.model(past_key_values=cache, use_cache=True, **kwargs)
-        self._tap = dict.fromkeys(layers)
+        return self._run_rows(cache, [(cache, slice(None))], **kwargs)
+
+    def _run_rows(self, run_cache: Any, rows: list[tuple[Any, Any]], **kwargs: Any) -> Any:
+        """One model call on `run_cache`; batch row b's fed positions `rows[b][1]` belong to
+        the sequence cache `rows[b][0]`, which gets its captured hidden states when it asked
+        for them (each its own layers)."""
+        wanted = [getattr(c, "specbus_capture", None) for c, _ in rows]
+        union = sorted({i for layers in wanted if layers for i in layers})
+        if not union:
+            return self.model(past_key_values=run_cache, use_cache=True, **kwargs)
+        self._tap = dict.fromkeys(union)
         try:
-            out = self.model(past_key_values=cache, use_cache=True, **kwargs)
-            cache.specbus_hidden = torch.stack([self._tap[i] for i in layers], dim=1)
+            out = self.model(past_key_values=run_cache, use_cache=True, **kwargs)
+            for b, ((cache, fed), layers) in enumerate(zip(rows, wanted, strict=True)):
+                if layers:
+                    cache.specbus_hidden = torch.stack(
+                        [self._tap[i][b, fed] for i in layers], dim=1)
         finally:
             self._tap = None
         return out
@@ -165,6 +179,15 @@ class TorchBackend(Backend):
         pos = torch.from_numpy(past + depth)[None].to(self.device)
         out = self._run(cache, input_ids=ids, attention_mask=mask, position_ids=pos)
         return out.logits[0].float().cpu().numpy()
+
+    @torch.inference_mode()
+    def forward_batch(self, caches: Sequence[Any],
+                      feeds: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
+        """Several sequences in one model call (see `torch_batch.py` for the layout); one
+        sequence, or `batch_invariant`, goes through the solo code paths, bit for bit."""
+        if len(caches) <= 1 or self.batch_invariant:
+            return super().forward_batch(caches, feeds)
+        return torch_batch.forward(self, caches, feeds)
 
     def compact(self, cache: Any, base: int, keep: Sequence[int]) -> None:
         keep = list(keep)

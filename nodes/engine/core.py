@@ -8,9 +8,10 @@ correction (or bonus) token from the last accepted node's row, moves the accepte
 into place and crops the rest. No second forward is ever needed. An empty tree is a plain
 decode step, which is how a slow, absent or unhelpful drafter degrades to decoding alone.
 
-All per-sequence state lives in one `Sequence` object (committed ids, cache, RNG, sources,
-acceptance and cost estimates), never in generator locals, so a scheduler can later step
-several sequences per forward; `Engine.stream` is a thin loop over `Engine.step`.
+All per-sequence state lives in one `SequenceState` (committed ids, cache, sources, acceptance
+and cost estimates), never in generator locals, so `Engine.step_batch` steps several sequences
+in one forward (each plans, accepts and commits on its own); `Engine.step` is a batch of one and
+`Engine.stream` a thin loop over it.
 """
 
 from __future__ import annotations
@@ -321,28 +322,55 @@ class Engine:
 
     def step(self, seq: SequenceState) -> Block:
         """One verifier forward for `seq`: plan the tree, forward it, commit what it proved."""
-        if seq.finish_reason is not None:
-            raise RuntimeError("step on a finished sequence")
-        backend, stats, sp = self.backend, seq.stats, seq.params.sampling
-        if not seq.started:
-            t0 = time.perf_counter()
-            row = backend.prefill(seq.cache, seq.prompt)
-            stats.verify_s += time.perf_counter() - t0
-            first = int(np.argmax(row)) if sp.greedy else keyed_sample(
-                probs_from_logits(row, sp)[0], self._noise(seq, len(seq.prompt)))
-            return self._commit(seq, [first], drafted=0, accepted=0, base=0,
-                                hidden=self._take_hidden(seq, None), rows=row)
+        return self.step_batch([seq])[0]
 
-        tree = self._plan(seq)
-        base = backend.cache_length(seq.cache)
+    def step_batch(self, seqs: Sequence[SequenceState]) -> list[Block]:
+        """One step of each sequence in `seqs` (distinct, unfinished), their blocks in order.
+
+        New sequences are prefilled, each in its own forward. Every started sequence plans its
+        own tree (possibly just the pending token); all the trees go through ONE backend
+        forward (`Backend.forward_batch`), then each sequence accepts and commits on its own,
+        exactly as alone. Greedy outputs equal the solo ones whenever the backend's batched
+        logits equal its solo logits (docs/engine.md, "Batching")."""
+        if any(seq.finish_reason is not None for seq in seqs):
+            raise RuntimeError("step on a finished sequence")
+        if len({id(seq) for seq in seqs}) != len(seqs):
+            raise ValueError("a sequence appears twice in one batch")
+        blocks: dict[int, Block] = {}
+        going = [i for i, seq in enumerate(seqs) if seq.started]
+        for i, seq in enumerate(seqs):
+            if not seq.started:
+                blocks[i] = self._prefill(seq)
+        if going:
+            trees = [self._plan(seqs[i]) for i in going]
+            bases = [self.backend.cache_length(seqs[i].cache) for i in going]
+            t0 = time.perf_counter()
+            logits = self.backend.forward_batch(
+                [seqs[i].cache for i in going], [(t.tokens, t.parents) for t in trees])
+            dt = time.perf_counter() - t0
+            for i, tree, base, rows in zip(going, trees, bases, logits, strict=True):
+                blocks[i] = self._settle(seqs[i], tree, base, rows, dt, alone=len(going) == 1)
+        return [blocks[i] for i in range(len(seqs))]
+
+    def _prefill(self, seq: SequenceState) -> Block:
+        """A new sequence's first step: the prompt in one forward, then its first token."""
+        sp = seq.params.sampling
         t0 = time.perf_counter()
-        if tree.is_chain():
-            logits = backend.forward(seq.cache, tree.tokens)
-        else:
-            logits = backend.forward_tree(seq.cache, tree.tokens, tree.parents)
-        dt = time.perf_counter() - t0
+        row = self.backend.prefill(seq.cache, seq.prompt)
+        seq.stats.verify_s += time.perf_counter() - t0
+        first = int(np.argmax(row)) if sp.greedy else keyed_sample(
+            probs_from_logits(row, sp)[0], self._noise(seq, len(seq.prompt)))
+        return self._commit(seq, [first], drafted=0, accepted=0, base=0,
+                            hidden=self._take_hidden(seq, None), rows=row)
+
+    def _settle(self, seq: SequenceState, tree: TokenTree, base: int, logits: np.ndarray,
+                dt: float, *, alone: bool) -> Block:
+        """Accept the deepest path of `tree` the verifier's `logits` prove, compact the cache
+        to it and commit. `dt`: the forward's time, a verify-cost sample only when `seq` had
+        it to itself (a batch's time is not its own tree's cost)."""
+        backend, stats, sp = self.backend, seq.stats, seq.params.sampling
         stats.verify_s += dt
-        if self.fixed_k is None:
+        if self.fixed_k is None and alone:
             seq.cost.record_verify(len(tree), dt)
         if sp.greedy:
             path, nxt = accept_tree_greedy(logits, tree)
