@@ -63,3 +63,41 @@ def test_the_shipped_head_loads_offline_and_stays_lossless(smollm2):
     gen = Engine(smollm2, drafter, fixed_k=8).generate(prompt, GenerationParams(max_tokens=32))
     assert gen.token_ids == hf_greedy(smollm2, prompt, 32, eos)
     assert gen.stats.accepted > 0 and gen.stats.drafter_errors == 0
+
+
+def test_on_a_cpu_the_shipped_head_drafts_int8_and_agrees_with_its_fp32_self(smollm2):
+    """int8 weights (all but `fc`, which reads the verifier's outlier-heavy hidden states)
+    must keep the head's predictions: on the verifier's real features of a chat answer the
+    int8 head's top token equals the fp32 head's at most positions and hits the verifier's
+    next token as often, give or take a little."""
+    from nodes.drafters.eagle.cache import HeadCache
+    from nodes.drafters.eagle.source import SHIPPED_HEAD, EagleDrafter
+
+    if not (SHIPPED_HEAD / "config.json").exists():
+        pytest.skip("no head shipped")
+    int8 = EagleDrafter.load(None, smollm2)  # the default on a CPU
+    fp32 = EagleDrafter.load(None, smollm2, int8=False)
+    assert isinstance(int8.head.fc, torch.nn.Linear)
+    assert not isinstance(int8.head.lm_head, torch.nn.Linear)  # a quantized module
+    assert isinstance(fp32.head.lm_head, torch.nn.Linear)
+    prompt = smollm2.tokenizer.encode("How do tides work, and why are there two a day?",
+                                      chat=True)
+    answer = Engine(smollm2, None).generate(prompt, GenerationParams(max_tokens=96)).token_ids
+    seq = prompt + answer
+    cache = smollm2.new_cache()
+    smollm2.capture_hidden(cache, int8.layers)
+    smollm2.forward(cache, seq[:-1])
+    feats = smollm2.take_hidden(cache)
+    top = {}
+    for name, d in (("int8", int8), ("fp32", fp32)):
+        head = d.head
+        own = HeadCache(head.cfg.num_key_value_heads, head.cfg.dim_head, torch.float32, "cpu")
+        with torch.inference_mode():
+            out = head.step(own, torch.tensor(seq[1:]), feats, torch.arange(len(seq) - 1))
+            top[name] = head.target_ids()[head.logits(out).argmax(-1)][: len(seq) - 2]
+    truth = torch.tensor(seq[2:])
+    agree = (top["int8"] == top["fp32"]).float().mean().item()
+    hit8 = (top["int8"] == truth).float().mean().item()
+    hit32 = (top["fp32"] == truth).float().mean().item()
+    assert agree >= 0.8, agree
+    assert hit8 >= hit32 - 0.05, (hit8, hit32)

@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=len(EVAL_PROMPTS))
     ap.add_argument("--ks", default="8,a", help="fixed_k values, 'a' for adaptive")
     ap.add_argument("--json", default=None, help="write the per-prompt figures here")
+    ap.add_argument("--fp32", action="store_true",
+                    help="draft with fp32 weights (default on a CPU: int8, as served)")
     args = ap.parse_args(argv)
 
     import torch
@@ -51,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     heads = []
     for spec in args.heads:
         name, _, path = spec.rpartition("=")
-        heads.append((name or Path(path).name, EagleDrafter.load(path, backend)))
+        heads.append((name or Path(path).name, EagleDrafter.load(path, backend,
+                                                                       int8=not args.fp32)))
     ks = [None if k == "a" else int(k) for k in args.ks.split(",")]
     configs = [(f"{name} k={'adaptive' if k is None else k}", d, k) for name, d in heads
                for k in ks]

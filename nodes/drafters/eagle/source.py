@@ -22,6 +22,7 @@ from nodes.drafters.base import Drafter, DraftSession
 from nodes.drafters.eagle.cache import HeadCache
 from nodes.drafters.eagle.checkpoint import VerifierShape, load_head
 from nodes.drafters.eagle.head import Eagle3Head
+from nodes.drafters.eagle.quantize import quantize_head
 from nodes.drafters.eagle.session import EagleSession
 from nodes.drafters.eagle.tree import draft_tree
 from nodes.engine.errors import BadRequestError
@@ -158,9 +159,10 @@ class EagleDrafter(Drafter):
         self.bytes_per_token = 4 * self.hidden_size * (len(self.layers) + 2) + 256
 
     @classmethod
-    def load(cls, path: str | Path | None, verifier) -> EagleDrafter:
+    def load(cls, path: str | Path | None, verifier, int8: bool | None = None) -> EagleDrafter:
         """The head at `path` (None: the one shipped for the embedded model), checked
-        against `verifier` (a torch backend)."""
+        against `verifier` (a torch backend). `int8` (default: on a CPU) drafts with int8
+        weights (`quantize.quantize_head`: ~4x faster a step there, same top-1)."""
         if verifier is None:
             raise BadRequestError("the eagle drafter needs the verifier model (torch backend)")
         shape = VerifierShape.of(verifier)
@@ -170,7 +172,12 @@ class EagleDrafter(Drafter):
                 raise BadRequestError("no eagle head is shipped with this install; train one "
                                       "with `specbus train-drafter` and pass --drafter "
                                       "eagle:PATH")
-        head, layers = load_head(path, shape, device=getattr(verifier, "device", "cpu"))
+        device = str(getattr(verifier, "device", "cpu"))
+        head, layers = load_head(path, shape, device=device)
+        if int8 or (int8 is None and device == "cpu"):
+            if device != "cpu":
+                raise BadRequestError(f"an int8 eagle head drafts on a CPU, not on {device}")
+            head = quantize_head(head)
         return cls(head, layers, verifier.fingerprint)
 
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftSession:
