@@ -5,10 +5,10 @@ or `--trace`: over the bus, tools/bench_decode_bus.py.)
 
 One process, same prompts for every configuration: input-grounded (code edit, extraction and
 quoting), where prompt lookup should shine, and open-ended chat, where speculation must not
-hurt. Compares our engine (plain; ngram and int8 drafts verified as one chain and as token
-trees) with Hugging Face generate (plain, prompt lookup, assisted with the same int8 drafter)
-and the MLX backend (plain, ngram). Reports medians over prompts per class; greedy outputs are
-also checked against each backend's plain output.
+hurt. Compares our engine (plain; ngram, int8 and the shipped EAGLE-3 head's drafts verified as
+one chain and as token trees) with Hugging Face generate (plain, prompt lookup, assisted with
+the same int8 drafter) and the MLX backend (plain, ngram). Reports medians over prompts per
+class; greedy outputs are also checked against each backend's plain output.
 """
 
 from __future__ import annotations
@@ -115,6 +115,16 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
     def int8_chain():
         return Int8Drafter(int8().backend, name="int8", tree_width=1)
 
+    def eagle(tree_width: int):
+        """The shipped EAGLE-3 head (int8 weights on a CPU), reading this verifier's hidden
+        states in process."""
+        from nodes.drafters.eagle.source import EagleDrafter
+
+        if "eagle" not in cache:
+            cache["eagle"] = EagleDrafter.load(None, torch_backend())
+        head = cache["eagle"]
+        return EagleDrafter(head.head, head.layers, head.fingerprint, tree_width=tree_width)
+
     def mlx_backend():
         if "mlx" not in cache:
             cache["mlx"] = load_backend("mlx", args.model)
@@ -150,6 +160,13 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
             lambda: hf_runner(torch_backend(), assistant_model=hf_int8()),
         ),
     ]
+    if args.model is None:  # the shipped head is the embedded model's
+        configs += [
+            ("engine-eagle-chain", "torch",
+             lambda: _engine_runner(Engine(torch_backend(), eagle(1)))),
+            ("engine-eagle-tree", "torch",
+             lambda: _engine_runner(Engine(torch_backend(), eagle(4)))),
+        ]
     if not args.no_mlx:
         configs += [
             ("mlx-plain", "mlx", lambda: _engine_runner(Engine(mlx_backend()))),
@@ -157,7 +174,8 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
         ]
     if args.quick:
         keep = {"engine-plain", "engine-ngram-chain", "engine-ngram-tree", "hf-prompt-lookup",
-                "engine-int8-chain", "engine-int8-tree"}
+                "engine-int8-chain", "engine-int8-tree", "engine-eagle-chain",
+                "engine-eagle-tree"}
         configs = [c for c in configs if c[0] in keep or (c[1] == "mlx" and not args.no_mlx)]
     return configs
 

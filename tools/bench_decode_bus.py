@@ -1,22 +1,23 @@
 """`specbus bench decode` (without `--local`): decoding over the bus (protocol 2), one run.
 
-A local cluster of real processes, this 2-core box played as two machines: verifiers pinned
-to core 0 with one torch thread, proposers pinned to core 1. One verifier (`v-ngram`, with an
-in-process ngram drafter used only for the `inproc-ngram` row) serves every bus row; an
-`ngram` and an `int8` proposer that draft ahead and stream chunks, at +0 ms and then through a
+A local cluster of real processes, this 2-core box played as two machines: verifiers pinned to
+core 0 with one torch thread, proposers pinned to core 1. One verifier (`v-ngram`, with an
+in-process ngram drafter used only for the `inproc-ngram` row) serves every bus row; an `ngram`
+and an `int8` proposer that draft ahead and stream chunks, at +0 ms and then through a
 userspace delay proxy adding 5, 20 and 50 ms of round trip (this kernel has no netem: see
 `tools/delay_proxy.py`; each such proposer advertises the proxy's address with `--advertise`).
-One delay at a time (a phase): its proposers are started, every row of that delay runs with
-its own plain baseline, and they are stopped; idle nodes crowding core 1 slowed its drafter.
-Rows: plain (run first and again last for each prompt: the baseline is the mean of the two,
-and `bus-plain-again` against it shows how much the machine drifted); ngram; int8 (its chain
-plus its runners-up, a token tree per chunk); ngram + int8 together (merged into one token
-tree per forward) at each delay; the int8 proposer sending chains only (`--tree-width 1`) at
-+0 and +50 ms; HF greedy and HF prompt lookup on the same prompts and token counts, run in this
-process (its thread pinned to core 0, one torch thread) right after each prompt's bus rows;
-the proxies' threads are pinned to core 1 with the proposers.
-Every bus configuration runs on the same prompts through the same verifier process,
-interleaved prompt by prompt (in an order rotated per prompt); speedups are over that
+One delay at a time (a phase): its proposers are started, every row of that delay runs with its
+own plain baseline, and they are stopped; idle nodes crowding core 1 slowed its drafter. Rows:
+plain (run first and again last for each prompt: the baseline is the mean of the two, and
+`bus-plain-again` against it shows how much the machine drifted); ngram; int8 (its chain plus
+its runners-up, a token tree per chunk); ngram + int8 together (merged into one token tree per
+forward) at each delay; the int8 proposer sending chains only (`--tree-width 1`) at +0 and +50
+ms; the shipped EAGLE-3 head (`--drafter eagle`, int8 weights on its CPU), fed the verifier's
+hidden states with every commit (the F3 data plane), at each delay; HF greedy and HF prompt
+lookup on the same prompts and token counts, run in this process (its thread pinned to core 0,
+one torch thread) right after each prompt's bus rows; the proxies' threads are pinned to core 1
+with the proposers. Every bus configuration runs on the same prompts through the same verifier
+process, interleaved prompt by prompt (in an order rotated per prompt); speedups are over that
 verifier's own plain decoding of the same prompt on its core (hf-* rows: over hf-plain).
 
 Protocol 1's request/reply drafting is gone from the nodes, so it has no row here (its figures
@@ -78,7 +79,7 @@ def _start_proposers(c, stack: contextlib.ExitStack, d: int) -> dict[str, object
     from tools.local_cluster import ClusterStartError, free_port_pair
 
     out: dict[str, object] = {}
-    for drafter in ("ngram", "int8", "int8-chain"):
+    for drafter in ("ngram", "int8", "int8-chain", "eagle"):
         if drafter == "int8-chain" and d not in CHAIN_DELAYS_MS:
             continue
         flags = ("--drafter", "int8", "--tree-width", "1") if drafter == "int8-chain" else (
@@ -127,6 +128,8 @@ def _run_phase(args, c, verifier_node, d: int, prompts: list[tuple[str, str]], n
         if "int8-chain" in props:  # the same int8 drafter sending chains only
             configs.append((f"bus-int8-chain{tag}",
                             dict(proposers=[props["int8-chain"].node_id])))
+        # the shipped EAGLE-3 head, fed the verifier's hidden states with every commit
+        configs.append((f"bus-eagle{tag}", dict(proposers=[props["eagle"].node_id])))
         # warm-up: learn costs, open connections
         for _, over in configs:
             cc.generate(GenerateRequest(prompts[0][1][:200], max_tokens=8, **over), verifier)
