@@ -87,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest context served: a verifier's prompt + max tokens, a "
                              "proposer's draft session (default: the model's context; 8192 "
                              "for ngram)")
+    parser.add_argument("--max-batch", type=int, default=1, metavar="N",
+                        help="verifier: generations stepped together, one forward per step "
+                             "(default 1: one at a time; docs/engine.md, Batching)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="verifier: run a batch one sequence at a time, so every output "
+                             "is bit for bit its solo output (costs the batching gain)")
     parser.add_argument("--session-lease", type=positive_float, default=30.0,
                         help="seconds a proposer keeps a verifier's idle draft session "
                              "(a verifier sets it on the sessions it opens; default 30)")
@@ -320,6 +326,7 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
                     lease_s=args.session_lease,
                     threads=args.threads,
                     max_context=args.max_context,
+                    max_batch=args.max_batch, batch_invariant=args.batch_invariant,
                     share="off" if args.no_share else "prompts" if args.share_prompts
                     else "output", served_name=args.served_name or "")
     roles = assemble(spec)

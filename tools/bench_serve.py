@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated concurrency levels (default 1,4,16)")
     parser.add_argument("--requests", type=int, default=8,
                         help="requests per level, at least the concurrency (default 8)")
+    parser.add_argument("--max-batch", default="1",
+                        help="comma-separated verifier --max-batch values, one cluster each "
+                             "(default 1: one generation at a time)")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 1 verifier, concurrency 1 and 4, 4 requests of 8 "
@@ -100,16 +103,25 @@ def _level(fn, conc: int, requests: int, gateway_pid: int) -> dict:
 
     gw = psutil.Process(gateway_pid)
     cpu0 = sum(gw.cpu_times()[:2])
+
+    def timed(i: int) -> tuple[float | None, int, float]:
+        start = time.perf_counter()
+        ttft, n = fn(i)
+        return ttft, n, time.perf_counter() - start
+
     t0 = time.perf_counter()
     with ThreadPoolExecutor(conc) as pool:
-        out = list(pool.map(fn, range(requests)))
+        out = list(pool.map(timed, range(requests)))
     wall = time.perf_counter() - t0
     gateway_cpu = sum(gw.cpu_times()[:2]) - cpu0
-    ttfts = [t * 1000 for t, n in out if t is not None and n > 0]
+    ttfts = [t * 1000 for t, n, _ in out if t is not None and n > 0]
+    per_request = [n / el for t, n, el in out if t is not None and n > 0 and el > 0]
     return {"ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
             "ttft_p99_ms": round(_pct(ttfts, 0.99), 1) if ttfts else None,
-            "tok_s": round(sum(n for _, n in out) / wall, 2), "requests": requests,
-            "failed": requests - len(ttfts), "tokens": [n for _, n in out],
+            "tok_s": round(sum(n for _, n, _ in out) / wall, 2), "requests": requests,
+            "request_tok_s_p50": round(statistics.median(per_request), 2) if per_request
+            else None,
+            "failed": requests - len(ttfts), "tokens": [n for _, n, _ in out],
             "gateway_cpu_s": round(gateway_cpu, 3)}
 
 
@@ -119,11 +131,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         counts = [int(x) for x in args.verifiers.split(",") if x.strip()]
         levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+        batches = [int(x) for x in args.max_batch.split(",") if x.strip()]
     except ValueError:
-        print("specbus bench serve: --verifiers and --concurrency take integers",
+        print("specbus bench serve: --verifiers, --concurrency and --max-batch take integers",
               file=sys.stderr)
         return 2
-    if (not counts or not levels or min(counts + levels) < 1 or max(counts) > 8
+    if (not counts or not levels or not batches or min(counts + levels + batches) < 1
+            or max(counts) > 8
             or max(levels) > 64 or not 1 <= args.max_tokens <= 512 or args.requests < 1):
         print("specbus bench serve: verifiers 1..8, concurrency 1..64, max tokens 1..512, "
               "requests >= 1", file=sys.stderr)
@@ -131,20 +145,23 @@ def run(args: argparse.Namespace) -> int:
     cores = sorted(os.sched_getaffinity(0))
     rows = []
     for n in counts:
-        rows += _bench_cluster(n, levels, args, cores)
+        for batch in batches:
+            rows += _bench_cluster(n, levels, args, cores, batch)
     summary = _summary(rows)
     print(render(rows, summary, cores))
     if args.json is not None:
         args.json.write_text(json.dumps({"cores": len(cores), "args": {
             "verifiers": counts, "concurrency": levels, "requests": args.requests,
-            "max_tokens": args.max_tokens}, "rows": rows, "summary": summary}, indent=2) + "\n")
+            "max_tokens": args.max_tokens, "max_batch": batches}, "rows": rows,
+            "summary": summary}, indent=2) + "\n")
     return 0
 
 
 def _bench_cluster(n: int, levels: list[int], args: argparse.Namespace,
-                   cores: list[int]) -> list[dict]:
-    """One cluster of `n` verifiers (verifier k pinned to core k, 1 torch thread each) and a
-    gateway on the last core; every level through the bus client, then through the gateway."""
+                   cores: list[int], max_batch: int = 1) -> list[dict]:
+    """One cluster of `n` verifiers (verifier k pinned to core k, 1 torch thread each,
+    stepping up to `max_batch` generations together) and a gateway on the last core; every
+    level through the bus client, then through the gateway."""
     from nodes.cluster_client import ClusterClient
     from tools.local_cluster import LocalCluster
 
@@ -154,7 +171,8 @@ def _bench_cluster(n: int, levels: list[int], args: argparse.Namespace,
         print(f"starting {n} verifier(s) and a gateway (logs: {log_dir})", file=sys.stderr)
         for k in range(n):
             c.start_node(f"v{k + 1}", "--role", "verifier", "--threads", "1",
-                         "--cpus", str(cores[k % len(cores)]), seed=bool(k))
+                         "--cpus", str(cores[k % len(cores)]), "--max-batch", str(max_batch),
+                         seed=bool(k))
         max_inflight = str(max(levels))  # the gateway must not answer 429 at the top level
         gw = c.start_node("gw", "--role", "gateway", "--http", "127.0.0.1:0", "--cpus",
                           str(cores[-1]), "--gateway-max-inflight", max_inflight, seed=True)
@@ -173,9 +191,9 @@ def _bench_cluster(n: int, levels: list[int], args: argparse.Namespace,
                         ("bus", lambda i: _via_bus(cc, verifiers, i, args.max_tokens)),
                         ("gateway", lambda i: _via_http(url, i, args.max_tokens))):
                     row = {"path": path, "concurrency": conc, "verifiers": n,
-                           **_level(fn, conc, requests, gw.proc.pid)}
+                           "max_batch": max_batch, **_level(fn, conc, requests, gw.proc.pid)}
                     rows.append(row)
-                    print(f"{path:8} c={conc:<3} verifiers={n} ttft p50 "
+                    print(f"{path:8} c={conc:<3} verifiers={n} batch={max_batch} ttft p50 "
                           f"{_ms(row['ttft_p50_ms'])} ms  p99 {_ms(row['ttft_p99_ms'])} ms  "
                           f"{row['tok_s']:6.2f} tok/s  failed {row['failed']}", file=sys.stderr,
                           flush=True)
@@ -200,9 +218,9 @@ def _ms(v: float | None) -> str:
     return f"{v:7.1f}" if v is not None else "      -"
 
 
-def _row(rows: list[dict], path: str, conc: int, n: int) -> dict | None:
-    return next((r for r in rows if (r["path"], r["concurrency"], r["verifiers"])
-                 == (path, conc, n)), None)
+def _row(rows: list[dict], path: str, conc: int, n: int, batch: int = 1) -> dict | None:
+    return next((r for r in rows if (r["path"], r["concurrency"], r["verifiers"],
+                                     r.get("max_batch", 1)) == (path, conc, n, batch)), None)
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -216,25 +234,34 @@ def _summary(rows: list[dict]) -> dict:
         one, two = _row(rows, path, 4, 1), _row(rows, path, 4, 2)
         if one and two and one["tok_s"]:
             out[f"scaling_2v_c4_{path}"] = round(two["tok_s"] / one["tok_s"], 2)
+        top = max((r.get("max_batch", 1) for r in rows), default=1)
+        one, many = _row(rows, path, 8, 1), _row(rows, path, 8, 1, top)
+        if top > 1 and one and many and one["tok_s"]:  # issue 24: batched plain vs one at a time
+            out[f"batched_c8_{path}"] = round(many["tok_s"] / one["tok_s"], 2)
     return out
 
 
 TARGETS = {"gateway_ttft_p50_added_ms": ("<= 5 ms", lambda v: v <= 5),
            "gateway_tok_s_change_pct": (">= -2 %", lambda v: v >= -2),
            "scaling_2v_c4_bus": (">= 1.8x", lambda v: v >= 1.8),
-           "scaling_2v_c4_gateway": (">= 1.8x", lambda v: v >= 1.8)}
+           "scaling_2v_c4_gateway": (">= 1.8x", lambda v: v >= 1.8),
+           "batched_c8_bus": (">= 2.5x", lambda v: v >= 2.5),
+           "batched_c8_gateway": (">= 2.5x", lambda v: v >= 2.5)}
 
 
 def render(rows: list[dict], summary: dict, cores: list[int]) -> str:
-    head = (f"{'verifiers':>9} {'path':8} {'conc':>4} {'reqs':>4} {'ttft p50 ms':>11} "
-            f"{'ttft p99 ms':>11} {'tok/s':>7} {'failed':>6} {'gw cpu s':>8}")
+    head = (f"{'verifiers':>9} {'batch':>5} {'path':8} {'conc':>4} {'reqs':>4} "
+            f"{'ttft p50 ms':>11} "
+            f"{'ttft p99 ms':>11} {'tok/s':>7} {'req tok/s':>9} {'failed':>6} {'gw cpu s':>8}")
     lines = ["", "specbus bench serve: time to first token and aggregate tok/s", head,
              "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['verifiers']:>9} {r['path']:8} {r['concurrency']:>4} "
+        lines.append(f"{r['verifiers']:>9} {r.get('max_batch', 1):>5} {r['path']:8} "
+                     f"{r['concurrency']:>4} "
                      f"{r['requests']:>4} {_ms(r['ttft_p50_ms']):>11} {_ms(r['ttft_p99_ms']):>11}"
-                     f" {r['tok_s']:>7.2f} {r['failed']:>6} {r['gateway_cpu_s']:>8.2f}")
-    lines += ["", "targets (issue 10):"]
+                     f" {r['tok_s']:>7.2f} {r.get('request_tok_s_p50') or 0:>9.2f}"
+                     f" {r['failed']:>6} {r['gateway_cpu_s']:>8.2f}")
+    lines += ["", "targets (issues 10, 24):"]
     for key, (want, ok) in TARGETS.items():
         if key in summary:
             lines.append(f"  {key:28} {summary[key]:>7}   target {want:9} "

@@ -39,6 +39,11 @@ class RoleSpec:
     share: str = "output"
     #: the model's name on the card (`/v1/models`, `members`); "": derived from `model`
     served_name: str = ""
+    #: generations a verifier steps together (one forward per step; 1: one at a time)
+    max_batch: int = 1
+    #: a torch verifier runs its batches one sequence at a time: each sequence's logits bit
+    #: for bit its solo ones (docs/engine.md, "Batching"), at the cost of the batching gain
+    batch_invariant: bool = False
 
 
 @dataclass
@@ -75,6 +80,7 @@ class Roles:
             out["verifier"] = {
                 "generations": v.stats.generations, "tokens": v.stats.tokens,
                 "tok_s": round(v.stats.last_tok_s, 3), "active": v.active, "queued": v.queued,
+                "max_batch": v.max_batch, "steps": v.stats.steps, "stepped": v.stats.stepped,
                 "acceptance": round(v.stats.last_acceptance, 4),
                 **v.admission.snapshot(),  # rejected_busy, orphans_dropped (I/O thread)
                 "proposers": dict(v.proposer_snapshot),
@@ -98,6 +104,8 @@ def assemble(spec: RoleSpec) -> Roles:
     roles = Roles()
     if spec.threads < 0:
         raise BadRequestError(f"--threads must be >= 0, got {spec.threads}")
+    if spec.max_batch < 1:
+        raise BadRequestError(f"--max-batch must be >= 1, got {spec.max_batch}")
     if spec.max_context < 0:
         raise BadRequestError(f"--max-context must be >= 0, got {spec.max_context}")
     # an eagle head is shaped by its verifier's model (embedding, widths): a proposer serving
@@ -138,8 +146,10 @@ def assemble(spec: RoleSpec) -> Roles:
         engine = Engine(backend, local, max_draft=spec.max_draft)
         roles.card["tok_s"] = round(_measure_plain(engine), 2)
         # protocol 2: drafts stream in ahead and are never waited for (but with draft='force')
+        if spec.batch_invariant:
+            backend.batch_invariant = True  # the base Backend runs one at a time anyway
         roles.verifier = VerifierRole(engine, lease_s=spec.lease_s,
-                                      max_context=spec.max_context)
+                                      max_context=spec.max_context, max_batch=spec.max_batch)
         if spec.share != "off":
             from nodes.roles.suffix_share import Publisher
 

@@ -1,11 +1,15 @@
 """The verifier role: serve `generate_req` by speculative decoding with proposers on the bus.
 
-Requests queue (bounded) for one compute thread that owns the model: a generation runs the
-engine block by block, streaming each committed block back as a `token_chunk` and ending with
-`done` (text, token ids, figures, per-proposer stats). Drafts come from the cluster's compatible
-proposers (alive, same tokenizer fingerprint or tokenizer-agnostic), one `ProposerSource` each:
-they stream drafts ahead and are pushed every commit, and the engine merges their chains into
-one tree per forward; with none, from the node's own drafter if it has one, else plain decoding.
+Requests queue (bounded) for one compute thread that owns the model. It runs up to
+`max_batch` generations together: between steps queued requests join the batch and finished or
+cancelled ones leave it, and each step is one `Engine.step_batch` (one verifier forward for all
+of them, each with its own tree, sources and stop rules). Each generation streams each
+committed block back as a `token_chunk` and ends with `done` (text, token ids, figures,
+per-proposer stats). `max_batch=1` serves one generation at a time, as before batching.
+Drafts come from the cluster's compatible proposers (alive, same tokenizer fingerprint or
+tokenizer-agnostic), one `ProposerSource` each per generation: they stream drafts ahead and are
+pushed every commit, and the engine merges their chains into one tree per forward; with none,
+from the node's own drafter if it has one, else plain decoding.
 
 Each request is parsed into `codec.structs.GenerateReq` and checked against this node
 (`nodes/roles/requests.py`) on the I/O thread, so bad or over-long input is refused before it
@@ -33,7 +37,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import numpy as np
@@ -44,7 +48,7 @@ from codec.errors import CodecError
 from codec.structs import Done, GenerateReq, TokenChunk
 from discovery.counters import Counters
 from nodes.backends.base import Backend
-from nodes.engine.core import Engine, Stats
+from nodes.engine.core import Block, Engine, SequenceState, Stats
 from nodes.engine.errors import BUSY, GenerationError, NoProposerError, error_code
 from nodes.roles import requests
 from nodes.roles.admission import AdmissionLimits, PeerSlots
@@ -67,9 +71,30 @@ class VerifierStats:
 
     generations: int = 0
     tokens: int = 0
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # summed per generation (overlapping ones in a batch each count)
     last_tok_s: float = 0.0
     last_acceptance: float = 0.0
+    steps: int = 0  # batched engine steps (each one forward per engine in the batch)
+    stepped: int = 0  # sequences those steps carried (stepped / steps: mean batch size)
+
+
+@dataclass
+class _Job:
+    """One running generation of the batch: its request, engine sequence and what it has
+    streamed so far (compute thread only)."""
+
+    req: Request
+    parsed: GenerateReq
+    prompt_ids: list[int]
+    engine: Engine
+    seq: SequenceState
+    sources: list
+    remote: list[ProposerSource]
+    stats: Stats
+    t0: float
+    generated: list[int] = field(default_factory=list)
+    sent_text: str = ""
+    blocks: int = 0
 
 
 #: counted on the I/O thread: refused for a full queue or connection, dropped for a gone client
@@ -77,12 +102,18 @@ ADMISSION_COUNTERS = ("rejected_busy", "orphans_dropped")
 
 
 class VerifierRole:
-    """Owns the engine (model + caches) on one compute thread; one generation at a time."""
+    """Owns the engine (model + caches) on one compute thread; up to `max_batch` generations
+    step together."""
 
     def __init__(self, engine: Engine, max_queue: int = 16,
                  policy: DraftPolicy | None = None, lease_s: float = 30.0,
-                 max_context: int = 0, admission: AdmissionLimits | None = None) -> None:
+                 max_context: int = 0, admission: AdmissionLimits | None = None,
+                 max_batch: int = 1) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.engine = engine
+        self.max_batch = max_batch
+        self._jobs: list[_Job] = []  # the running batch (compute thread only)
         self.policy = policy or DraftPolicy()
         self.lease_s = lease_s
         #: longest prompt + max_tokens served (0: the model's own context)
@@ -199,6 +230,13 @@ class VerifierRole:
                     return _IDLE
             return None if self._closing else self._waiting.popleft()
 
+    def _next_nowait(self):
+        """A queued request if there is one (None otherwise, or when closing)."""
+        with self._cv:
+            if self._closing or not self._waiting:
+                return None
+            return self._waiting.popleft()
+
     def _prune_links(self, workers=None) -> None:
         """Compute thread: close the links of proposers that are no longer workers."""
         if self._node is None or self._node.membership is None or not self.links:
@@ -213,49 +251,82 @@ class VerifierRole:
             self._publish()
 
     def _run(self) -> None:
+        """Admit requests into the batch between steps (block only while it is empty), then
+        step it; on close, drop what runs and close the links (their sockets are ours)."""
         while True:
-            item = self._next()
-            if item is _IDLE:
-                self._prune_links()
-                continue
-            if item is None:
+            if not self._jobs:
+                item = self._next()
+                if item is _IDLE:
+                    self._prune_links()
+                    continue
+                if item is not None:
+                    self._admit(item)
+            while len(self._jobs) < self.max_batch:
+                item = self._next_nowait()
+                if item is None:
+                    break
+                self._admit(item)
+            if self._closing:
+                for job in list(self._jobs):
+                    self._end(job)
                 for link in self.links.values():
-                    link.close()  # the links' sockets belong to this thread
+                    link.close()
                 return
-            req, parsed = item
-            if req.cancelled.is_set():
-                self.slots.release(req.peer)
-                continue
-            self.active = 1
-            try:
-                self._generate(req, parsed)
-            except (GenerationError, CodecError) as exc:
-                if not req.finished:
-                    req.fail(error_code(exc), str(exc)[:300])
-            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the node
-                log.exception("generation failed")
-                if not req.finished:
-                    req.fail("internal", f"{type(exc).__name__}: {exc}"[:300])
-            finally:
-                self.slots.release(req.peer)
-                self.active = 0
-                self._publish()
+            if self._jobs:
+                self._step()
 
-    def _prompt_ids(self, parsed: GenerateReq) -> list[int]:
-        """Render the prompt to token ids and check it fits, before any model work."""
-        tok = self.engine.backend.tokenizer
-        if parsed.tokens is not None:
-            return parsed.tokens.tolist()
-        if parsed.messages is not None:
-            ids, field = tok.encode_messages([m.as_dict() for m in parsed.messages]), "messages"
+    def _admit(self, item) -> None:
+        """Start a queued request's generation (its sources opened, its prompt checked), or
+        answer it with the error that stops it."""
+        req, parsed = item
+        if req.cancelled.is_set():
+            self.slots.release(req.peer)
+            return
+        try:
+            self._jobs.append(self._begin(req, parsed))
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the node
+            self._fail(req, exc)
+            self.slots.release(req.peer)
+            self._publish()
+        self.active = len(self._jobs)
+
+    def _fail(self, req: Request, exc: Exception) -> None:
+        """Answer `req` with the error that ended its generation (typed, or `internal`)."""
+        if isinstance(exc, (GenerationError, CodecError)):
+            code, text = error_code(exc), str(exc)
         else:
-            ids, field = tok.encode(parsed.prompt, chat=parsed.chat), "prompt"
-        requests.check_prompt_ids(field, ids, parsed, self.engine.backend.vocab_size,
-                                  self.max_context)
-        return ids
+            log.error("generation failed", exc_info=exc)
+            code, text = "internal", f"{type(exc).__name__}: {exc}"
+        if not req.finished:
+            req.fail(code, text[:300])
 
-    def _generate(self, req: Request, parsed: GenerateReq) -> None:
-        tok = self.engine.backend.tokenizer
+    def _step(self) -> None:
+        """One engine step of every running generation (one forward per engine: the forced-
+        draft engine's sequences go in their own), then stream each one's block."""
+        for job in [j for j in self._jobs if j.req.cancelled.is_set()]:
+            self._end(job)
+        groups: dict[int, list[_Job]] = {}
+        for job in self._jobs:
+            groups.setdefault(id(job.engine), []).append(job)
+        for jobs in groups.values():
+            try:
+                blocks = jobs[0].engine.step_batch([j.seq for j in jobs])
+            except Exception as exc:  # noqa: BLE001 - the batch's caches are now unknown
+                for job in jobs:
+                    self._fail(job.req, exc)
+                    self._end(job)
+                continue
+            self.stats.steps += 1
+            self.stats.stepped += len(jobs)
+            for job, block in zip(jobs, blocks, strict=True):
+                try:
+                    self._deliver(job, block)
+                except Exception as exc:  # noqa: BLE001 - as above, for this request alone
+                    self._fail(job.req, exc)
+                    self._end(job)
+
+    def _begin(self, req: Request, parsed: GenerateReq) -> _Job:
+        """A request's generation, ready for its first (prefill) step."""
         params = requests.generation_params(parsed).seeded()  # its sources see the seed
         prompt_ids = self._prompt_ids(parsed)
         engine = self._engine_for(parsed)
@@ -263,46 +334,62 @@ class VerifierRole:
         sources = remote if remote or not parsed.speculate else self._local_sources(
             engine, prompt_ids, params.sampling)
         stats = Stats()
-        t0 = time.perf_counter()
-        generated: list[int] = []
-        sent_text = ""
-        finish = "cancelled"
-        final_text = None
         try:
-            for index, block in enumerate(
-                engine.stream(prompt_ids, params, stats=stats, sources=sources)
-            ):
-                if req.cancelled.is_set():
-                    break
-                generated.extend(block.token_ids)
-                text = block.text if block.text is not None else tok.decode(generated)
-                piece = text[len(sent_text):] if text.startswith(sent_text) else ""
-                if piece.endswith("\ufffd") and block.finish_reason is None:
-                    piece = ""  # half of a multi-byte character: wait for the rest
-                else:
-                    sent_text = text
-                req.reply(_token_chunk(index, block, piece), more=True)
-                if remote:
-                    self._publish()
-                if block.finish_reason is not None:
-                    finish, final_text = block.finish_reason, text
-        finally:
+            seq = engine.start(prompt_ids, params, stats=stats, sources=sources)
+        except Exception:
             for source in sources:
                 source.close()
-        elapsed = time.perf_counter() - t0
-        if req.cancelled.is_set():
+            raise
+        return _Job(req, parsed, prompt_ids, engine, seq, sources, remote, stats,
+                    time.perf_counter())
+
+    def _deliver(self, job: _Job, block: Block) -> None:
+        """Stream a committed block; after the last one, answer `done` and end the job."""
+        if job.req.cancelled.is_set():
+            self._end(job)
             return
+        job.generated.extend(block.token_ids)
+        tok = self.engine.backend.tokenizer
+        text = block.text if block.text is not None else tok.decode(job.generated)
+        piece = text[len(job.sent_text):] if text.startswith(job.sent_text) else ""
+        if piece.endswith("\ufffd") and block.finish_reason is None:
+            piece = ""  # half of a multi-byte character: wait for the rest
+        else:
+            job.sent_text = text
+        job.req.reply(_token_chunk(job.blocks, block, piece), more=True)
+        job.blocks += 1
+        if job.remote:
+            self._publish()
+        if block.finish_reason is not None:
+            self._end(job)
+            self._done(job, block.finish_reason, text)
+
+    def _end(self, job: _Job) -> None:
+        """Take a job out of the batch: close its sources and sequence, free its slot."""
+        if job not in self._jobs:
+            return
+        self._jobs.remove(job)
+        self.active = len(self._jobs)
+        job.seq.close()
+        for source in job.sources:
+            source.close()
+        self.slots.release(job.req.peer)
+        self._publish()
+
+    def _done(self, job: _Job, finish: str, text: str) -> None:
+        """The finished generation's `done` reply, its accounting and its publication."""
+        tok, stats, generated = self.engine.backend.tokenizer, job.stats, job.generated
+        elapsed = time.perf_counter() - job.t0
         self._account(generated, elapsed, stats)
         if self.on_finished is not None:  # e.g. the shared suffix index (suffix_share.py)
             try:
-                self.on_finished(prompt_ids, generated)
+                self.on_finished(job.prompt_ids, generated)
             except Exception:  # noqa: BLE001 - sharing must never fail a generation
                 log.exception("publishing a finished generation failed")
-        text = final_text if final_text is not None else tok.decode(generated)
-        req.reply(Done(finish, text, {
+        job.req.reply(Done(finish, text, {
             "token_ids": generated,
             "tokens": tok.token_strings(generated),
-            "prompt_tokens": len(prompt_ids),
+            "prompt_tokens": len(job.prompt_ids),
             "elapsed_s": round(elapsed, 4),
             "tok_per_s": round(len(generated) / elapsed, 3) if elapsed > 0 else 0.0,
             "acceptance": round(stats.acceptance, 4),
@@ -317,8 +404,21 @@ class VerifierRole:
             "model": self.engine.backend.model_name,
             "backend": self.engine.backend.name,
             "verifier": self._node.node_id if self._node else "",
-            "proposers": {source.link.node_id: source.stats() for source in remote},
+            "proposers": {source.link.node_id: source.stats() for source in job.remote},
         }).to_message())
+
+    def _prompt_ids(self, parsed: GenerateReq) -> list[int]:
+        """Render the prompt to token ids and check it fits, before any model work."""
+        tok = self.engine.backend.tokenizer
+        if parsed.tokens is not None:
+            return parsed.tokens.tolist()
+        if parsed.messages is not None:
+            ids, field = tok.encode_messages([m.as_dict() for m in parsed.messages]), "messages"
+        else:
+            ids, field = tok.encode(parsed.prompt, chat=parsed.chat), "prompt"
+        requests.check_prompt_ids(field, ids, parsed, self.engine.backend.vocab_size,
+                                  self.max_context)
+        return ids
 
     def _engine_for(self, parsed: GenerateReq) -> Engine:
         """Forced drafting asks every block for a full-length draft: an engine with a fixed k

@@ -1,0 +1,108 @@
+"""A batching verifier (`--max-batch 8`) in a real process with the real SmolLM2: requests
+that run together each give exactly their solo output, and one cancelled mid-batch changes no
+other.
+
+The verifier runs `--batch-invariant`: which requests share a step depends on when they
+arrive, and batched CPU matmuls differ from solo ones in the last bits (docs/engine.md,
+"Batching"), so only the invariant mode makes the verdict independent of timing. The batched
+forward itself is checked with deterministic batch compositions in
+tests/engine/test_engine_batch.py. Its own ngram drafter serves the requests that speculate,
+so plain and speculative sequences share the batch.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from nodes.cluster_client import ClusterClient, ClusterError, GenerateRequest
+from tools.local_cluster import LocalCluster
+from tools.prompts import PROMPTS
+
+pytestmark = pytest.mark.slow
+
+#: (prompt, max_tokens, speculate): mixed prompt lengths, lengths and drafting
+REQUESTS = [
+    *((text, 24 + 4 * i, i % 2 == 0) for i, (_, text) in enumerate(PROMPTS)),
+    ("Hi", 16, True),
+    ("Name three rivers in Europe.", 40, False),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(log_dir=tmp_path_factory.mktemp("logs"), mdns=False)
+    try:
+        c.start_node("v", "--role", "verifier", "--threads", "1", "--drafter", "ngram",
+                     "--max-batch", "8", "--batch-invariant")
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    cc = ClusterClient(cluster.cluster, peers=(cluster.nodes[0].stream,), mdns=False)
+    with cc:
+        cc.verifiers(60)
+        yield cc
+
+
+def _request(i: int) -> GenerateRequest:
+    text, n, speculate = REQUESTS[i]
+    return GenerateRequest(text, max_tokens=n, speculate=speculate)
+
+
+@pytest.fixture(scope="module")
+def solo(client):
+    """Each request alone (one after another: a batch of one each)."""
+    return [client.generate(_request(i)).stats["token_ids"] for i in range(len(REQUESTS))]
+
+
+def _together(client, which, cancel=None):
+    """Stream the requests `which` at once, each in its own thread; the one numbered `cancel`
+    is closed after its second chunk. Returns {i: token ids, or the exception}."""
+    v = client.verifiers()[0]
+    out: dict[int, object] = {}
+    go = threading.Barrier(len(which))
+
+    def run(i):
+        ids: list[int] = []
+        try:
+            go.wait(60)
+            stream = client.stream(_request(i), v)
+            for msg in stream:
+                if msg.type == "token_chunk":
+                    ids += msg.tensors[0].tolist()
+                    if i == cancel and len(ids) >= 2:
+                        stream.close()  # cancels the verifier's work
+                        break
+            out[i] = ids
+        except (ClusterError, threading.BrokenBarrierError) as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in which]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return out
+
+
+def test_eight_concurrent_requests_each_equal_their_solo_output(client, solo):
+    out = _together(client, range(len(REQUESTS)))
+    for i, ref in enumerate(solo):
+        assert out[i] == ref, f"request {i}: {REQUESTS[i][1:]}"
+
+
+def test_a_request_cancelled_mid_batch_changes_no_other(client, solo):
+    which = [0, 1, 2, 3, 7]
+    out = _together(client, which, cancel=2)
+    for i in which:
+        if i == 2:
+            assert out[i] == solo[i][: len(out[i])] and len(out[i]) < len(solo[i])
+        else:
+            assert out[i] == solo[i], f"request {i}"
+    # the verifier is free again: the cancelled slot was released, the next request is served
+    assert client.generate(_request(6)).stats["token_ids"] == solo[6]
