@@ -1,8 +1,9 @@
 """`specbus train-drafter`: train an EAGLE-3 head for a verifier, offline.
 
-Data is made from the verifier itself (its answers to built-in prompts, and its
-continuations of any `--text` files), teacher-forced through it once to capture the three
-hidden states and its next-token distributions (nodes/drafters/eagle/data.py); the head is
+Data is made from the verifier itself (nodes/drafters/eagle/data.py): its answers to built-in
+prompts, whose generating forwards also keep the three hidden states and its next-token
+distributions (no second pass), and any `--text` files, teacher-forced through it once; the
+head is
 trained with EAGLE-3's training-time test (nodes/drafters/eagle/train.py) and written in the
 published layout (config.json + fp16 model.safetensors) that `--drafter eagle:DIR` loads.
 Work files (the data, the optimizer state) live in DIR/.train, so an interrupted run resumes
@@ -174,52 +175,75 @@ def _make_data(args, backend, layers, D) -> dict:
         prompts = D.PROMPTS[: args.prompts] if args.prompts else D.PROMPTS
     temps = tuple(float(t) for t in args.temperatures.split(","))
     t0 = time.monotonic()
-    # responses are saved after every batch: an interrupted run goes on where it was
-    resp_file = Path(args.out) / ".train" / "responses.pt"
-    done = torch.load(resp_file)["tokens"] if resp_file.exists() and not args.fresh else []
-    if done:
-        _say(f"data: resuming after {len(done)} responses")
+    # each generation batch (tokens, hidden states, labels) is saved as it is made: an
+    # interrupted run goes on where it was
+    shards = Path(args.out) / ".train" / "responses"
+    done = None if args.fresh else _load_shards(shards, D)
+    if done is not None:
+        _say(f"data: resuming after {len(done.tokens)} responses")
 
-    def keep(seqs) -> None:
-        tmp = resp_file.with_suffix(".tmp")
-        torch.save({"tokens": seqs}, tmp)
-        os.replace(tmp, resp_file)
-        _say(f"data: {len(seqs)} responses, {sum(map(len, seqs))} tokens, "
+    def keep(seqs, start: int) -> None:
+        shards.mkdir(parents=True, exist_ok=True)
+        part = D.Sequences(seqs.tokens[start:], seqs.captured[start:])
+        tmp = shards / f"{start:07d}.tmp"
+        torch.save(part, tmp)
+        os.replace(tmp, shards / f"{start:07d}.pt")
+        _say(f"data: {len(seqs.tokens)} responses, {sum(map(len, seqs.tokens))} tokens, "
              f"{time.monotonic() - t0:.0f} s")
 
     deadline = t0 + args.gen_minutes * 60 if args.gen_minutes else None
     seqs = D.make_responses(backend, prompts, max_new=args.max_new, batch=args.gen_batch,
                             temperatures=temps, seed=args.seed, cycle=args.cycle_temperatures,
-                            done=done, deadline=deadline, on_batch=keep)
-    _say(f"data: {len(seqs.tokens)} responses in {time.monotonic() - t0:.0f} s")
+                            done=done, deadline=deadline, on_batch=keep, layers=layers)
+    _say(f"data: {len(seqs.tokens)} responses (hidden states and labels captured while "
+         f"generating) in {time.monotonic() - t0:.0f} s")
     # hold out whole prompts (all their responses), so held-out text is unseen in training
     n = len(prompts)
     every = max(2, args.hold_every)
     held_prompts = {i for i in range(n) if i % every == every - 1} or {n - 1}
     which = (lambda k: k) if args.cycle_temperatures else (lambda k: k % n)
     held_out = [which(k) in held_prompts for k in range(len(seqs.tokens))]
-    n_resp = len(seqs.tokens)
+    text = D.Sequences([])
     for path in args.text:
-        chunks = D.text_chunks(backend, Path(path).read_text())
-        seqs.tokens += chunks
-        held_out += [False] * len(chunks)  # held-out accuracy is measured on responses
+        text.tokens += D.text_chunks(backend, Path(path).read_text())
+    held_out += [False] * len(text.tokens)  # held-out accuracy is measured on responses
     if args.init:  # the starting head's draft vocabulary
         from nodes.drafters.eagle.checkpoint import VerifierShape, load_head
 
         start, _ = load_head(args.init, VerifierShape.of(backend))
         draft_ids = (start.d2t.cpu() + torch.arange(len(start.d2t))).long()
     else:
-        draft_ids = D.draft_vocab(seqs, args.draft_vocab, backend.vocab_size)
+        draft_ids = D.draft_vocab(D.Sequences(seqs.tokens + text.tokens), args.draft_vocab,
+                                  backend.vocab_size)
     skip = _shared_prefix(backend) if backend.tokenizer.has_chat_template else 0
-    examples = D.teacher_force(backend, D.Sequences(seqs.tokens[:n_resp]), layers, draft_ids,
-                               skip=skip)
-    examples += D.teacher_force(backend, D.Sequences(seqs.tokens[n_resp:]), layers, draft_ids)
+    examples = D.examples_from_captured(seqs, draft_ids, skip=skip)
+    examples += D.teacher_force(backend, text, layers, draft_ids)
     train = [e for e, h in zip(examples, held_out, strict=True) if not h]
     held = [e for e, h in zip(examples, held_out, strict=True) if h]
-    _say(f"data: teacher-forced {len(examples)} sequences in {time.monotonic() - t0:.0f} s "
-         f"(the first {skip} positions of each response, the chat template's shared system "
-         "prompt, read but not trained on)")
-    return {"train": train, "held": held, "draft_ids": draft_ids, "responses": n_resp}
+    _say(f"data: {len(examples)} sequences in {time.monotonic() - t0:.0f} s ({len(text.tokens)} "
+         f"text chunks teacher-forced; the first {skip} positions of each response, the chat "
+         "template's shared system prompt, read but not trained on)")
+    return {"train": train, "held": held, "draft_ids": draft_ids,
+            "responses": len(seqs.tokens)}
+
+
+def _load_shards(folder: Path, D):
+    """The generation batches a previous run saved, in order (None: none saved)."""
+    import torch
+
+    files = sorted(folder.glob("*.pt")) if folder.is_dir() else []
+    if not files:
+        return None
+    out = D.Sequences([], [])
+    for f in files:
+        if int(f.stem) != len(out.tokens):
+            raise ValueError(f"{folder}: batch file {f.name} does not follow the "
+                             f"{len(out.tokens)} responses before it; remove the folder or "
+                             "pass --fresh")
+        part = torch.load(f, weights_only=False)
+        out.tokens += part.tokens
+        out.captured += part.captured
+    return out
 
 
 def _shared_prefix(backend) -> int:

@@ -75,3 +75,29 @@ def test_init_starts_from_a_head_with_its_draft_vocabulary(tiny_folder, tmp_path
     a = torch.load(first / ".train" / "data.pt", weights_only=False)["draft_ids"]
     b = torch.load(second / ".train" / "data.pt", weights_only=False)["draft_ids"]
     assert torch.equal(a, b)
+
+
+def test_generation_resumes_after_the_batches_an_interrupted_run_saved(tiny_folder, tmp_path,
+                                                                       capsys):
+    """Every generation batch (tokens, hidden states, labels) is saved as it is made; a run
+    stopped after the first batch goes on after it and ends with the same data."""
+    out = tmp_path / "head"
+    common = ["train-drafter", "--model", str(tiny_folder), "--out", str(out), "--prompts", "4",
+              "--gen-batch", "2", "--max-new", "8", "--temperatures", "0", "--draft-vocab",
+              "256", "--batch", "2", "--ttt", "1", "--steps", "1"]
+    assert main(common) == 0
+    shards = sorted((out / ".train" / "responses").glob("*.pt"))
+    assert [f.name for f in shards] == ["0000000.pt", "0000002.pt"]
+    whole = torch.load(out / ".train" / "data.pt", weights_only=False)
+    (out / ".train" / "data.pt").unlink()  # as if stopped after the first batch
+    shards[1].unlink()
+    (out / ".train" / "state.pt").unlink()
+    capsys.readouterr()
+    assert main(common) == 0
+    assert "data: resuming after 2 responses" in capsys.readouterr().err
+    again = torch.load(out / ".train" / "data.pt", weights_only=False)
+    for part in ("train", "held"):
+        assert [e.tokens.tolist() for e in again[part]] == [e.tokens.tolist()
+                                                             for e in whole[part]]
+        for a, b in zip(again[part], whole[part], strict=True):
+            assert torch.equal(a.features, b.features) and torch.equal(a.top_ids, b.top_ids)

@@ -1,14 +1,17 @@
 """Training data for a head, made here from the verifier itself (nothing downloaded).
 
 1. Responses: the verifier answers a built-in list of varied prompts in batches, greedy and
-   sampled; prompt + response is one sequence. Local text, when given, is cut into chunks that
-   are sequences as they are (teacher forcing labels them with the verifier's distributions
-   whatever the text: generating is ~10x dearer per token than teacher forcing on a CPU).
-2. Draft vocabulary: the most frequent tokens of those sequences (what the verifier says).
-3. Teacher forcing: each sequence goes once through the verifier, which gives, from the same
-   pass, the three hidden states the head reads and the verifier's next-token distribution at
-   every position, kept as its top `TOPK` entries over the draft vocabulary (renormalised
-   there) and its full-vocabulary argmax (for top-1 accuracy).
+   sampled; prompt + response is one sequence. With `layers`, the generation forwards also
+   keep, at every position, the three hidden states the head reads and the verifier's
+   next-token distribution (its `CANDIDATES` likeliest tokens over the whole vocabulary and
+   its argmax): the labels come from the very pass that generates, so responses need no
+   second forward (on a CPU teacher forcing costs per token what batched generation does).
+2. Local text, when given, is cut into chunks that are sequences as they are, teacher-forced
+   (`teacher_force`): one verifier pass gives their hidden states and labels.
+3. Draft vocabulary: the most frequent tokens of those sequences (what the verifier says);
+   captured labels are then restricted to it (`examples_from_captured`), teacher-forced ones
+   are computed over it: the verifier's distribution renormalised on the draft vocabulary,
+   its top `TOPK` entries kept, and its full-vocabulary argmax (for top-1 accuracy).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import torch
 log = logging.getLogger(__name__)
 
 TOPK = 16  # soft-target entries kept per position
+#: full-vocabulary candidates kept per captured position (restricted to the draft vocabulary
+#: later, when it is known); the mass beyond them is negligible for a trained LM
+CANDIDATES = 64
 
 PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -92,10 +98,23 @@ PROMPTS = (
 
 
 @dataclass
+class Captured:
+    """What a generating forward saw at each position of one sequence but its last token
+    (whose row the loop never computes): the head's inputs and the verifier's labels over
+    the whole vocabulary."""
+
+    features: torch.Tensor  # fp16 [T-1, 3, H]
+    cand_ids: torch.Tensor  # int32 [T-1, CANDIDATES]: likeliest next tokens, best first
+    cand_p: torch.Tensor  # fp16 [T-1, CANDIDATES]: their probabilities
+    top1: torch.Tensor  # int64 [T-1]
+
+
+@dataclass
 class Sequences:
-    """Token sequences (prompt + response) before teacher forcing."""
+    """Token sequences (prompt + response); `captured[i]` when generated with `layers`."""
 
     tokens: list[list[int]]
+    captured: list[Captured] | None = None
 
 
 @dataclass
@@ -111,15 +130,16 @@ class Example:
 
 def make_responses(backend, prompts=PROMPTS, max_new: int = 128, batch: int = 8,
                    temperatures=(0.0, 0.8), seed: int = 0, cycle: bool = False,
-                   done: list[list[int]] | None = None, deadline: float | None = None,
-                   on_batch=None) -> Sequences:
+                   done: Sequences | None = None, deadline: float | None = None,
+                   on_batch=None, layers: tuple[int, ...] | None = None) -> Sequences:
     """The verifier's own answers to `prompts` (chat template), generated in left-padded
     batches. Default: every prompt once per temperature (sequence k answers prompt
     k % len(prompts)). `cycle`: every prompt once, batch b at temperature
     temperatures[b % len(temperatures)] (sequence k answers prompt k).
+    `layers`: capture those hidden states and the labels while generating (`Captured`).
     `done`: sequences already made (resume: generation goes on after them); `deadline`
-    (time.monotonic()): no new batch starts after it; `on_batch(seqs)` after every batch."""
-    torch.manual_seed(seed)
+    (time.monotonic()): no new batch starts after it; `on_batch(seqs, start)` after every
+    batch (`start`: where that batch begins in `seqs`)."""
     tok = backend.tokenizer
     inputs = [tok.encode(p, chat=tok.has_chat_template) for p in prompts]
     eos = sorted(tok.eos_token_ids)
@@ -128,49 +148,133 @@ def make_responses(backend, prompts=PROMPTS, max_new: int = 128, batch: int = 8,
         jobs = [(k, temperatures[(k // batch) % len(temperatures)]) for k in range(len(inputs))]
     else:
         jobs = [(k, t) for t in temperatures for k in range(len(inputs))]
-    out: list[list[int]] = list(done or [])
-    while len(out) < len(jobs):
+    out = Sequences(list(done.tokens) if done else [],
+                    None if layers is None else list(done.captured or []) if done else [])
+    while len(out.tokens) < len(jobs):
         if deadline is not None and time.monotonic() >= deadline:
-            log.info("responses: time is up after %d sequences", len(out))
+            log.info("responses: time is up after %d sequences", len(out.tokens))
             break
-        start = len(out)
+        start = len(out.tokens)
         temp = jobs[start][1]
         chunk = []
         for k, t in jobs[start : start + batch]:
             if t != temp:
                 break
             chunk.append(inputs[k])
-        torch.manual_seed(seed * 1_000_003 + start)
-        out += _generate(backend, chunk, max_new, temp, pad, eos)
-        log.info("responses: %d sequences (temperature %.1f)", len(out), temp)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + start)
+        seqs, caught = _generate(backend, chunk, max_new, temp, pad, eos, gen, layers)
+        out.tokens += seqs
+        if out.captured is not None:
+            out.captured += caught
+        log.info("responses: %d sequences (temperature %.1f)", len(out.tokens), temp)
         if on_batch is not None:
-            on_batch(out)
-    return Sequences(out)
+            on_batch(out, start)
+    return out
 
 
 @torch.inference_mode()
 def _generate(backend, chunk: list[list[int]], max_new: int, temp: float, pad: int,
-              eos: list[int]) -> list[list[int]]:
+              eos: list[int], gen: torch.Generator, layers: tuple[int, ...] | None
+              ) -> tuple[list[list[int]], list[Captured]]:
+    """One left-padded batch decoded step by step over one KV cache (greedy, or temperature
+    with nucleus 0.95); with `layers`, every forward's hidden states and labels are kept."""
+    from transformers import DynamicCache
+
+    model, dev = backend.model, backend.device
     width = max(len(c) for c in chunk)
     ids = torch.full((len(chunk), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, c in enumerate(chunk):
         ids[i, width - len(c) :] = torch.tensor(c)
         mask[i, width - len(c) :] = 1
-    kwargs = dict(do_sample=True, temperature=temp, top_p=0.95, top_k=0) if temp > 0 else dict(
-        do_sample=False, temperature=None, top_p=None, top_k=None)
-    gen = backend.model.generate(ids.to(backend.device), attention_mask=mask.to(backend.device),
-                                 max_new_tokens=max_new, eos_token_id=eos or None,
-                                 pad_token_id=pad, **kwargs)
-    seqs = []
+    ids, mask = ids.to(dev), mask.to(dev)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    steps: list[tuple] = []  # per forward: (features, cand ids, cand p, top1), [B, n, ...]
+    new = torch.empty((len(chunk), 0), dtype=torch.long, device=dev)
+    done = torch.zeros(len(chunk), dtype=torch.bool, device=dev)
+    stop = torch.tensor(eos or [-1], device=dev)
+    feed = ids
+    for _ in range(max_new):
+        out = model(input_ids=feed, attention_mask=mask, position_ids=positions,
+                    past_key_values=cache, use_cache=True,
+                    output_hidden_states=layers is not None,
+                    logits_to_keep=0 if layers is not None else 1)
+        if layers is not None:
+            steps.append(_labels(out, layers))
+        nxt = _pick(out.logits[:, -1].float(), temp, gen)
+        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        new = torch.cat([new, nxt[:, None]], dim=1)
+        done |= torch.isin(nxt, stop)
+        if bool(done.all()):
+            break
+        feed = nxt[:, None]
+        mask = torch.cat([mask, torch.ones_like(feed)], dim=1)
+        positions = positions[:, -1:] + 1
+    seqs, caught = [], []
     for i, c in enumerate(chunk):
-        new = gen[i, width:].tolist()
-        for j, t in enumerate(new):
+        resp = new[i].tolist()
+        for j, t in enumerate(resp):
             if t in eos:
-                new = new[: j + 1]
+                resp = resp[: j + 1]
                 break
-        seqs.append(list(c) + new)
-    return seqs
+        seqs.append(list(c) + resp)
+        if layers is None:
+            continue
+        # row i's real positions: the prompt's (after its left padding), then one per step;
+        # the last token's row is never computed (it would take one more forward)
+        n = len(c) + len(resp) - 1
+        parts = [tuple(t[i, width - len(c) :] for t in steps[0])]
+        parts += [tuple(t[i] for t in step) for step in steps[1 : len(resp)]]
+        feats, cids, cp, top1 = (torch.cat(col)[:n] for col in zip(*parts, strict=True))
+        caught.append(Captured(feats, cids, cp, top1))
+    return seqs, caught
+
+
+def _labels(out, layers: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """A forward's [B, n] features (fp16 [B, n, 3, H]) and labels (the CANDIDATES likeliest
+    next tokens with their probabilities, and the argmax), moved to the CPU."""
+    feats = torch.stack([out.hidden_states[i] for i in layers], dim=2).half().cpu()
+    logits = out.logits.float()
+    top = torch.topk(logits, min(CANDIDATES, logits.shape[-1]), dim=-1)  # no softmax tensor
+    probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
+    return (feats, top.indices.int().cpu(), probs.half().cpu(), top.indices[..., 0].cpu())
+
+
+def _pick(logits: torch.Tensor, temp: float, gen: torch.Generator) -> torch.Tensor:
+    """The next token of each row: argmax, or a draw at `temp` from the top-p 0.95 nucleus."""
+    if temp <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temp, dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    keep = sorted_p.cumsum(-1) - sorted_p < 0.95  # the smallest set reaching 0.95
+    sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+    pick = torch.multinomial(sorted_p.cpu(), 1, generator=gen)[:, 0].to(logits.device)
+    return order.gather(-1, pick[:, None])[:, 0]
+
+
+def examples_from_captured(seqs: Sequences, draft_ids: torch.Tensor,
+                           skip: int = 0) -> list[Example]:
+    """Captured labels restricted to the draft vocabulary: each position's candidates that
+    are draft tokens, renormalised by the draft vocabulary's mass among them, the likeliest
+    `TOPK` kept (padded with zero-probability entries). `skip` as in `teacher_force`."""
+    slot = torch.full((int(draft_ids.max()) + 1 if len(draft_ids) else 1,), -1,
+                      dtype=torch.long)
+    slot[draft_ids.long()] = torch.arange(len(draft_ids))
+    out = []
+    for tokens, cap in zip(seqs.tokens, seqs.captured or [], strict=True):
+        n = len(tokens) - 1
+        cut = skip if n - skip >= 8 else 0
+        ids = cap.cand_ids[cut:n].long()
+        inside = ids < len(slot)
+        draft = torch.where(inside, slot[ids.clamp(max=len(slot) - 1)], -1)
+        p = torch.where(draft >= 0, cap.cand_p[cut:n].float(), torch.zeros(()))
+        mass = p.sum(-1, keepdim=True).clamp(min=1e-12)
+        top = torch.topk(p / mass, min(TOPK, p.shape[-1]), dim=-1)  # sorted, best first
+        top_ids = draft.gather(-1, top.indices).clamp(min=0)
+        out.append(Example(torch.tensor(tokens[cut:n]), cap.features[cut:n],
+                           top_ids, top.values.half(), cap.top1[cut:n].long()))
+    return out
 
 
 def text_chunks(backend, text: str, length: int = 256) -> list[list[int]]:
