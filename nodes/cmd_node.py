@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="verifier: run a batch one sequence at a time, so every output "
                              "is bit for bit its solo output (costs the batching gain)")
+    parser.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+                        help="verifier: prefill prompts longer than N positions in chunks of "
+                             "N, one chunk per batch step, so a long prompt does not stall "
+                             "the running generations (default 0: whole)")
     parser.add_argument("--session-lease", type=positive_float, default=30.0,
                         help="seconds a proposer keeps a verifier's idle draft session "
                              "(a verifier sets it on the sessions it opens; default 30)")
@@ -327,6 +331,7 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
                     threads=args.threads,
                     max_context=args.max_context,
                     max_batch=args.max_batch, batch_invariant=args.batch_invariant,
+                    prefill_chunk=args.prefill_chunk,
                     share="off" if args.no_share else "prompts" if args.share_prompts
                     else "output", served_name=args.served_name or "")
     roles = assemble(spec)

@@ -88,6 +88,8 @@ class Block:
     finish_reason: str | None = None  # "eos" | "length" | "stop"
     text: str | None = None  # full generated text so far, truncated at a stop string
     logprobs: TokenLogprobs | None = None  # of `token_ids`, when the params ask for them
+    #: positions this step fed the verifier for the sequence (prompt chunk, or tree nodes)
+    fed: int = 0
 
 
 @dataclass
@@ -177,6 +179,8 @@ class SequenceState:
     finish_reason: str | None = None
     #: verifier layers captured for sources that read hidden states (None: no capture)
     hidden_layers: tuple[int, ...] | None = None
+    #: prompt positions already in the cache while a chunked prefill runs
+    prefilled: int = 0
 
     @property
     def committed(self) -> list[int]:
@@ -212,11 +216,17 @@ class Engine:
         max_draft: int = 16,
         fixed_k: int | None = None,
         tree: bool = True,
+        prefill_chunk: int | None = None,
     ) -> None:
         if drafter is not None:
             drafter.check_compatible(backend.fingerprint)
         if max_draft < 1:
             raise BadRequestError(f"max draft length must be >= 1, got {max_draft}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise BadRequestError(f"prefill chunk must be >= 1, got {prefill_chunk}")
+        #: None: a prompt is prefilled in one forward; N: in chunks of N positions, at most
+        #: one chunk's worth of prompt rows per step (`_prefill`)
+        self.prefill_chunk = prefill_chunk
         self.backend = backend
         self.drafter = drafter
         self.max_draft = max_draft
@@ -338,9 +348,12 @@ class Engine:
             raise ValueError("a sequence appears twice in one batch")
         blocks: dict[int, Block] = {}
         going = [i for i, seq in enumerate(seqs) if seq.started]
+        budget = self.prefill_chunk  # prompt rows this step may still feed (None: any)
         for i, seq in enumerate(seqs):
             if not seq.started:
-                blocks[i] = self._prefill(seq)
+                blocks[i] = self._prefill(seq, budget)
+                if budget is not None:
+                    budget = max(0, budget - blocks[i].fed)
         if going:
             trees = [self._plan(seqs[i]) for i in going]
             bases = [self.backend.cache_length(seqs[i].cache) for i in going]
@@ -352,16 +365,42 @@ class Engine:
                 blocks[i] = self._settle(seqs[i], tree, base, rows, dt, alone=len(going) == 1)
         return [blocks[i] for i in range(len(seqs))]
 
-    def _prefill(self, seq: SequenceState) -> Block:
-        """A new sequence's first step: the prompt in one forward, then its first token."""
-        sp = seq.params.sampling
+    def _prefill(self, seq: SequenceState, budget: int | None = None) -> Block:
+        """A new sequence's prompt, then its first token: in one forward, or with
+        `prefill_chunk` set and a prompt longer than it, one chunk per step (a block with no
+        tokens until the last chunk), so a long prompt never stalls a batch for long.
+
+        Chunk boundaries depend on the prompt alone (multiples of `prefill_chunk`), so a
+        sequence's cache, hence its output, is the same whatever it is batched with; `budget`
+        (prompt rows this step may still feed) only decides whether its next chunk runs now;
+        a step's first prefill always runs. A sequence whose sources read hidden states is
+        prefilled whole (they get every prompt row's states in one piece)."""
+        prompt, chunk = seq.prompt, self.prefill_chunk
+        whole = chunk is None or len(prompt) <= chunk or seq.hidden_layers is not None
+        size = len(prompt) if whole else min(chunk, len(prompt) - seq.prefilled)
+        if budget is not None and size > budget and budget < (chunk or 0):
+            return self._no_block(seq, 0)  # this step's prompt rows are spent: next step
         t0 = time.perf_counter()
-        row = self.backend.prefill(seq.cache, seq.prompt)
+        if whole:
+            row = self.backend.prefill(seq.cache, prompt)
+        else:
+            end = seq.prefilled + size
+            row = self.backend.forward_last(seq.cache, prompt[seq.prefilled:end])
+            seq.prefilled = end
+            log.info("prefill %d/%d positions", end, len(prompt))
         seq.stats.verify_s += time.perf_counter() - t0
+        if seq.prefilled and seq.prefilled < len(prompt):
+            return self._no_block(seq, size)
+        sp = seq.params.sampling
         first = int(np.argmax(row)) if sp.greedy else keyed_sample(
-            probs_from_logits(row, sp)[0], self._noise(seq, len(seq.prompt)))
-        return self._commit(seq, [first], drafted=0, accepted=0, base=0,
-                            hidden=self._take_hidden(seq, None), rows=row)
+            probs_from_logits(row, sp)[0], self._noise(seq, len(prompt)))
+        return replace(self._commit(seq, [first], drafted=0, accepted=0, base=0,
+                                    hidden=self._take_hidden(seq, None), rows=row), fed=size)
+
+    def _no_block(self, seq: SequenceState, fed: int) -> Block:
+        """A step that committed nothing for `seq` (a prefill chunk, or its turn to wait)."""
+        return Block(token_ids=[], drafted=0, accepted=0, committed_len=len(seq.prompt),
+                     cache_len=self.backend.cache_length(seq.cache), fed=fed)
 
     def _settle(self, seq: SequenceState, tree: TokenTree, base: int, logits: np.ndarray,
                 dt: float, *, alone: bool) -> Block:
@@ -395,8 +434,9 @@ class Engine:
             stats.accepted += len(path)
         else:
             stats.plain_steps += 1
-        return self._commit(seq, new, drafted=tree.drafted, accepted=len(path), tree=tree,
-                            path=path, base=base, hidden=hidden, rows=logits[[0, *path]])
+        return replace(self._commit(seq, new, drafted=tree.drafted, accepted=len(path),
+                                    tree=tree, path=path, base=base, hidden=hidden,
+                                    rows=logits[[0, *path]]), fed=len(tree))
 
     def _noise(self, seq: SequenceState, position: int) -> np.ndarray:
         """The sampling noise of `position` in `seq` (a function of its seed and the position

@@ -44,6 +44,8 @@ class RoleSpec:
     #: a torch verifier runs its batches one sequence at a time: each sequence's logits bit
     #: for bit its solo ones (docs/engine.md, "Batching"), at the cost of the batching gain
     batch_invariant: bool = False
+    #: a verifier prefills prompts longer than this in chunks of it, one per step (0: whole)
+    prefill_chunk: int = 0
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Roles:
                 "generations": v.stats.generations, "tokens": v.stats.tokens,
                 "tok_s": round(v.stats.last_tok_s, 3), "active": v.active, "queued": v.queued,
                 "max_batch": v.max_batch, "steps": v.stats.steps, "stepped": v.stats.stepped,
+                "rows": v.stats.rows,
                 "acceptance": round(v.stats.last_acceptance, 4),
                 **v.admission.snapshot(),  # rejected_busy, orphans_dropped (I/O thread)
                 "proposers": dict(v.proposer_snapshot),
@@ -106,6 +109,8 @@ def assemble(spec: RoleSpec) -> Roles:
         raise BadRequestError(f"--threads must be >= 0, got {spec.threads}")
     if spec.max_batch < 1:
         raise BadRequestError(f"--max-batch must be >= 1, got {spec.max_batch}")
+    if spec.prefill_chunk < 0:
+        raise BadRequestError(f"--prefill-chunk must be >= 0, got {spec.prefill_chunk}")
     if spec.max_context < 0:
         raise BadRequestError(f"--max-context must be >= 0, got {spec.max_context}")
     # an eagle head is shaped by its verifier's model (embedding, widths): a proposer serving
@@ -143,11 +148,12 @@ def assemble(spec: RoleSpec) -> Roles:
 
         # the verifier's own drafter is its fallback when no proposer is around
         local = drafter if "proposer" not in spec.roles else None
-        engine = Engine(backend, local, max_draft=spec.max_draft)
+        engine = Engine(backend, local, max_draft=spec.max_draft,
+                        prefill_chunk=spec.prefill_chunk or None)
         roles.card["tok_s"] = round(_measure_plain(engine), 2)
-        # protocol 2: drafts stream in ahead and are never waited for (but with draft='force')
         if spec.batch_invariant:
             backend.batch_invariant = True  # the base Backend runs one at a time anyway
+        # protocol 2: drafts stream in ahead and are never waited for (but with draft='force')
         roles.verifier = VerifierRole(engine, lease_s=spec.lease_s,
                                       max_context=spec.max_context, max_batch=spec.max_batch)
         if spec.share != "off":

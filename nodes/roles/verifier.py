@@ -76,6 +76,7 @@ class VerifierStats:
     last_acceptance: float = 0.0
     steps: int = 0  # batched engine steps (each one forward per engine in the batch)
     stepped: int = 0  # sequences those steps carried (stepped / steps: mean batch size)
+    rows: int = 0  # positions those steps fed (prompts, pending tokens, draft nodes)
 
 
 @dataclass
@@ -318,6 +319,7 @@ class VerifierRole:
                 continue
             self.stats.steps += 1
             self.stats.stepped += len(jobs)
+            self.stats.rows += sum(block.fed for block in blocks)
             for job, block in zip(jobs, blocks, strict=True):
                 try:
                     self._deliver(job, block)
@@ -348,6 +350,8 @@ class VerifierRole:
         if job.req.cancelled.is_set():
             self._end(job)
             return
+        if not block.token_ids and block.finish_reason is None:
+            return  # a prefill chunk (or a turn to wait for one): nothing to stream yet
         job.generated.extend(block.token_ids)
         tok = self.engine.backend.tokenizer
         text = block.text if block.text is not None else tok.decode(job.generated)
@@ -428,7 +432,7 @@ class VerifierRole:
         if self._forced_engine is None:
             e = self.engine
             self._forced_engine = type(e)(e.backend, None, max_draft=e.max_draft,
-                                          fixed_k=e.max_draft)
+                                          fixed_k=e.max_draft, prefill_chunk=e.prefill_chunk)
         return self._forced_engine
 
     def _publish(self) -> None:
