@@ -46,3 +46,51 @@ def test_no_features_no_drafts(tiny_torch, prompt_ids, foreign_head):  # noqa: F
     assert session.draft_ahead(4) == []
     with pytest.raises(BadRequestError, match="do not fit"):
         session.features(np.zeros((2, 5), dtype=np.float16))
+
+
+def test_a_wider_session_adds_the_heads_runners_up_as_one_token_branches(
+        tiny_torch, prompt_ids, foreign_head):  # noqa: F811
+    """With a tree width (a proposer's `--tree-width`) the chain is unchanged and each drafted
+    position offers the head's next likeliest tokens there, by their draft probability,
+    where they are worth MIN_ALT_CONF; past tokens already assumed, positions count from the
+    new part."""
+    import torch
+
+    from nodes.drafters.model import MIN_ALT_CONF
+
+    drafter = EagleDrafter.load(foreign_head, tiny_torch)
+    cache = tiny_torch.new_cache()
+    tiny_torch.capture_hidden(cache, LAYERS)
+    tiny_torch.prefill(cache, prompt_ids)
+    rows = tiny_torch.take_hidden(cache).reshape(len(prompt_ids), -1).half().numpy()
+    narrow, wide = (drafter.open(prompt_ids, SamplingParams()) for _ in range(2))
+    for s in (narrow, wide):
+        s.extend([17])
+        s.features(rows)
+    chain = Ahead(narrow.draft_ahead(4))
+    tree = Ahead(wide.draft_ahead(4, width=3))
+    assert tree.ids.tolist() == chain.ids.tolist()
+    assert tree.branches  # a random head is unsure: it has runners-up
+    src = wide.source
+    head = src.head
+    h = src.last
+    for at in range(4):  # the head's own distribution at each chain position
+        with torch.inference_mode():
+            q = torch.softmax(head.logits(h[None])[0].float(), -1)
+        top = torch.topk(q, 3)
+        want = [(int(head.target_ids()[int(i)]), float(p))
+                for p, i in zip(top.values[1:], top.indices[1:], strict=True)
+                if p >= MIN_ALT_CONF]
+        got = [(b.tokens[0], b.conf[0]) for b in tree.branches if b.at == at]
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert np.allclose([p for _, p in got], [p for _, p in want], atol=1e-5)
+        if at < 3:  # the head's context grows by the chain token, as while drafting
+            with torch.inference_mode():
+                h = head.step(src.cache, torch.tensor([int(chain.ids[at])]), h[None],
+                              torch.tensor([src.fed + at]))[0]
+    src.cache.crop(src.fed)
+    wide.extend(tree.ids[:2].tolist())  # assumed: the next offer's branches count from there
+    later = Ahead(wide.draft_ahead(2, width=3))
+    assert later.ids.tolist() == chain.ids[2:4].tolist()
+    assert {(b.at, b.tokens) for b in later.branches} == {
+        (b.at - 2, b.tokens) for b in tree.branches if b.at >= 2}

@@ -6,8 +6,9 @@ In process, the engine hands the head the verifier's hidden states of every comm
 `features`. Drafting ahead works as for every proposer: the session is told the tokens it
 assumed (its own drafts past the last commit); it drafts from the last position whose features
 it has, feeding the head its own outputs past it (as EAGLE does within a draft), and offers the
-part past what it assumed, when that still agrees. Drafts are the head's argmax (point masses):
-lossless whatever the verifier samples.
+part past what it assumed, when that still agrees, with each position's runners-up as one-token
+branches (the proposer's `--tree-width`). Drafts are the head's argmax (point masses): lossless
+whatever the verifier samples.
 """
 
 from __future__ import annotations
@@ -54,20 +55,24 @@ class EagleSession(DraftSession):
         return (cands[0].tokens.astype(np.int32) if cands else EMPTY_DRAFT), None
 
     def draft_ahead(self, k: int, width: int = 1) -> list[Candidate]:
+        """The head's chain past what the proposer assumed and, `width` > 1, each drafted
+        position's runners-up as one-token branches (as the model drafter offers them)."""
         known = self.source.known  # positions whose verifier features arrived
         committed, assumed = self.tokens[: known + 1], self.tokens[known + 1 :]
         if k <= 0 or len(committed) != known + 1:
             return []
-        cands = self.source.propose(committed, len(assumed) + k)
-        if not cands:
+        drafted = self.source.propose_chain(committed, len(assumed) + k, width)
+        if drafted is None:
             return []
-        chain = [int(t) for t in cands[0].tokens]
+        cand, branches = drafted
+        chain = [int(t) for t in cand.tokens]
         if chain[: len(assumed)] != assumed:  # the verifier's features changed its mind
             return []
-        ids = chain[len(assumed) : len(assumed) + k]
-        conf = cands[0].conf
-        return draft_paths(ids, None if conf is None else
-                           conf[len(assumed) : len(assumed) + len(ids)])
+        skip = len(assumed)
+        ids = chain[skip : skip + k]
+        conf = None if cand.conf is None else cand.conf[skip : skip + len(ids)]
+        return draft_paths(ids, conf, [(at - skip, toks, p) for at, toks, p in branches
+                                       if skip <= at < skip + len(ids)])
 
     def close(self) -> None:
         self.source.close()

@@ -25,6 +25,7 @@ from nodes.drafters.eagle.head import Eagle3Head
 from nodes.drafters.eagle.quantize import quantize_head
 from nodes.drafters.eagle.session import EagleSession
 from nodes.drafters.eagle.tree import draft_tree
+from nodes.drafters.model import MIN_ALT_CONF
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import (
     SamplingParams,
@@ -79,9 +80,25 @@ class EagleSource(DraftSource):
                 cands = draft_tree(self.head, self.cache, self.last, self.tokens[-1], budget,
                                    self.width)
             else:
-                cands = [self._chain(budget)]
+                cands = [self._chain(budget)[0]]
         self.cache.crop(self.fed)
         return cands
+
+    def propose_chain(self, committed: Sequence[int], budget: int, width: int
+                      ) -> tuple[Candidate, list[tuple[int, tuple[int, ...], tuple[float, ...]]]
+                                 ] | None:
+        """A proposer's draft: the head's greedy chain of `budget` tokens and, at each depth,
+        up to `width - 1` runners-up worth at least `MIN_ALT_CONF` as one-token branches
+        (`drafters.base.draft_paths`' alternatives), as the model drafter offers them; None
+        when the head cannot draft yet."""
+        if len(committed) != len(self.tokens):
+            self.tokens = [int(t) for t in committed]
+        if budget <= 0 or not self._catch_up():
+            return None
+        with torch.inference_mode():
+            out = self._chain(budget, width)
+        self.cache.crop(self.fed)
+        return out
 
     def _catch_up(self) -> bool:
         """Feed the committed entries the head has not read, in one forward."""
@@ -103,20 +120,26 @@ class EagleSource(DraftSource):
                 self.last, self.fed = out[-1], self.known
         return self.last is not None
 
-    def _chain(self, budget: int) -> Candidate:
-        """Greedy: the head's argmax chain. Sampling: tokens drawn from the head's
-        distribution (processed like the verifier's), the rows kept for rejection sampling."""
+    def _chain(self, budget: int, width: int = 1):
+        """Greedy: the head's argmax chain (and, `width` > 1, each depth's runners-up as
+        `(depth - 1, (token,), (prob,))`). Sampling: tokens drawn from the head's distribution
+        (processed like the verifier's), the rows kept for rejection sampling."""
         head, greedy = self.head, self.params.greedy
         target = head.target_ids()
         vocab = head.cfg.vocab_size
-        ids, rows, conf = [], [], []
+        ids, rows, conf, branches = [], [], [], []
         h = self.last
         for depth in range(1, budget + 1):
             logits = head.logits(h[None])[0].float()
             if greedy:
-                d = int(torch.argmax(logits))
+                q = torch.softmax(logits, -1)
+                top = torch.topk(q, min(max(width, 1), len(q)))
+                d = int(top.indices[0])
                 tok = int(target[d])
-                conf.append(float(torch.softmax(logits, -1)[d]))
+                conf.append(float(top.values[0]))
+                branches += [(depth - 1, (int(target[int(i)]),), (float(p),))
+                             for p, i in zip(top.values[1:], top.indices[1:], strict=True)
+                             if p >= MIN_ALT_CONF]
             else:
                 full = np.full(vocab, -np.inf)
                 full[target.cpu().numpy()] = logits.cpu().numpy()
@@ -136,7 +159,7 @@ class EagleSource(DraftSource):
             h = head.step(self.cache, torch.tensor([tok], device=dev), h[None],
                           torch.tensor([self.fed - 1 + depth], device=dev))[0]
         probs = np.stack(rows) if rows else None
-        return Candidate(np.asarray(ids, dtype=np.int64), probs, np.asarray(conf))
+        return Candidate(np.asarray(ids, dtype=np.int64), probs, np.asarray(conf)), branches
 
     def close(self) -> None:
         self.pending = []
