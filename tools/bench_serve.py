@@ -4,8 +4,9 @@ A local cluster of real processes (1 or 2 SmolLM2 verifiers, one gateway). The s
 requests run at each concurrency, first straight through the cluster client (round-robin over
 the verifiers), then through the gateway's HTTP API (streaming); TTFT is the time from sending
 to the first token (bus: first `token_chunk`; HTTP: first chunk with text), tok/s is all
-generated tokens over the wall time of the batch. Greedy, no proposers: the figures measure the
-serving path, not speculation.
+generated tokens over the wall time of the batch. Greedy, no proposers; `--drafter ngram` gives
+the verifiers their own drafter (speculative rows), `--max-batch 1,8` compares one generation
+at a time with batches of 8.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", default="1",
                         help="comma-separated verifier --max-batch values, one cluster each "
                              "(default 1: one generation at a time)")
+    parser.add_argument("--drafter", default="none",
+                        help="the verifiers' own drafter (e.g. ngram: speculative rows; "
+                             "default none: plain decoding)")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 1 verifier, concurrency 1 and 4, 4 requests of 8 "
@@ -172,7 +176,7 @@ def _bench_cluster(n: int, levels: list[int], args: argparse.Namespace,
         for k in range(n):
             c.start_node(f"v{k + 1}", "--role", "verifier", "--threads", "1",
                          "--cpus", str(cores[k % len(cores)]), "--max-batch", str(max_batch),
-                         seed=bool(k))
+                         "--drafter", args.drafter, seed=bool(k))
         max_inflight = str(max(levels))  # the gateway must not answer 429 at the top level
         gw = c.start_node("gw", "--role", "gateway", "--http", "127.0.0.1:0", "--cpus",
                           str(cores[-1]), "--gateway-max-inflight", max_inflight, seed=True)
@@ -191,7 +195,8 @@ def _bench_cluster(n: int, levels: list[int], args: argparse.Namespace,
                         ("bus", lambda i: _via_bus(cc, verifiers, i, args.max_tokens)),
                         ("gateway", lambda i: _via_http(url, i, args.max_tokens))):
                     row = {"path": path, "concurrency": conc, "verifiers": n,
-                           "max_batch": max_batch, **_level(fn, conc, requests, gw.proc.pid)}
+                           "max_batch": max_batch, "drafter": args.drafter,
+                           **_level(fn, conc, requests, gw.proc.pid)}
                     rows.append(row)
                     print(f"{path:8} c={conc:<3} verifiers={n} batch={max_batch} ttft p50 "
                           f"{_ms(row['ttft_p50_ms'])} ms  p99 {_ms(row['ttft_p99_ms'])} ms  "

@@ -166,7 +166,12 @@ class GatewayMetrics:
                 ("tok_s", "tok_s", "Tokens/s of its last generation (verifier telemetry)"),
                 ("acceptance", "acceptance", "Acceptance of its last generation (telemetry)"),
                 ("orphans_dropped", "orphans_dropped",
-                 "Requests dropped because their client left or died (verifier telemetry)")):
+                 "Requests dropped because their client left or died (verifier telemetry)"),
+                ("max_batch", "max_batch", "Generations it steps together (--max-batch)"),
+                ("steps", "steps", "Batched engine steps (verifier telemetry)"),
+                ("stepped", "stepped",
+                 "Sequences those steps carried; stepped / steps is the mean batch size"),
+                ("rows", "rows", "Positions those steps fed; rows / steps per forward")):
             samples = []
             for i in names:  # alive ones only: a dead verifier's last report is stale
                 v = (self.telemetry.get(i) or {}).get("verifier")
