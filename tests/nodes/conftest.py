@@ -39,3 +39,24 @@ def bus():
 @pytest.fixture
 def host(bus):
     return BusHost(*bus)
+
+
+def one_verifier(tmp_path_factory, *flags: str):
+    """A local cluster of one real verifier process (`--threads 1` and `flags`), no mDNS, for
+    a module-scoped fixture to yield and stop."""
+    from tools.local_cluster import LocalCluster
+
+    c = LocalCluster(log_dir=tmp_path_factory.mktemp("logs"), mdns=False)
+    try:
+        c.start_node("v", "--role", "verifier", "--threads", "1", *flags)
+    except BaseException:
+        c.stop()
+        raise
+    return c
+
+
+def client_of(cluster):
+    """A cluster client that knows the cluster's first node's stream (no mDNS)."""
+    from nodes.cluster_client import ClusterClient
+
+    return ClusterClient(cluster.cluster, peers=(cluster.nodes[0].stream,), mdns=False)

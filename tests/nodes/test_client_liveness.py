@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from discovery.table import State
-from nodes.cluster_client import ClusterClient, ClusterError, GenerateRequest
+from nodes.cluster_client import ClusterError, GenerateRequest
 from nodes.telemetry import StatsWatcher
-from tools.local_cluster import LocalCluster
+from tests.nodes.conftest import client_of, one_verifier
 
 pytestmark = pytest.mark.slow
 
@@ -32,18 +32,14 @@ QUEUED = 4  # generations the orphaned client leaves behind: 1 running + 3 queue
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(log_dir=tmp_path_factory.mktemp("logs"), mdns=False)
-    try:
-        c.start_node("v", "--role", "verifier", "--threads", "1")
-        yield c
-    finally:
-        c.stop()
+    c = one_verifier(tmp_path_factory)
+    yield c
+    c.stop()
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    cc = ClusterClient(cluster.cluster, peers=(cluster.nodes[0].stream,), mdns=False)
-    with cc:
+    with client_of(cluster) as cc:
         cc.stats = StatsWatcher(cc.node, cluster.cluster)
         cc.verifiers(60)
         yield cc

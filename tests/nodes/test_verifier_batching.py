@@ -17,8 +17,8 @@ import threading
 
 import pytest
 
-from nodes.cluster_client import ClusterClient, ClusterError, GenerateRequest
-from tools.local_cluster import LocalCluster
+from nodes.cluster_client import ClusterError, GenerateRequest
+from tests.nodes.conftest import client_of, one_verifier
 from tools.prompts import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -36,19 +36,15 @@ LONG = ("Summarise these notes in one sentence:\n\n" + "\n".join(t for _, t in P
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(log_dir=tmp_path_factory.mktemp("logs"), mdns=False)
-    try:
-        c.start_node("v", "--role", "verifier", "--threads", "1", "--drafter", "ngram",
-                     "--max-batch", "8", "--batch-invariant", "--prefill-chunk", "64")
-        yield c
-    finally:
-        c.stop()
+    c = one_verifier(tmp_path_factory, "--drafter", "ngram", "--max-batch", "8",
+                     "--batch-invariant", "--prefill-chunk", "64")
+    yield c
+    c.stop()
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    cc = ClusterClient(cluster.cluster, peers=(cluster.nodes[0].stream,), mdns=False)
-    with cc:
+    with client_of(cluster) as cc:
         cc.verifiers(60)
         yield cc
 
