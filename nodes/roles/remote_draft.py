@@ -108,6 +108,9 @@ class ProposerLink:
     #: generations: it belongs to the proposer and the network, not to a prompt)
     fresh_s: float | None = None
     client: DirectClient | None = field(default=None, repr=False)
+    #: the client's calls -> the source (generation) that made them: several generations of a
+    #: batch share the client, and whichever polls hands the others their replies
+    calls: dict = field(default_factory=dict, repr=False)
     #: verifier layers whose hidden states the proposer reads (its card says; an EAGLE-3 head)
     hidden_layers: tuple[int, ...] | None = None
     _rtts: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW),
@@ -157,6 +160,7 @@ class ProposerLink:
         if self.client is not None:
             self.client.close()
             self.client = None
+        self.calls.clear()
 
 
 class ProposerSource(DraftSource):
@@ -180,6 +184,8 @@ class ProposerSource(DraftSource):
     ) -> None:
         self.link = link
         self.client = client
+        #: replies to this source's calls read by another source of the link (or by this one)
+        self.inbox: collections.deque = collections.deque()
         self.name = f"remote:{link.name or link.node_id}"
         #: the engine captures these layers' hidden states; they go with each commit push
         self.hidden_layers = link.hidden_layers
@@ -292,6 +298,10 @@ class ProposerSource(DraftSource):
         if not self.dropped:
             self._send(SessionClose(self.sid).to_message(), 1.0)
         self.closed = True  # replies still on their way are ignored (by the next session too)
+        self.inbox.clear()
+        calls = self.link.calls
+        for call in [c for c, owner in calls.items() if owner is self]:
+            del calls[call]
 
     # -- chunks -------------------------------------------------------------------------------
     def _candidates(self, committed: Sequence[int], budget: int) -> list[Candidate]:
@@ -355,8 +365,20 @@ class ProposerSource(DraftSource):
         Only a waiting read (`timeout` > 0, right after a non-waiting one) times the answer to
         a commit: one read at the next step finds it a whole verify late, and timing that would
         announce every wait as a verify long, so none would ever pay."""
-        timely = timeout > 0
-        for call, reply in self.client.poll(timeout=timeout):
+        timely = timeout > 0 and not self.inbox
+        got = self.client.poll(timeout=0 if self.inbox else timeout)
+        calls = self.link.calls
+        for call, reply in got:  # the client is the link's: replies of other generations too
+            owner = calls.get(call, self)
+            if owner is self:
+                self.inbox.append((call, reply))
+            elif not owner.closed:
+                owner.inbox.append((call, reply))
+        for call, _ in got:
+            if call.done:
+                calls.pop(call, None)
+        mine, self.inbox = self.inbox, collections.deque()
+        for call, reply in mine:
             if call is self.stream:
                 self._on_stream(reply, timely)
             elif call in self.commits:
@@ -445,7 +467,9 @@ class ProposerSource(DraftSource):
     # -- helpers ------------------------------------------------------------------------------
     def _send(self, msg: Message, timeout: float | None) -> DirectCall | None:
         try:
-            return self.client.request(self.link.endpoint, msg, timeout=timeout)
+            call = self.client.request(self.link.endpoint, msg, timeout=timeout)
+            self.link.calls[call] = self
+            return call
         except (ValueError, BusError) as exc:
             log.error("cannot send %s to %s: %s", msg.type, self.link.node_id, exc)
             self.link.errors += 1

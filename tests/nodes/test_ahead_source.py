@@ -244,3 +244,34 @@ def test_an_answer_read_a_step_late_is_not_timed(make_source, scripted):
     read_until_nonwaiting(src, lambda: src.best is not None and len(src.best.tokens) == 3)
     assert src.awaiting is None  # answered ...
     assert src.link.fresh_s is None  # ... but not timed
+
+
+def test_two_generations_on_one_link_each_get_their_own_chunks(host, scripted):
+    """A batch runs several generations with the same proposer: their sources share the
+    link's client, so whichever reads hands the other its replies (issue 24: a batch of
+    forced generations hung, each source having read and dropped the other's chunks)."""
+    policy = DraftPolicy()
+    link = ProposerLink("p1", host.server.endpoint, "scripted")
+    try:
+        client = link.direct(host.factory, "verifier", policy.max_queued)
+        a = ProposerSource(link, client, PROMPT, SamplingParams(), session_id="sa",
+                           vocab_size=VOCAB, fingerprint="fp", max_draft=8, policy=policy,
+                           forced=True)
+        req_a = scripted.streams.get(timeout=10)
+        b = ProposerSource(link, client, [7, 8], SamplingParams(), session_id="sb",
+                           vocab_size=VOCAB, fingerprint="fp", max_draft=8, policy=policy,
+                           forced=True)
+        req_b = scripted.streams.get(timeout=10)
+        scripted.chunk(req_b, 2, [9, 10])
+        scripted.chunk(req_a, 4, [5, 6])
+        # a waits for its own chunk, reading b's on the way; b then finds its chunk unread
+        assert offered(a, PROMPT) == [5, 6]
+        read_until(a, lambda: bool(b.inbox) or b.best is not None)
+        assert offered(b, [7, 8]) == [9, 10]
+        assert a.link.bad_replies == 0 and not a.dropped and not b.dropped
+        a.close()
+        assert all(owner is b for owner in link.calls.values())  # a's calls forgotten
+        b.close()
+        assert not link.calls
+    finally:
+        link.close()
