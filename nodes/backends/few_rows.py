@@ -1,0 +1,175 @@
+"""A float32 matmul for a few rows at a time: the shape of every speculative verify on a CPU.
+
+Why: a verify forward feeds the verifier 2-17 tokens. On x86 CPUs torch runs `x @ W.T` for one
+row as a fast matrix-vector product but for 2-16 rows as a packed matrix product that costs
+1.7-3x as much (MKL's small-M path). On SmolLM2-135M a 2-token forward cost 1.72x a 1-token one
+and a 3-token one 2.1x, so a drafter had to be right almost every time to pay, and none was on
+open text. `few_rows.cpp` is a register-tiled AVX2/FMA kernel that streams each weight row once
+for all the rows fed; with it a 2-token forward costs ~1.1x a 1-token one (docs/engine.md,
+"Verify cost on CPUs").
+
+Lossless: each output element is summed in one fixed order (8 lanes over k, then the lanes)
+whatever the number of rows or their tiling, so a row's result never depends on which other
+rows share the forward: verifying k drafted tokens gives each position the logits it gets fed
+alone, and a batched sequence the logits it gets unbatched, as far as the linear layers go.
+
+The kernel is a torch C++ extension built by `make` (`python -m nodes.backends.few_rows build`)
+into the virtualenv, keyed by torch version and source; nothing compiles at run time. Where it
+is not built, or the CPU lacks AVX2/FMA, or `SPECBUS_MATMUL=torch` is set, torch's own matmul
+serves every shape (said once in the log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("few_rows.cpp")
+NAME = "specbus_few_rows"
+#: rows served by the kernel; more rows (prefill chunks, big batches) go to torch, which packs
+#: them well. Measured on SmolLM2-135M's shapes: the kernel leads torch at every M <= 16.
+MAX_ROWS = 16
+#: the environment switch that keeps torch's matmul everywhere (benchmarks compare both)
+ENV = "SPECBUS_MATMUL"
+_FLAGS = ["-O3", "-mavx2", "-mfma"]
+
+_loaded: Any = None
+_tried = False
+
+
+def build_dir() -> Path:
+    """Where this virtualenv's build lives: one per torch version and source text."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:12]
+    torch_version = torch.__version__.replace("+", "_")
+    return Path(sys.prefix) / "share" / "specbus" / "kernels" / f"{NAME}-{torch_version}-{key}"
+
+
+def _library(directory: Path) -> Path:
+    return directory / f"{NAME}.so"
+
+
+def buildable() -> str | None:
+    """Why the kernel cannot be used on this machine, or None."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the few-row kernel is x86 AVX2 code; this is {platform.machine()}"
+    return None
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel into `build_dir()` (about 30 s; `make` does it once)."""
+    from torch.utils.cpp_extension import load
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    load(NAME, [str(SOURCE)], extra_cflags=_FLAGS, build_directory=str(directory),
+         verbose=verbose)
+    return _library(directory)
+
+
+def load() -> Any:
+    """The built kernel module, or None (why, said once in the log)."""
+    global _loaded, _tried
+    if _tried:
+        return _loaded
+    _tried = True
+    why = _unavailable()
+    if why:
+        log.info("verify matmul: torch's own (%s)", why)
+        return None
+    path = _library(build_dir())
+    loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))
+    spec = importlib.util.spec_from_file_location(NAME, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        loader.exec_module(module)
+    except ImportError as exc:
+        log.warning("verify matmul: torch's own (the few-row kernel at %s does not load: %s; "
+                    "rebuild it with `make setup`)", path, exc)
+        return None
+    if not module.cpu_supported():
+        log.info("verify matmul: torch's own (this CPU lacks AVX2/FMA)")
+        return None
+    _loaded = module
+    log.info("verify matmul: few-row AVX2 kernel for 1-%d rows, torch's beyond", MAX_ROWS)
+    return module
+
+
+def _unavailable() -> str | None:
+    if os.environ.get(ENV, "").strip().lower() == "torch":
+        return f"{ENV}=torch"
+    why = buildable()
+    if why:
+        return why
+    if not _library(build_dir()).exists():
+        return "the few-row kernel is not built here: `make setup` builds it"
+    return None
+
+
+class FewRowLinear(torch.nn.Linear):
+    """An `nn.Linear` whose forward sends 1..MAX_ROWS float32 CPU rows to the kernel.
+
+    Installed by swapping the class of the model's own modules (`install`), so weights, state
+    dict and hooks stay exactly as loaded."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if 0 < rows <= MAX_ROWS and x.dtype == torch.float32 and not x.requires_grad:
+            y = _loaded.linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        return F.linear(x, self.weight, self.bias)
+
+
+def install(model: torch.nn.Module) -> int:
+    """Serve the model's float32 CPU linear layers with the kernel; returns how many (0 when
+    the kernel is not available here)."""
+    if load() is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        if (type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+                and module.weight.device.type == "cpu"):
+            module.__class__ = FewRowLinear
+            count += 1
+    return count
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m nodes.backends.few_rows",
+        description="Build the few-row verify matmul kernel into this virtualenv.")
+    parser.add_argument("command", choices=["build", "where"])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    if args.command == "where":
+        print(_library(build_dir()))
+        return 0
+    why = buildable()
+    if why:
+        print(f"few-row kernel: not built ({why}); verify forwards use torch's matmul")
+        return 0
+    try:
+        path = build(args.verbose)
+    except Exception as exc:  # noqa: BLE001 - a failed optional build must not fail the setup
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"few-row kernel: NOT built ({first}); verify forwards use torch's matmul. "
+              f"Rerun with -v to see the compiler's output.")
+        return 0
+    print(f"few-row kernel: built {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

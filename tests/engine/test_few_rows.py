@@ -1,0 +1,88 @@
+"""The few-row verify matmul (nodes/backends/few_rows.py): built here, right, row-independent,
+and installed on the verifier's model."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nodes.backends import few_rows
+
+needs_kernel = pytest.mark.skipif(
+    few_rows.buildable() is not None or shutil.which("g++") is None,
+    reason="the few-row kernel is x86 AVX2 code built with g++")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = few_rows.load()
+    assert module is not None, (
+        f"`make setup` should have built {few_rows.build_dir()}: "
+        "run `python -m nodes.backends.few_rows build -v` to see why it did not")
+    return module
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(1, 8), (7, 13), (50, 576), (97, 1000), (192, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_computes_x_times_w_transposed(kernel, n, k, bias):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    for m in range(1, few_rows.MAX_ROWS + 1):
+        x = torch.randn(m, k, generator=gen)
+        exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+        got = kernel.linear(x, w, b)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        # float32 sums of k products: within a few ulps of the exact sum's scale
+        scale = (x.abs().double() @ w.abs().double().T) + (0 if b is None else b.abs().double())
+        assert ((got.double() - exact).abs() <= 1e-5 * scale + 1e-6).all(), (m, n, k)
+
+
+@needs_kernel
+def test_each_row_gets_the_result_it_gets_alone(kernel):
+    """Why verify and batching may use it: a row's output does not depend on its neighbours."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(300, 576, generator=gen)
+    x = torch.randn(few_rows.MAX_ROWS, 576, generator=gen)
+    together = kernel.linear(x, w, None)
+    for i in range(x.shape[0]):
+        assert torch.equal(kernel.linear(x[i:i + 1].clone(), w, None)[0], together[i])
+    shuffled = torch.randperm(x.shape[0], generator=gen)
+    assert torch.equal(kernel.linear(x[shuffled].contiguous(), w, None), together[shuffled])
+
+
+@needs_kernel
+def test_the_kernel_refuses_what_it_cannot_do(kernel):
+    with pytest.raises(RuntimeError, match="float32 only"):
+        kernel.linear(torch.ones(2, 8, dtype=torch.float64), torch.ones(3, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"x \[M, K\] and w \[N, K\]"):
+        kernel.linear(torch.ones(2, 8), torch.ones(3, 9))
+
+
+@needs_kernel
+def test_installed_linears_serve_few_rows_and_leave_the_rest_to_torch(kernel):
+    layer = torch.nn.Linear(64, 40)
+    plain = torch.nn.Linear(64, 40)
+    plain.load_state_dict(layer.state_dict())
+    model = torch.nn.Sequential(layer, torch.nn.ReLU())
+    assert few_rows.install(model) == 1
+    assert isinstance(layer, few_rows.FewRowLinear)
+    with torch.inference_mode():
+        few = torch.randn(1, 3, 64)
+        assert torch.equal(layer(few), kernel.linear(few[0], layer.weight, layer.bias)[None])
+        many = torch.randn(2, few_rows.MAX_ROWS, 64)  # 32 rows: torch's matmul, bit for bit
+        assert torch.equal(layer(many), plain(many))
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_the_cpu_verifier_model_uses_it(kernel):
+    from nodes.backends.torch_backend import TorchBackend
+
+    backend = TorchBackend.load(None, "cpu")
+    kinds = {type(m) for m in backend.model.modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds == {few_rows.FewRowLinear}
