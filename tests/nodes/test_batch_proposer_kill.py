@@ -1,0 +1,137 @@
+"""A proposer SIGKILLed while 4 batched sequences draft with it changes no output (issue 24).
+
+Real processes on loopback: a verifier (`--max-batch 4`, the real SmolLM2, no drafter of its
+own) and an n-gram proposer. Four greedy requests of different prompts and lengths run at once,
+all pinned to the proposer (`force_draft`: asked every block, so all four step together in the
+forced-draft engine's batch). The proposer is killed at a point of the generation, not a time:
+once every stream has received a block of two or more tokens. The verifier has no drafter of
+its own, so such a block is proof that the proposer's drafts were accepted for that sequence
+before the kill. Each output must then equal the same request decoded alone without
+speculation, byte for byte, and all four must complete.
+
+The verifier runs `--batch-invariant` (as tests/nodes/test_verifier_batching.py does): which
+steps the sequences share depends on when they arrive and when the proposer dies, and batched
+CPU matmuls differ from solo ones in the last bits (docs/engine.md, "Batching"), so only the
+invariant mode makes the verdict independent of timing.
+
+Where the kill landed is checked, not assumed: a sequence still running when the verifier
+learns that the proposer is gone drops it (`dropped` in its `done` stats) and decodes on its
+own. The kill comes at the streams' first multi-token blocks (about 20 tokens in, 100+ still
+to go; here the first `done` came about 10 s after the kill), so all four are in the batch
+then. Measured: about 55 s in all, most of it the model's load and the four solo runs.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+
+from nodes.cluster_client import ClusterError, GenerateRequest
+from nodes.telemetry import StatsWatcher
+from tests.nodes.conftest import client_of, one_verifier
+from tools.prompts import INPUT_GROUNDED, PROMPTS
+
+pytestmark = pytest.mark.slow
+
+#: (prompt, max_tokens): the input-grounded prompts (the n-gram drafter's drafts are accepted
+#: there), four prompt lengths, four generation lengths
+REQUESTS = [(text, 120 + 12 * i) for i, text in
+            enumerate(t for kind, t in PROMPTS if kind == INPUT_GROUNDED)]
+assert len(REQUESTS) == 4
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = one_verifier(tmp_path_factory, "--max-batch", "4", "--batch-invariant")
+    try:
+        c.start_node("ngram", "--role", "proposer", "--drafter", "ngram", seed=True)
+    except BaseException:
+        c.stop()
+        raise
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with client_of(cluster) as cc:
+        cc.verifiers(60)
+        proposer = cluster.node("ngram").node_id
+        cc.wait_for(lambda ms: any(m.node_id == proposer for m in ms), 30)
+        yield cc
+
+
+@pytest.fixture(scope="module")
+def solo(client):
+    """Each request decoded alone, one after another, without speculation."""
+    return [client.generate(GenerateRequest(text, max_tokens=n, speculate=False))
+            .stats["token_ids"] for text, n in REQUESTS]
+
+
+def test_proposer_killed_under_four_batched_sequences_changes_no_output(cluster, client,
+                                                                        solo):
+    proposer = cluster.node("ngram")
+    verifier = client.verifiers()[0]
+    watcher = StatsWatcher(client.node, cluster.cluster)
+    n = len(REQUESTS)
+    before = watcher.wait(verifier.node_id, lambda v: v["max_batch"] == 4
+                          and v["generations"] >= n, "verifier", timeout=30)
+    chunks: dict[int, list[list[int]]] = {i: [] for i in range(n)}
+    done: dict[int, object] = {}
+    killed = threading.Event()
+
+    def kill() -> None:  # by the last stream thread to see the proposer's drafts accepted
+        proposer.signal(signal.SIGKILL)
+        killed.set()
+
+    used = threading.Barrier(n, action=kill)
+    go = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        text, max_tokens = REQUESTS[i]
+        req = GenerateRequest(text, max_tokens=max_tokens, proposers=[proposer.node_id],
+                              force_draft=True)
+        waited = False
+        try:
+            go.wait(60)
+            for msg in client.stream(req, verifier):
+                if msg.type == "token_chunk":
+                    chunks[i].append(msg.tensors[0].tolist())
+                    if not waited and len(chunks[i][-1]) >= 2:
+                        waited = True  # the proposer's drafts were accepted for this one
+                        used.wait(300)
+                elif msg.type == "done":
+                    done[i] = msg
+            if not waited:
+                used.abort()  # it never used the proposer: the others must not wait for it
+        except (ClusterError, threading.BrokenBarrierError) as exc:
+            done[i] = exc
+            used.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert killed.is_set(), {i: [len(c) for c in chunks[i]] for i in range(n)}
+    assert proposer.proc.wait(30) is not None
+
+    for i in range(n):
+        msg = done.get(i)
+        assert getattr(msg, "type", None) == "done", f"request {i}: {msg!r}"
+        stats = msg["stats"]
+        ids = [t for chunk in chunks[i] for t in chunk]
+        assert stats["token_ids"] == ids == solo[i], f"request {i}"
+        used_by = stats["proposers"][proposer.node_id]
+        assert used_by["drafts"] >= 1 and used_by["accepted"] >= 1, used_by
+        # still running when the verifier learnt the proposer was gone: the kill hit it
+        assert used_by["dropped"], f"request {i}: {used_by}"
+
+    # the four shared steps: sequences carried per step > 1 over these generations
+    after = watcher.wait(verifier.node_id,
+                         lambda v: v["generations"] >= before["generations"] + n, "verifier",
+                         timeout=60)
+    steps, stepped = (after[k] - before[k] for k in ("steps", "stepped"))
+    assert stepped > steps > 0, (before, after)
