@@ -111,6 +111,7 @@ class ProposerLink:
     #: the client's calls -> the source (generation) that made them: several generations of a
     #: batch share the client, and whichever polls hands the others their replies
     calls: dict = field(default_factory=dict, repr=False)
+    garbage_seen: int = 0  # the client's undecodable replies already counted
     #: verifier layers whose hidden states the proposer reads (its card says; an EAGLE-3 head)
     hidden_layers: tuple[int, ...] | None = None
     _rtts: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW),
@@ -161,6 +162,7 @@ class ProposerLink:
             self.client.close()
             self.client = None
         self.calls.clear()
+        self.garbage_seen = 0
 
 
 class ProposerSource(DraftSource):
@@ -197,14 +199,14 @@ class ProposerSource(DraftSource):
         self.max_draft = max_draft
         self.lease_s = lease_s
         self.tokens = [int(t) for t in prompt_ids]  # committed, as pushed to the proposer
-        self.start = link.counters()
+        #: this generation's share of the link's counters (a batch runs several at once)
+        self.counts = dict.fromkeys(ProposerLink.COUNTERS, 0)
         self.dropped = False
         self.closed = False
         self.failures = 0
         self.best: DraftChunk | None = None  # the freshest valid chunk
         self.chunks_since_step = 0
         self.proposed = 0  # tokens offered by the last propose
-        self.garbage_seen = client.dropped
         self.commits: dict[DirectCall, float] = {}  # pending session_extend -> sent at
         self.step_s: float | None = None  # EMA of time between feedbacks (a verify step)
         self.per_step: float = 1.0  # EMA of tokens committed per step
@@ -240,12 +242,11 @@ class ProposerSource(DraftSource):
             self.step_s = ema(self.step_s, dt)
         self._last_fb = now
         self.per_step = ema(self.per_step, len(fb.committed))
-        link = self.link
         if self.proposed:  # counted as proposed: the tree may have merged it with another's
-            link.drafts += 1
-            link.drafted += self.proposed
-            link.accepted += fb.accepted
-            link.verified += min(self.proposed, fb.accepted + 1)
+            self._count("drafts", 1)
+            self._count("drafted", self.proposed)
+            self._count("accepted", fb.accepted)
+            self._count("verified", min(self.proposed, fb.accepted + 1))
         self.proposed = 0
         self.chunks_since_step = 0
         self.tokens.extend(int(t) for t in fb.committed)
@@ -288,7 +289,10 @@ class ProposerSource(DraftSource):
         return not self.dropped
 
     def stats(self) -> dict:
-        return {**self.link.as_dict(since=self.start), "dropped": self.dropped}
+        out = dict(self.counts)
+        out["acceptance"] = round(out["accepted"] / out["verified"], 4) if out["verified"] else 0.0
+        out["rtt_ms"] = round((self.link.net_s or 0.0) * 1000, 3)
+        return {**out, "name": self.link.name, "dropped": self.dropped}
 
     def close(self) -> None:
         if self.closed:
@@ -329,7 +333,7 @@ class ProposerSource(DraftSource):
                                      None, None if conf is None else conf[known : known + budget]))
         if not alive:
             self.best = None
-            self.link.stale += 1
+            self._count("stale", 1)
         if log.isEnabledFor(logging.DEBUG):  # once per step: no formatting unless asked
             log.debug("session %s: chunk base %d (+%d, %d alternatives) at %d committed: %s",
                       self.sid, c.base, len(c.tokens), len(c.alt_tokens), len(committed),
@@ -350,11 +354,11 @@ class ProposerSource(DraftSource):
         while not self.dropped and not self._extends(committed):
             left = deadline - time.monotonic()
             if left <= 0:
-                self.link.timeouts += 1
+                self._count("timeouts", 1)
                 self._fail("no draft extending the prefix within the forced wait")
                 return
             if not self.is_alive(self.link.node_id):
-                self.link.errors += 1
+                self._count("errors", 1)
                 self._drop("left the alive state while waited for")
                 return
             self._drain(min(left, self.policy.liveness_poll_s))
@@ -383,10 +387,10 @@ class ProposerSource(DraftSource):
                 self._on_stream(reply, timely)
             elif call in self.commits:
                 self._on_commit(call, reply)
-        garbage = self.client.dropped - self.garbage_seen
-        if garbage > 0:
-            self.garbage_seen = self.client.dropped
-            self.link.bad_replies += garbage
+        garbage = self.client.dropped - self.link.garbage_seen
+        if garbage > 0:  # counted once, by whichever generation of the batch read it
+            self.link.garbage_seen = self.client.dropped
+            self._count("bad_replies", garbage)
             self._fail(f"{garbage} undecodable replies")
         if self.stream is not None and self.stream.overflowed and not self.dropped:
             self._flood(f"{self.stream.overflowed} chunks past the reply queue")
@@ -395,19 +399,19 @@ class ProposerSource(DraftSource):
         if self.dropped or self.closed:
             return
         if isinstance(reply, BusError):
-            self.link.errors += 1
+            self._count("errors", 1)
             self._drop(f"draft stream failed: {reply}")
             return
         msg: Message = reply
         if msg.type == ErrorReply.TYPE:
-            self.link.errors += 1
+            self._count("errors", 1)
             self._drop(f"{msg.get('code')}: {msg.get('message')}")
             return
         if msg.type != DraftChunk.TYPE:
             if not msg.more:
                 self._drop(f"draft stream ended ({msg.type})")
             else:
-                self.link.bad_replies += 1
+                self._count("bad_replies", 1)
                 self._fail(f"unexpected {msg.type} in the draft stream")
             return
         try:
@@ -419,14 +423,14 @@ class ProposerSource(DraftSource):
               and (len(chunk.tokens) == 0 or int(chunk.tokens.max()) < self.vocab_size)
               and (not chunk.is_tree or int(chunk.alt_tokens.max()) < self.vocab_size))
         if not ok:
-            self.link.bad_replies += 1
+            self._count("bad_replies", 1)
             self._fail("malformed or impossible draft_chunk")
             return
         self.chunks_since_step += 1
         if self.chunks_since_step > self.policy.max_chunks_per_step:
             self._flood(f"{self.chunks_since_step} chunks within one step")
             return
-        self.link.chunks += 1
+        self._count("chunks", 1)
         self.failures = 0
         if self.best is None or chunk.base >= self.best.base:
             self.best = chunk  # fresher: it knows at least as much
@@ -440,13 +444,13 @@ class ProposerSource(DraftSource):
     def _on_commit(self, call: DirectCall, reply) -> None:
         sent = self.commits.pop(call)
         if isinstance(reply, RequestTimeout):
-            self.link.timeouts += 1
+            self._count("timeouts", 1)
             self._fail("commit push timed out")
         elif isinstance(reply, BusError):
-            self.link.errors += 1
+            self._count("errors", 1)
             self._fail(f"commit push failed: {reply}")
         elif reply.type == ErrorReply.TYPE:
-            self.link.errors += 1
+            self._count("errors", 1)
             code = reply.get("code")
             if code in _FATAL_CODES:
                 self._drop(f"{code}: {reply.get('message')}")
@@ -465,6 +469,11 @@ class ProposerSource(DraftSource):
         return int(min(p.max_horizon, max(p.min_horizon, want)))
 
     # -- helpers ------------------------------------------------------------------------------
+    def _count(self, key: str, n: int) -> None:
+        """Count on the link (kept across generations) and for this generation alone."""
+        setattr(self.link, key, getattr(self.link, key) + n)
+        self.counts[key] += n
+
     def _send(self, msg: Message, timeout: float | None) -> DirectCall | None:
         try:
             call = self.client.request(self.link.endpoint, msg, timeout=timeout)
@@ -472,12 +481,12 @@ class ProposerSource(DraftSource):
             return call
         except (ValueError, BusError) as exc:
             log.error("cannot send %s to %s: %s", msg.type, self.link.node_id, exc)
-            self.link.errors += 1
+            self._count("errors", 1)
             self._drop("send failed")
             return None
 
     def _flood(self, why: str) -> None:
-        self.link.flooded += 1
+        self._count("flooded", 1)
         self._drop(f"flooding: {why}")
         if self.stream is not None and not self.stream.done:
             self.client.cancel(self.stream)

@@ -275,3 +275,31 @@ def test_two_generations_on_one_link_each_get_their_own_chunks(host, scripted):
         assert not link.calls
     finally:
         link.close()
+
+
+def test_each_generation_counts_only_its_own_share_of_the_link(host, scripted):
+    """`done` stats name what the proposer did for that generation, not for its batch-mates
+    (the gateway adds them up per proposer); the link keeps the sum."""
+    policy = DraftPolicy()
+    link = ProposerLink("p1", host.server.endpoint, "scripted")
+    try:
+        client = link.direct(host.factory, "verifier", policy.max_queued)
+        srcs, reqs = [], []
+        for sid in ("sa", "sb"):
+            srcs.append(ProposerSource(link, client, PROMPT, SamplingParams(), session_id=sid,
+                                       vocab_size=VOCAB, fingerprint="fp", max_draft=8,
+                                       policy=policy))
+            reqs.append(scripted.streams.get(timeout=10))
+        a, b = srcs
+        scripted.chunk(reqs[0], 4, [5, 6, 7])
+        read_until(a, lambda: a.best is not None)
+        assert offered(a, PROMPT) == [5, 6, 7]
+        a.feedback(Feedback(committed=(5, 6, 9), committed_len=7, offered=3, accepted=2))
+        assert a.stats()["drafts"] == 1 and a.stats()["accepted"] == 2
+        assert a.stats()["chunks"] == 1 and a.stats()["acceptance"] == 0.6667
+        assert b.stats()["drafts"] == 0 and b.stats()["chunks"] == 0
+        assert link.drafts == 1 and link.chunks == 1
+        for src in srcs:
+            src.close()
+    finally:
+        link.close()
