@@ -29,6 +29,11 @@ class NodeStats:
     draft_tok_s: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # per wall s
     last_drafted: float | None = None  # the proposer's draft_tokens at the previous sample
     last_at: float = 0.0
+    #: a verifier's batch figures (mean batch, rows per forward, tokens per forward per
+    #: sequence) over the latest stats interval in which it stepped; before two samples, over
+    #: its whole life
+    batch: dict[str, float] | None = None
+    last_steps: tuple[float, ...] | None = None  # its (steps, stepped, rows, committed) then
 
 
 class ClusterView:
@@ -61,6 +66,7 @@ class ClusterView:
             if isinstance(v, dict):
                 ns.tok_s.append(float(v.get("tok_s") or 0.0))
                 ns.acceptance.append(float(v.get("acceptance") or 0.0))
+                _batch_figures(ns, v)
             if isinstance(p, dict):
                 # tokens drafted per second of wall time (from the counter's growth): what a
                 # proposer gives; its own `draft_tok_s` is its speed while drafting, which for an
@@ -100,7 +106,8 @@ class ClusterView:
                 return None
             return NodeStats(dict(ns.latest), ns.at, deque(ns.tok_s, HISTORY),
                              deque(ns.acceptance, HISTORY), deque(ns.draft_tok_s, HISTORY),
-                             ns.last_drafted, ns.last_at)
+                             ns.last_drafted, ns.last_at,
+                             None if ns.batch is None else dict(ns.batch), ns.last_steps)
 
     def snapshot(self) -> dict[str, Any]:
         """Everything, as one JSON-able object (`--once --json`)."""
@@ -110,6 +117,30 @@ class ClusterView:
             out.append({**member_fields(m), "node_id": m.node_id,
                         "stats": ns.latest if ns else {}})
         return {"members": out, "ts": time.time()}
+
+
+BATCH_COUNTERS = ("steps", "stepped", "rows", "committed")
+
+
+def _batch_figures(ns: NodeStats, v: dict[str, Any]) -> None:
+    """Update a verifier's batch figures from its cumulative step counters (issue 24):
+    sequences per step, positions fed per step (rows per forward) and tokens committed per
+    sequence per step. Over the growth since the previous sample when it stepped meanwhile
+    (what it does now), else kept; the first sample gives the means since it started."""
+    now = []
+    for key in BATCH_COUNTERS:
+        n = v.get(key)
+        if isinstance(n, bool) or not isinstance(n, int | float) or n < 0:
+            return  # an older verifier, or a malformed report: no figures
+        now.append(float(n))
+    prev = ns.last_steps
+    grew = now if prev is None or now[0] < prev[0] else [a - b for a, b in zip(
+        now, prev, strict=True)]  # a restarted verifier counts from 0 again
+    ns.last_steps = tuple(now)
+    steps, stepped, rows, committed = grew
+    if steps > 0 and stepped > 0:
+        ns.batch = {"mean_batch": stepped / steps, "rows_per_forward": rows / steps,
+                    "tokens_per_forward_per_seq": committed / stepped}
 
 
 def member_fields(m: Member) -> dict[str, Any]:
@@ -198,6 +229,8 @@ def role_lines(view: ClusterView) -> tuple[list[str], list[str], list[str]]:
                 f"{name:16} {v.get('tok_s', 0):6.1f} tok/s {speed} accept "
                 f"{v.get('acceptance', 0):4.2f} {accept} active {v.get('active', 0)} queued "
                 f"{v.get('queued', 0)} orphans {v.get('orphans_dropped', 0)}")
+            if "max_batch" in v:
+                verifiers.append(batch_line(v, ns.batch))
             links = v.get("proposers")
             for pid, ps in (links.items() if isinstance(links, dict) else ()):
                 if not isinstance(ps, dict):
@@ -227,6 +260,17 @@ def role_lines(view: ClusterView) -> tuple[list[str], list[str], list[str]]:
                 panel.append(line)
                 break
     return verifiers, proposers, gateways
+
+
+def batch_line(v: dict[str, Any], batch: dict[str, float] | None) -> str:
+    """A verifier's batch: running / --max-batch now, then per step lately (see
+    `_batch_figures`): sequences, rows fed (rows per forward), tokens committed per sequence."""
+    head = f"  batch {v.get('active', 0)}/{v.get('max_batch', 0)}"
+    if batch is None:
+        return f"{head}  (no steps yet)"
+    return (f"{head}  per step: sequences {batch['mean_batch']:5.2f}  rows/forward "
+            f"{batch['rows_per_forward']:6.1f}  tokens/forward/seq "
+            f"{batch['tokens_per_forward_per_seq']:5.2f}  steps {v.get('steps', 0)}")
 
 
 def render_text(view: ClusterView) -> str:

@@ -171,13 +171,30 @@ class GatewayMetrics:
                 ("steps", "steps", "Batched engine steps (verifier telemetry)"),
                 ("stepped", "stepped",
                  "Sequences those steps carried; stepped / steps is the mean batch size"),
-                ("rows", "rows", "Positions those steps fed; rows / steps per forward")):
+                ("rows", "rows", "Positions those steps fed; rows / steps per forward"),
+                ("committed", "committed",
+                 "Tokens those steps committed; committed / stepped per forward per sequence")):
             samples = []
             for i in names:  # alive ones only: a dead verifier's last report is stale
                 v = (self.telemetry.get(i) or {}).get("verifier")
                 n = _num(v.get(key)) if isinstance(v, dict) else None
                 if n is not None:
                     samples.append((vl(i), n))
+            yield family(f"specbus_verifier_{name}", "gauge", help_, vlabels, samples)
+        # the batch figures as ratios of those counters, since the verifier started
+        for name, num, den, help_ in (
+                ("batch_mean", "stepped", "steps", "Mean sequences per batched step"),
+                ("rows_per_forward", "rows", "steps", "Mean positions fed per batched step"),
+                ("tokens_per_forward_per_sequence", "committed", "stepped",
+                 "Mean tokens a sequence commits per step it is in (speculation's gain)")):
+            samples = []
+            for i in names:
+                v = (self.telemetry.get(i) or {}).get("verifier")
+                if not isinstance(v, dict):
+                    continue
+                a, b = _num(v.get(num)), _num(v.get(den))
+                if a is not None and b:
+                    samples.append((vl(i), a / b))
             yield family(f"specbus_verifier_{name}", "gauge", help_, vlabels, samples)
 
         pids = sorted(self.per_proposer)

@@ -83,7 +83,7 @@ class Roles:
                 "generations": v.stats.generations, "tokens": v.stats.tokens,
                 "tok_s": round(v.stats.last_tok_s, 3), "active": v.active, "queued": v.queued,
                 "max_batch": v.max_batch, "steps": v.stats.steps, "stepped": v.stats.stepped,
-                "rows": v.stats.rows,
+                "rows": v.stats.rows, "committed": v.stats.committed,
                 "acceptance": round(v.stats.last_acceptance, 4),
                 **v.admission.snapshot(),  # rejected_busy, orphans_dropped (I/O thread)
                 "proposers": dict(v.proposer_snapshot),

@@ -77,6 +77,8 @@ class VerifierStats:
     steps: int = 0  # batched engine steps (each one forward per engine in the batch)
     stepped: int = 0  # sequences those steps carried (stepped / steps: mean batch size)
     rows: int = 0  # positions those steps fed (prompts, pending tokens, draft nodes)
+    #: tokens those steps committed (committed / stepped: tokens per forward per sequence)
+    committed: int = 0
 
 
 @dataclass
@@ -320,6 +322,7 @@ class VerifierRole:
             self.stats.steps += 1
             self.stats.stepped += len(jobs)
             self.stats.rows += sum(block.fed for block in blocks)
+            self.stats.committed += sum(len(block.token_ids) for block in blocks)
             for job, block in zip(jobs, blocks, strict=True):
                 try:
                     self._deliver(job, block)

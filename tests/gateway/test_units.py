@@ -165,7 +165,7 @@ def test_prometheus_text_has_the_figures():
     m.count_done("v1", 5, 10, {"drafted": 8, "accepted": 6,
                                "proposers": {"p1": {"drafted": 8, "accepted": 6, "name": "ng"}}})
     m.on_stats("v1", {"verifier": {"active": 1, "queued": 2, "generations": 3, "steps": 4,
-                                   "stepped": 10, "rows": 25}})
+                                   "stepped": 10, "rows": 25, "committed": 15}})
     m.on_stats("p1", {"proposer": {"draft_tokens": 40, "drafts_served": 9}})
     text = m.render([info("v1")], {"v1": 1}).decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -183,6 +183,10 @@ def test_prometheus_text_has_the_figures():
     assert value("specbus_verifier_gateway_inflight", **v1) == 1
     assert value("specbus_verifier_stepped", **v1) == 10  # batching (issue 24)
     assert value("specbus_verifier_rows", **v1) == 25
+    assert value("specbus_verifier_committed", **v1) == 15
+    assert value("specbus_verifier_batch_mean", **v1) == 2.5
+    assert value("specbus_verifier_rows_per_forward", **v1) == 6.25
+    assert value("specbus_verifier_tokens_per_forward_per_sequence", **v1) == 1.5
     assert value("specbus_proposer_accepted_total", proposer="p1", name="ng") == 6
     assert value("specbus_proposer_telemetry", proposer="p1", figure="draft_tokens") == 40
 

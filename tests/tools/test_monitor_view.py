@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tools.monitor_view import rate_text
 
 
@@ -40,6 +42,9 @@ def test_panels_fit_120_columns_name_everyone_and_drop_departed_observers():
     for i in range(40):  # sparklines full, big numbers everywhere
         view.on_stats("v" * 12, {"verifier": {"tok_s": 12345.6, "acceptance": 0.91,
                                               "active": 1, "queued": 16, "orphans_dropped": 99,
+                                              "max_batch": 256, "steps": 10**7 + i,
+                                              "stepped": 256 * (10**7 + i),
+                                              "rows": 10**12 + i, "committed": 10**11,
                                               "proposers": {"p" * 12: long_name}},
                                  "cpu_percent": 100.0, "rss_bytes": 2**40})
         view.on_stats("p" * 12, {"proposer": {"sessions_open": 256, "drafts_served": 10**7,
@@ -50,7 +55,90 @@ def test_panels_fit_120_columns_name_everyone_and_drop_departed_observers():
         time.sleep(0.002)
     verifiers, proposers, gateways = role_lines(view)
     assert all(len(line) <= 110 for line in [*verifiers, *proposers, *gateways])
+    assert verifiers[1].startswith("  batch 1/256  per step: sequences")
     assert verifiers[0].startswith("verifier-with-a…") and proposers[0].startswith("p" * 12)
     assert gateways and "in flight" in gateways[0]
     assert "drafted" in proposers[0] and "tok/s" in proposers[0]
     assert "o" * 12 not in render_text(view)  # a departed observer is not listed
+
+
+def _verifier_stats(steps, stepped, rows, committed, active=0, max_batch=4):
+    return {"verifier": {"tok_s": 10.0, "acceptance": 0.5, "active": active, "queued": 0,
+                         "max_batch": max_batch, "steps": steps, "stepped": stepped,
+                         "rows": rows, "committed": committed}}
+
+
+def test_batch_figures_follow_the_latest_interval_it_stepped_in():
+    from tools.monitor_view import ClusterView, role_lines
+
+    view = ClusterView()
+    view.refresh([_member("v" * 12, "v", ("verifier",))])
+    view.on_stats("v" * 12, _verifier_stats(10, 20, 60, 30, active=2))  # since it started
+    assert view.stats("v" * 12).batch == {"mean_batch": 2.0, "rows_per_forward": 6.0,
+                                          "tokens_per_forward_per_seq": 1.5}
+    view.on_stats("v" * 12, _verifier_stats(14, 36, 100, 62, active=4))  # +4 steps, 16 seqs
+    batch = role_lines(view)[0][1]
+    assert batch == ("  batch 4/4  per step: sequences  4.00  rows/forward   10.0  "
+                     "tokens/forward/seq  2.00  steps 14")
+    view.on_stats("v" * 12, _verifier_stats(14, 36, 100, 62, active=0))  # idle: kept
+    assert "sequences  4.00" in role_lines(view)[0][1] and "batch 0/4" in role_lines(view)[0][1]
+    view.on_stats("v" * 12, _verifier_stats(1, 1, 9, 1, active=1))  # restarted: from 0 again
+    assert view.stats("v" * 12).batch["rows_per_forward"] == 9.0
+    view.on_stats("v" * 12, {"verifier": {"tok_s": 1.0, "steps": "x"}})  # no batch counters
+    assert len(role_lines(view)[0]) == 2  # the verifier's line and the cpu line, no batch line
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tmp_path_factory):
+    import torch
+
+    from nodes import models
+    from nodes.backends.torch_backend import TorchBackend
+    from tests.engine.conftest import build_tiny
+
+    torch.set_num_threads(1)
+    folder = tmp_path_factory.mktemp("tiny")
+    build_tiny(folder, models.resolve(models.DEFAULT_MODEL).path, seed=0)
+    return TorchBackend.load(str(folder), device="cpu")
+
+
+def test_batch_figures_render_from_a_real_verifier_telemetry_snapshot(tiny_backend):
+    """A batching verifier role (tiny random model, its own n-gram drafter) serves four
+    requests at once; what its node would publish (`Roles.telemetry`) renders as the
+    monitor's batch line, with the figures its counters give."""
+    from bus.loop import IOLoop
+    from bus.sockets import SocketFactory
+    from codec.messages import make
+    from nodes.drafters.ngram import NgramDrafter
+    from nodes.engine.core import Engine
+    from nodes.roles.assemble import Roles
+    from nodes.roles.verifier import VerifierRole
+    from tests.nodes.conftest import BusHost
+    from tools.monitor_view import ClusterView, render_text, role_lines
+
+    loop = IOLoop(name="monitor-test-io").start()
+    role = VerifierRole(Engine(tiny_backend, NgramDrafter(), max_draft=4), max_batch=4)
+    try:
+        host = BusHost(loop, SocketFactory())
+        role.attach(host)
+        prompt = "Copy this: one two three four, one two three four, one two three four"
+        calls = [host.client.request(host.server.endpoint,
+                                     make("generate_req", prompt=prompt, max_tokens=12 + i),
+                                     timeout=120) for i in range(4)]
+        for call in calls:
+            call.result(120)
+        stats = Roles(verifier=role).telemetry()
+    finally:
+        role.close()
+        loop.stop()
+    v = stats["verifier"]
+    assert v["max_batch"] == 4 and v["steps"] > 0 and v["generations"] == 4
+    assert v["committed"] == v["tokens"] > 0  # every token committed in a step, streamed once
+    view = ClusterView()
+    view.refresh([_member("v" * 12, "v", ("verifier",))])
+    view.on_stats("v" * 12, {**stats, "cpu_percent": 1.0, "rss_bytes": 2**20})
+    line = role_lines(view)[0][1]
+    assert line == (f"  batch 0/4  per step: sequences {v['stepped'] / v['steps']:5.2f}  "
+                    f"rows/forward {v['rows'] / v['steps']:6.1f}  tokens/forward/seq "
+                    f"{v['committed'] / v['stepped']:5.2f}  steps {v['steps']}")
+    assert line in render_text(view)  # the `--once` snapshot; the TUI shows role_lines too
