@@ -18,7 +18,7 @@ Where the kill landed is checked, not assumed: a sequence still running when the
 learns that the proposer is gone drops it (`dropped` in its `done` stats) and decodes on its
 own. The kill comes at the streams' first multi-token blocks (about 20 tokens in, 100+ still
 to go; here the first `done` came about 10 s after the kill), so all four are in the batch
-then. Measured: about 55 s in all, most of it the model's load and the four solo runs.
+then. Measured: 50-85 s in all (2 shared cores), most of it the model's load and the solo runs.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import pytest
 from nodes.cluster_client import ClusterError, GenerateRequest
 from nodes.telemetry import StatsWatcher
 from tests.nodes.conftest import client_of, one_verifier
+from tools.monitor_view import ClusterView, role_lines
 from tools.prompts import INPUT_GROUNDED, PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -135,3 +136,10 @@ def test_proposer_killed_under_four_batched_sequences_changes_no_output(cluster,
                          timeout=60)
     steps, stepped = (after[k] - before[k] for k in ("steps", "stepped"))
     assert stepped > steps > 0, (before, after)
+    # the monitor shows it from the gossiped stats: more than one sequence per step since start
+    view = ClusterView()
+    view.refresh(client.node.membership.members(include_self=False))
+    view.on_stats(verifier.node_id, watcher.latest(verifier.node_id))
+    line = next(li for li in role_lines(view)[0] if li.startswith("  batch "))
+    assert line.startswith("  batch 0/4  per step: sequences ")
+    assert float(line.split("sequences")[1].split()[0]) > 1.0, line
