@@ -27,7 +27,7 @@ from codec.checks import EMPTY_TOKENS
 from codec.envelope import Message
 from codec.errors import BadRequest, UnknownType
 from codec.sampling import SamplingParams
-from codec.schema import INT, LIST
+from codec.schema import INT, LIST, STR
 
 DEFAULT_MAX_TOKENS = 128
 MAX_TOKENS = 1 << 20  # absurd beyond this whatever the model; nodes apply their context too
@@ -43,6 +43,7 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token with their log probabilities (Op
 MAX_PUB_TOKENS = 8192  # tokens one publication carries (a longer generation sends its end)
 MAX_SNAPSHOT_TOKENS = 1 << 18  # tokens one snapshot reply carries (1 MiB of int32)
 MAX_SNAPSHOT_DOCS = 4096
+PROMPT_HASH_CHARS = 32  # a publication's keyed prompt hash: 16 bytes, lowercase hex
 FORCE = "force"
 
 
@@ -243,17 +244,30 @@ class SessionClose(wire.Struct):
 
 
 # -- the shared suffix index (gossip topic specbus-suffix/<cluster>/, and a request) -------------
+def _prompt_hash(name: str, v: Any) -> str:
+    """A keyed prompt hash: PROMPT_HASH_CHARS lowercase hex digits ("" where a snapshot's
+    document has none is checked by the snapshot)."""
+    v = checks.text(name, v)
+    if len(v) != PROMPT_HASH_CHARS or v.strip("0123456789abcdef"):
+        raise BadRequest(name, f"must be {PROMPT_HASH_CHARS} lowercase hex digits, got "
+                               f"{checks.shown(repr(v))}")
+    return v
+
+
 @wire.message("suffix_pub", eq=False)
 class SuffixPub(wire.Struct):
     """A verifier's finished generation for the cluster's suffix drafters: its token ids, the
     prompt first only when the verifier shares prompts (`output_start` is where the output
     begins; 0 when only the output is sent). `tokenizer` is the verifier's fingerprint: ids
-    mean something only for the same tokenizer."""
+    mean something only for the same tokenizer. `prompt_hash`: a keyed hash of the prompt's
+    token ids (sent with or without the prompt, when the whole output is in `tokens`), so a
+    suffix drafter drafts the whole answer for the same prompt asked again."""
 
     cluster: str = wire.text(blank=False)
     tokenizer: str = wire.text(blank=False)
     tokens: np.ndarray = wire.token_ids(blank=False, most=MAX_PUB_TOKENS)
     output_start: int = wire.integer(0, MAX_PUB_TOKENS, default=0, required=True)
+    prompt_hash: str | None = wire.custom(STR, _prompt_hash, str, default=None)
 
     def _cross_check(self) -> None:
         checks.int_in("output_start", self.output_start, 0, len(self.tokens) - 1)
@@ -270,18 +284,28 @@ class SuffixSnapshotReq(wire.Struct):
 @wire.message("suffix_snapshot", eq=False)
 class SuffixSnapshot(wire.Struct):
     """Reply to suffix_snapshot_req: recent publications, their tokens concatenated, with each
-    one's length and output start (`docs` reads them back one by one)."""
+    one's length and output start (`docs` reads them back one by one), and each one's
+    `prompt_hash` ("" for none) when any has one."""
 
     tokenizer: str = wire.text(blank=False)
     tokens: np.ndarray = wire.token_ids(most=MAX_SNAPSHOT_TOKENS)
     lengths: np.ndarray = wire.indices(1)
     starts: np.ndarray = wire.indices(0)
+    prompt_hashes: tuple[str, ...] | None = wire.strings(
+        MAX_SNAPSHOT_DOCS, chars=(0, PROMPT_HASH_CHARS), default=None)
 
     def _cross_check(self) -> None:
         lengths, starts = self.lengths, self.starts
         if lengths.shape != starts.shape or len(lengths) > MAX_SNAPSHOT_DOCS:
             raise BadRequest("lengths", f"lengths and starts must be two lists of one size, at "
                              f"most {MAX_SNAPSHOT_DOCS}")
+        hashes = self.prompt_hashes
+        if hashes is not None:
+            if len(hashes) != len(lengths):
+                raise BadRequest("prompt_hashes", "must have one entry per document")
+            for i, h in enumerate(hashes):
+                if h:
+                    _prompt_hash(f"prompt_hashes[{i}]", h)
         if int(lengths.sum()) != len(self.tokens):
             raise BadRequest("lengths", "the lengths must add up to the tokens")
         late = np.nonzero(starts >= lengths)[0]
@@ -291,13 +315,17 @@ class SuffixSnapshot(wire.Struct):
                              f"got {int(starts[i])}")
 
     @classmethod
-    def of(cls, tokenizer: str, docs: tuple[tuple[Any, int], ...]) -> SuffixSnapshot:
-        """The snapshot of (tokens, output_start) documents."""
+    def of(cls, tokenizer: str, docs: tuple[tuple[Any, int], ...],
+           hashes: tuple[str | None, ...] | None = None) -> SuffixSnapshot:
+        """The snapshot of (tokens, output_start) documents, with their prompt hashes (None
+        or "" for a document without one)."""
         arrays = [np.asarray(t) for t, _ in docs]
         tokens = (np.concatenate([a.astype(np.int32, copy=False) for a in arrays]) if docs
                   else EMPTY_TOKENS)
+        given = tuple(h or "" for h in hashes) if hashes is not None else ()
         return cls(tokenizer, tokens, np.asarray([len(a) for a in arrays], dtype=np.int32),
-                   np.asarray([st for _, st in docs], dtype=np.int32))
+                   np.asarray([st for _, st in docs], dtype=np.int32),
+                   given if any(given) else None)
 
     @property
     def docs(self) -> tuple[tuple[np.ndarray, int], ...]:
