@@ -26,6 +26,16 @@ token each, against a 28 ms plain step).
 Verify cost is learnt per fed-token count (it is strongly sublinear on CPU), draft cost per
 drafted token and per source; both belong to the backend, device and drafter and are kept
 across generations.
+
+A source's acceptance starts each generation from its record, never below the prior: a
+long-run estimate per source (counts decayed by `_LONG_DECAY` per block, kept across
+generations and shared by forks like the costs) seeds the new generation's estimate with the
+prior's weight, so a source that has been right (a suffix drafter serving exact repeats, a
+drafter that is the model's own copy) is asked for its large budget from the first step,
+while the new prompt's first blocks soon outweigh the seed (one wrong long draft halves it).
+A source with a poor record starts at the prior, as every source did before: a prompt it
+helps with (one that copies its input) is not held back by the ones before, and one it does
+not help with turns it down within a few steps, as before.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _DECAY = 0.7  # weight of history per block: acceptance comes in phases (copying or not)
+#: the same for a source's long-run estimate, kept across generations (~10 blocks of memory)
+_LONG_DECAY = 0.9
 _EMA = 0.3
 #: the source key of callers that do not name one (a single drafter)
 POOLED = ""
@@ -83,17 +95,22 @@ class CostModel:
     _delivered: dict[str, float] = field(default_factory=dict)
     #: source -> this generation's acceptance and probing state
     _sources: dict[str, _SourceEstimate] = field(default_factory=dict)
+    #: source -> [accepted, trials] over every generation (decayed): a new generation's
+    #: starting point; a dict so forks share it
+    _longrun: dict[str, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.start_generation()
 
     def start_generation(self) -> None:
-        """Forget acceptance (it belongs to the previous prompt); keep the learnt costs."""
+        """Restart acceptance (it belongs to the previous prompt) from each source's record
+        (`_source`); keep the learnt costs."""
         self._sources = {}
 
     def fork(self) -> CostModel:
-        """A per-sequence model: fresh acceptance; verify and draft costs shared with this one
-        (they belong to the backend, device and drafter, not to a prompt)."""
+        """A per-sequence model: fresh acceptance (seeded from each source's record); verify
+        and draft costs and the records shared with this one (they belong to the backend,
+        device and drafter, not to a prompt)."""
         other = type(self)(
             max_k=self.max_k, min_k=self.min_k, probe_every=self.probe_every,
             max_probe_every=self.max_probe_every, prior_acceptance=self.prior_acceptance,
@@ -103,17 +120,27 @@ class CostModel:
         other._verify = self._verify
         other._draft = self._draft
         other._delivered = self._delivered
+        other._longrun = self._longrun
         return other
 
     # ---- estimates --------------------------------------------------------------------------
     def _source(self, name: str) -> _SourceEstimate:
         est = self._sources.get(name)
         if est is None:
-            # the prior is decayed like any observation, so evidence soon outweighs it
-            est = _SourceEstimate(self.prior_acceptance * self.prior_weight, self.prior_weight,
-                                  self.probe_every)
+            # the seed is decayed like any observation, so evidence soon outweighs it
+            est = _SourceEstimate(self.start_acceptance(name) * self.prior_weight,
+                                  self.prior_weight, self.probe_every)
             self._sources[name] = est
         return est
+
+    def start_acceptance(self, name: str = POOLED) -> float:
+        """Where `name`'s acceptance starts a generation: its long-run estimate over earlier
+        generations, never below the prior (a poor record must not hold back a prompt the
+        source helps with: it is turned down within a few steps where it does not)."""
+        rec = self._longrun.get(name)
+        if rec is None or rec[1] <= 0:
+            return self.prior_acceptance
+        return max(self.prior_acceptance, rec[0] / rec[1])
 
     def acceptance_of(self, name: str = POOLED) -> float:
         """Estimated probability that `name`'s next draft token is accepted."""
@@ -279,3 +306,6 @@ class CostModel:
         trials = accepted + (1 if accepted < drafted else 0)
         est.acc = _DECAY * est.acc + accepted
         est.trials = _DECAY * est.trials + trials
+        rec = self._longrun.setdefault(name, [0.0, 0.0])
+        rec[0] = _LONG_DECAY * rec[0] + accepted
+        rec[1] = _LONG_DECAY * rec[1] + trials

@@ -52,7 +52,7 @@ def test_expensive_drafter_is_turned_down():
     assert sum(1 for k in ks if k) < 20
 
 
-def test_new_generation_forgets_acceptance_keeps_costs():
+def test_new_generation_restarts_a_poor_record_at_the_prior_keeps_costs():
     c = CostModel(max_k=16)
     feed(c, lambda n: 0.05 + 0.002 * n, lambda i: False, blocks=50)
     assert c.acceptance < 0.05
@@ -201,3 +201,47 @@ def test_a_wait_counts_on_what_the_source_brought_after_earlier_waits():
         flat.record_acceptance(8, 8, "fast")
     assert flat.delivered("fast", 16) == 1
     assert flat.wait_pays("fast", 16, 0.001)
+
+
+# ---- acceptance across generations ---------------------------------------------------------------
+def one_generation(c, name, accept, steps=12):
+    """A generation on a fork of `c`: the budgets asked for, `accept(k)` of each right."""
+    f = c.fork()
+    ks = []
+    for _ in range(steps):
+        k = f.choose_k(name)
+        ks.append(k)
+        if k:
+            f.record_acceptance(k, accept(k), name)
+    return ks
+
+
+def test_a_source_right_so_far_gets_its_whole_budget_from_the_first_step():
+    c = seeded()
+    first = one_generation(c, "suffix", lambda k: k)
+    assert first[0] < 6  # a source without a record starts from the prior and ramps
+    for _ in range(2):
+        ks = one_generation(c, "suffix", lambda k: k)
+        assert ks[0] == c.max_k, ks  # its record: the large budget at once
+    assert c.fork().choose_k("other") == first[0]  # records are per source
+
+
+def test_a_source_that_never_helps_is_still_asked_for_little():
+    """A poor record never starts a generation below the prior (a prompt the source copies
+    from must not be held back), and the source is turned down as fast as a new one."""
+    c = seeded()
+    fresh = one_generation(c.fork(), "bad", lambda k: 0, steps=40)
+    for _ in range(3):
+        ks = one_generation(c, "bad", lambda k: 0, steps=40)
+    assert c.start_acceptance("bad") == c.prior_acceptance
+    assert ks == fresh and sum(ks) <= 40  # a few small tries and rare probes
+
+
+def test_the_new_prompt_soon_outweighs_a_good_record():
+    c = seeded()
+    for _ in range(3):
+        one_generation(c, "suffix", lambda k: k)
+    f = c.fork()
+    assert f.choose_k("suffix") == c.max_k
+    f.record_acceptance(c.max_k, 0, "suffix")  # the whole draft wrong: open-ended text
+    assert f.acceptance_of("suffix") < 0.6 and f.choose_k("suffix") <= 4
