@@ -21,7 +21,16 @@ budget; from the session's own text up to the budget by default (`local_factor=0
 ngram drafter, because an answer that copies its prompt does so in runs that a short match
 starts. A path from the global index stops where its probability falls under `min_prob`.
 
-The session's text enters the global index when the session closes. In a proposer that is the
+An exact repeat comes first: a session whose prompt's keyed hash (`GlobalIndex.prompt_digest`)
+files an earlier answer, and whose output so far is that answer's prefix, drafts the answer's
+continuation from the current position, to the budget (the engine's max draft length, or a
+proposer's horizon), as one chain with conf 1 where the filed answers agree
+(`GlobalIndex.repeat`). The position is the session's output length, so it follows commits,
+drafts assumed ahead and rollbacks alike; once the output leaves every filed answer, drafting
+falls back to suffix matching as above.
+
+The session's text enters the global index when the session closes (filed under its prompt's
+hash). In a proposer that is the
 committed text plus the few tokens it drafted ahead past the verifier's last commit (the role
 does not say which were confirmed); those are copies of indexed text, so they only add weight to
 a continuation the index already has.
@@ -189,12 +198,16 @@ class SuffixSession(DraftSession):
         self.prompt_len = len(prompt_ids)
         self.local = LocalIndex(prompt_ids)
         self.closed = False
+        #: the prompt's keyed hash (`GlobalIndex.prompt_digest`): finds an earlier answer to it
+        self.prompt_hash = drafter.index.prompt_digest(prompt_ids) if prompt_ids else None
 
     def extend(self, delta: Sequence[int]) -> None:
         self.local.extend(delta)
 
     def truncate(self, length: int) -> None:
         self.local.truncate(max(length, 0))
+        if len(self.local.tokens) < self.prompt_len:  # the prompt itself changed
+            self.prompt_hash = None
         self.prompt_len = min(self.prompt_len, len(self.local.tokens))
 
     def _global_context(self) -> list[int]:
@@ -211,8 +224,12 @@ class SuffixSession(DraftSession):
         (both, counted together, on a tie)."""
         if k <= 0 or not self.local.tokens:
             return TreeDraft([], [], [])
-        local = self.local.match(self.local.tokens)
         index = self.drafter.index
+        if self.prompt_hash is not None and index.by_prompt:
+            again = index.repeat(self.prompt_hash, self.local.tokens[self.prompt_len :], k)
+            if again is not None:  # the same prompt answered before: its continuation
+                return TreeDraft(*again, [])
+        local = self.local.match(self.local.tokens)
         glob = index.lookup(self._global_context()) if index.docs else Match(0, [], [])
         m = max(local.length, glob.length)
         if m == 0:
@@ -284,7 +301,8 @@ class SuffixSession(DraftSession):
         if self.closed:
             return
         self.closed = True
-        if self.drafter.index.add(self.local.tokens, self.prompt_len, self.opts.prompts):
+        if self.drafter.index.add(self.local.tokens, self.prompt_len, self.opts.prompts,
+                                  self.prompt_hash):
             log.debug("suffix index: +%d output tokens, %s", len(self.local.tokens)
                       - self.prompt_len, self.drafter.index.stats())
 

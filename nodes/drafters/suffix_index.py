@@ -24,6 +24,12 @@ Token ids are non-negative; two markers sit in the global buffer: `SEP` between 
 match crosses it) and `START` where an output begins (a match may run through it, so a new
 output's first tokens find earlier outputs that began the same way, even when prompts are not
 indexed; nothing is ever drafted past a marker).
+
+Exact repeats: a document may be filed under keyed hashes of the prompt it answered
+(`prompt_digest`; a verifier's publication carries one even when the prompt itself is not
+shared). `GlobalIndex.repeat` answers "this prompt was answered before and the answer so far
+is its prefix: what comes next?", so the same question asked again is drafted whole, however
+far into the answer it is, without matching suffixes at all.
 """
 
 from __future__ import annotations
@@ -60,11 +66,24 @@ LOW_WATER = 0.8
 DOC_OVERHEAD = 240
 #: the largest token id the int32 buffer stores
 MAX_ID = 2**31 - 1
+#: the key of prompt hashes outside a cluster (an in-process engine's own drafter); a node
+#: uses its cluster's (nodes/roles/suffix_share.py: `prompt_key`)
+LOCAL_PROMPT_KEY = b"specbus suffix prompt v1 (in process)"
+#: documents filed under one prompt hash (most recent first): answers of different lengths
+#: or sampled ones
+MAX_PER_PROMPT = 4
 
 _P = 0x100000001B3  # FNV-64 prime: the polynomial hash's multiplier
 _C = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads the polynomial hash over the table bits
 _M = (1 << 64) - 1
 _OFF = 3  # token + 3 > 0 for the markers too
+
+
+def prompt_digest(key: bytes, prompt_ids: Sequence[int]) -> str:
+    """The keyed hash of a prompt's token ids that publications carry: BLAKE2b-128 keyed with
+    `key` (at most 64 bytes) over the ids as little-endian int64, in lowercase hex."""
+    ids = np.asarray(prompt_ids, dtype="<i8").tobytes()
+    return hashlib.blake2b(ids, key=key, digest_size=16).hexdigest()
 
 
 def poly_hash(window: Sequence[int]) -> int:
@@ -188,6 +207,8 @@ class _Doc:
     key: bytes  # content digest: a document written again adds weight, not bytes
     weight: float = 1.0
     used: int = 0  # the index clock when it was last inserted or drafted from
+    out: int = -1  # offset of the first output token from `start` (-1: its start was cut)
+    hashes: list[str] | None = None  # the prompt hashes it is filed under
 
 
 class GlobalIndex(_ChainIndex):
@@ -206,6 +227,8 @@ class GlobalIndex(_ChainIndex):
         self.clock = 0
         self.evicted = 0  # documents evicted so far
         self.weight_total = 0.0
+        self.prompt_key = LOCAL_PROMPT_KEY  # a node sets its cluster's
+        self.by_prompt: dict[str, list[_Doc]] = {}  # prompt hash -> documents, newest first
         self._reset(array("i", [SEP]))
 
     # -- building --------------------------------------------------------------------------
@@ -239,10 +262,16 @@ class GlobalIndex(_ChainIndex):
             del head, prev  # release the buffers before the arrays grow again
         del buf
 
-    def add(self, tokens: Sequence[int], output_start: int, share_prompt: bool = False) -> bool:
+    def prompt_digest(self, prompt_ids: Sequence[int]) -> str:
+        """This index's hash of a prompt (`prompt_digest` with its key)."""
+        return prompt_digest(self.prompt_key, prompt_ids)
+
+    def add(self, tokens: Sequence[int], output_start: int, share_prompt: bool = False,
+            prompt_hash: str | None = None) -> bool:
         """Index a finished generation: `tokens` = prompt + output, the output from
-        `output_start`. The prompt goes in only with `share_prompt`. Returns False when there
-        was nothing to index (no output)."""
+        `output_start`. The prompt goes in only with `share_prompt`. With `prompt_hash` (the
+        prompt's `prompt_digest`) the document is filed under it for `repeat`, when its whole
+        output is kept. Returns False when there was nothing to index (no output)."""
         output = [int(t) for t in tokens[output_start:]]
         if not output:
             return False
@@ -254,7 +283,9 @@ class GlobalIndex(_ChainIndex):
             return False
         per_token = 4 * (1 + 2 * len(self.levels))  # buffer, prev, and heads sized to tokens
         cap = max(int(self.budget * LOW_WATER / 2) // per_token, 2)
+        out = len(prompt) + 1  # where the output begins in `doc`
         if len(doc) + 1 > cap:  # bigger than half the budget: keep the end of it
+            out -= len(doc) + 1 - cap  # < 1: the output's start is gone (no repeats)
             doc = doc[len(doc) + 1 - cap :]
         key = hashlib.blake2b(np.asarray(doc, dtype=np.int32).tobytes(), digest_size=16).digest()
         with self.lock:
@@ -264,13 +295,17 @@ class GlobalIndex(_ChainIndex):
                 old.weight += 1.0
                 old.used = self.clock
                 self.weight_total += 1.0
+                if prompt_hash and old.out >= 1:
+                    self._file(old, prompt_hash)
                 return True
             start = len(self.tokens)
             self.tokens.extend(doc)
             self.tokens.append(SEP)
             for prev in self.prev:
                 prev.extend(array("i", [-1]) * (len(doc) + 1))
-            d = _Doc(start, len(self.tokens), key, 1.0, self.clock)
+            d = _Doc(start, len(self.tokens), key, 1.0, self.clock, out if out >= 1 else -1)
+            if prompt_hash and d.out >= 1:
+                self._file(d, prompt_hash)
             self.docs.append(d)
             self.starts.append(start)
             self.by_key[key] = d
@@ -311,11 +346,77 @@ class GlobalIndex(_ChainIndex):
             if id(d) in dropped:
                 del self.by_key[d.key]
                 self.weight_total -= d.weight
+                self._unfile(d)
         self.docs = live
         self.starts = [d.start for d in live]
         self._reset(fresh)
         log.debug("suffix index: evicted to %d documents, %d tokens, %d bytes",
                   len(self.docs), len(self.tokens), self.nbytes())
+
+    def _file(self, d: _Doc, prompt_hash: str) -> None:
+        """File `d` first under `prompt_hash` (lock held); the oldest beyond MAX_PER_PROMPT
+        lose that entry."""
+        docs = self.by_prompt.setdefault(prompt_hash, [])
+        if d in docs:
+            docs.remove(d)
+        docs.insert(0, d)
+        if d.hashes is None:
+            d.hashes = []
+        if prompt_hash not in d.hashes:
+            d.hashes.append(prompt_hash)
+        for old in docs[MAX_PER_PROMPT:]:
+            old.hashes.remove(prompt_hash)
+        del docs[MAX_PER_PROMPT:]
+
+    def _unfile(self, d: _Doc) -> None:
+        for h in d.hashes or ():
+            docs = self.by_prompt.get(h, [])
+            if d in docs:
+                docs.remove(d)
+            if not docs:
+                self.by_prompt.pop(h, None)
+        d.hashes = None
+
+    def repeat(self, prompt_hash: str, output: Sequence[int],
+               n: int) -> tuple[list[int], list[float]] | None:
+        """The same prompt answered before: the continuation, up to n tokens, of the most
+        recent document filed under `prompt_hash` whose output begins with `output` (the
+        answer so far) and goes on past it, with each token's share (by weight) of the filed
+        documents that agree with it so far among those whose text goes on that far; None
+        when no filed document does (the answer diverged, or ended)."""
+        if n <= 0 or prompt_hash not in self.by_prompt:
+            return None
+        try:
+            so_far = array("i", output)
+        except OverflowError:  # ids no int32 buffer holds: nothing indexed matches them
+            return None
+        m = len(so_far)
+        with self.lock:
+            conts: list[list[int]] = []
+            weights: list[float] = []
+            chosen = None
+            for d in self.by_prompt.get(prompt_hash, ()):
+                o = d.start + d.out
+                end = d.end - 1  # the document's trailing SEP
+                if o + m > end or self.tokens[o : o + m] != so_far:
+                    continue
+                cont = self.tokens[o + m : min(o + m + n, end)].tolist()
+                if cont and chosen is None:
+                    chosen = d
+                conts.append(cont)
+                weights.append(d.weight)
+            if chosen is None:
+                return None
+            self.clock += 1
+            chosen.used = self.clock
+        first = conts[[i for i, c in enumerate(conts) if c][0]]
+        agree = list(range(len(conts)))
+        conf: list[float] = []
+        for depth, tok in enumerate(first):
+            on = [i for i in agree if len(conts[i]) > depth]
+            agree = [i for i in on if conts[i][depth] == tok]
+            conf.append(sum(weights[i] for i in agree) / sum(weights[i] for i in on))
+        return first, conf
 
     def _projected(self, ntokens: int, ndocs: int) -> int:
         """`nbytes` of an index rebuilt over `ntokens` buffer tokens (`_reset`'s head size)."""
@@ -410,7 +511,8 @@ class GlobalIndex(_ChainIndex):
     def stats(self) -> dict:
         with self.lock:
             return {"documents": len(self.docs), "tokens": len(self.tokens),
-                    "bytes": self.nbytes(), "budget": self.budget, "evicted": self.evicted}
+                    "bytes": self.nbytes(), "budget": self.budget, "evicted": self.evicted,
+                    "prompts": len(self.by_prompt)}
 
 
 def _bucket_array(seg: np.ndarray, n: int, bits: int) -> np.ndarray:

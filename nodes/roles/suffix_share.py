@@ -18,6 +18,13 @@ yesterday is not there when another verifier gets the same question. So:
   index's own byte budget bounds its memory whatever arrives (sender ids can be forged, so
   per-sender rates alone bound nothing).
 
+Every publication also carries `prompt_hash`, a keyed hash of the prompt's token ids (with or
+without `--share-prompts`; not when a long output was cut), and snapshots carry each document's:
+a suffix proposer files the answer under it and drafts it whole when the same prompt is asked
+again (`GlobalIndex.repeat`). The key (`prompt_key`) comes from the cluster secret when the
+cluster has one, else from the cluster name: then anyone who reads the publication can test
+guesses of the prompt (docs/security.md).
+
 Publications travel like all gossip: with a cluster secret, under CURVE and the gossip MAC, so
 only members read them (docs/security.md).
 """
@@ -32,6 +39,7 @@ import time
 
 import numpy as np
 
+from bus.security import hkdf_sha256
 from bus.streams import BusError, Call, Request
 from codec.errors import CodecError
 from codec.messages import Message
@@ -43,6 +51,7 @@ from codec.structs import (
     SuffixSnapshotReq,
 )
 from discovery.counters import Counters
+from nodes.drafters.suffix_index import prompt_digest
 from nodes.roles.admission import TokenBucket
 
 log = logging.getLogger(__name__)
@@ -56,8 +65,22 @@ SUBSCRIBER_COUNTERS = ("malformed", "foreign", "rate_limited", "queue_full", "sn
 QUEUE_DOCS = 256  # publications (or snapshots) waiting to be indexed
 
 
+_PROMPT_LABEL = b"specbus suffix prompt hash v1"
+
+
 def share_topic(cluster: str) -> str:
     return f"specbus-suffix/{cluster}/"
+
+
+def prompt_key(node) -> bytes:
+    """The key of the cluster's prompt hashes: derived from the cluster secret (through the
+    gossip MAC key, which only members hold) when the cluster is secured, else from the cluster
+    name, which every reader of a publication knows (the hash then hides a prompt only as well
+    as the prompt resists guessing: docs/security.md)."""
+    security = getattr(node, "security", None)
+    if security is not None:
+        return hkdf_sha256(security.gossip_key, _PROMPT_LABEL)
+    return hkdf_sha256(node.config.cluster.encode("utf-8"), _PROMPT_LABEL + b" (no secret)")
 
 
 class Publisher:
@@ -70,14 +93,16 @@ class Publisher:
         self.tokenizer = tokenizer
         self._node = None
         self._lock = threading.Lock()  # the ring: appended by the compute thread, read on I/O
-        self._ring: collections.deque[tuple[np.ndarray, int]] = collections.deque()
+        self._ring: collections.deque[tuple[np.ndarray, int, str | None]] = collections.deque()
         self._ring_tokens = 0
         self._bucket = TokenBucket(PUB_RATE, PUB_BURST, time.monotonic())
         self.published = 0  # compute thread
         self.skipped = 0  # over the rate (compute thread)
+        self._key: bytes | None = None
 
     def attach(self, node) -> None:
         self._node = node
+        self._key = prompt_key(node)
         node.register_request("suffix_snapshot_req", self._serve_snapshot)
 
     def publish(self, prompt_ids: list[int], output_ids: list[int]) -> None:
@@ -91,25 +116,30 @@ class Publisher:
         prompt = prompt_ids if self.mode == "prompts" else []
         tokens = np.asarray([*prompt, *output_ids], dtype=np.int32)
         start = len(prompt)
+        whole = True  # the whole output goes out: a repeat of the prompt can be drafted whole
         if len(tokens) > MAX_PUB_TOKENS:  # keep the end: the output, and what leads into it
             cut = len(tokens) - MAX_PUB_TOKENS
+            whole = cut <= start
             tokens, start = tokens[cut:], max(start - cut, 0)
+        digest = prompt_digest(self._key, prompt_ids) if whole and prompt_ids else None
         cluster = node.config.cluster
-        msg = SuffixPub(cluster, self.tokenizer, tokens, start).to_message(sender=node.node_id)
+        msg = SuffixPub(cluster, self.tokenizer, tokens, start, digest).to_message(
+            sender=node.node_id)
         node.gossip.publish(share_topic(cluster), msg)
         self.published += 1
         with self._lock:
-            self._ring.append((tokens, start))
+            self._ring.append((tokens, start, digest))
             self._ring_tokens += len(tokens)
             while self._ring_tokens > RING_TOKENS:
-                old, _ = self._ring.popleft()
+                old, _, _ = self._ring.popleft()
                 self._ring_tokens -= len(old)
 
     def _serve_snapshot(self, req: Request) -> None:
         """I/O thread: the recent publications, newest kept when they do not all fit."""
         with self._lock:
             docs = list(self._ring)[-4096:]
-        req.reply(SuffixSnapshot.of(self.tokenizer, tuple(docs)).to_message())
+        req.reply(SuffixSnapshot.of(self.tokenizer, tuple((t, st) for t, st, _ in docs),
+                                    tuple(h for _, _, h in docs)).to_message())
 
 
 class Subscriber:
@@ -121,7 +151,8 @@ class Subscriber:
     """
 
     def __init__(self, index) -> None:
-        self.index = index  # has add(tokens, output_start, share_prompt) and its own lock
+        #: has add(tokens, output_start, share_prompt, prompt_hash), its own lock, prompt_key
+        self.index = index
         self.tokenizer: str | None = None  # pinned to the first fingerprint heard
         self._node = None
         self._buckets: collections.OrderedDict[str, TokenBucket] = collections.OrderedDict()
@@ -134,6 +165,7 @@ class Subscriber:
 
     def attach(self, node) -> None:
         self._node = node
+        self.index.prompt_key = prompt_key(node)  # the verifiers' key: their hashes match ours
         self.counters = Counters(SUBSCRIBER_COUNTERS, is_owner=node.loop.in_loop)
         node.register_gossip("suffix_pub", self._on_pub)
         self._thread.start()
@@ -148,9 +180,10 @@ class Subscriber:
             if docs is None:
                 return
             try:
-                for tokens, start in docs:
+                for tokens, start, digest in docs:
                     try:
-                        if self.index.add(tokens.tolist(), start, share_prompt=start > 0):
+                        if self.index.add(tokens.tolist(), start, share_prompt=start > 0,
+                                          prompt_hash=digest):
                             self.indexed.inc("indexed")
                             self.indexed.inc("indexed_tokens", len(tokens) - start)
                     except Exception:  # noqa: BLE001 - one bad document must not stop it
@@ -185,7 +218,7 @@ class Subscriber:
         if not self._allow(msg.sender):
             self.counters.inc("rate_limited")
             return
-        self._take(pub.tokenizer, [(pub.tokens, pub.output_start)])
+        self._take(pub.tokenizer, [(pub.tokens, pub.output_start, pub.prompt_hash)])
 
     def _allow(self, sender: str) -> bool:
         bucket = self._buckets.get(sender)
@@ -204,7 +237,8 @@ class Subscriber:
             self.counters.inc("foreign", len(docs))
             return
         try:  # one queue item per publication or snapshot
-            self._queue.put_nowait([(np.array(t, dtype=np.int32), int(st)) for t, st in docs])
+            self._queue.put_nowait([(np.array(t, dtype=np.int32), int(st), h or None)
+                                    for t, st, h in docs])
         except queue.Full:
             self.counters.inc("queue_full")
 
@@ -239,4 +273,6 @@ class Subscriber:
             log.debug("dropped a malformed suffix snapshot from %s: %s", call.endpoint, exc)
             return
         self.counters.inc("snapshots")
-        self._take(snap.tokenizer, snap.docs)
+        hashes = snap.prompt_hashes or ("",) * len(snap.lengths)
+        self._take(snap.tokenizer, [(t, st, h) for (t, st), h in
+                                    zip(snap.docs, hashes, strict=True)])

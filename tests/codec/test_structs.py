@@ -225,3 +225,26 @@ def test_suffix_publications_and_snapshots_are_checked():
     bad.tensors[1] = np.array([3, 3], np.int32)  # lengths that do not add up to the tokens
     with pytest.raises(BadRequest):
         parse(wire(bad))
+
+
+def test_suffix_prompt_hashes_are_optional_and_checked():
+    from codec.structs import SuffixPub, SuffixSnapshot
+
+    h = "0123456789abcdef" * 2
+    pub = SuffixPub("c", "fp", np.array([5, 6, 7], np.int32), 0, h)
+    assert parse(wire(pub.to_message())).prompt_hash == h
+    bare = SuffixPub("c", "fp", np.array([5, 6, 7], np.int32), 0).to_message()
+    assert "prompt_hash" not in bare.fields and parse(wire(bare)).prompt_hash is None
+    for bad in ("0123", h.upper(), h[:-1] + "g", h + "0", 7):
+        with pytest.raises(BadRequest) as info:
+            SuffixPub("c", "fp", np.array([5], np.int32), 0, bad)
+        assert info.value.field == "prompt_hash", bad
+    docs = ((np.array([1, 2], np.int32), 0), (np.array([3], np.int32), 0))
+    snap = parse(wire(SuffixSnapshot.of("fp", docs, (h, None)).to_message()))
+    assert snap.prompt_hashes == (h, "")
+    assert "prompt_hashes" not in SuffixSnapshot.of("fp", docs, (None, "")).to_message().fields
+    for hashes, field in (((h,), "prompt_hashes"), ((h, "x" * 32), "prompt_hashes[1]")):
+        with pytest.raises(BadRequest) as info:
+            SuffixSnapshot("fp", np.array([1, 2, 3], np.int32), np.array([2, 1], np.int32),
+                           np.array([0, 0], np.int32), hashes)
+        assert info.value.field == field
