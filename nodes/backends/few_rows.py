@@ -29,6 +29,7 @@ import logging
 import os
 import platform
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -118,30 +119,33 @@ def _unavailable() -> str | None:
     return None
 
 
-class FewRowLinear(torch.nn.Linear):
-    """An `nn.Linear` whose forward sends 1..MAX_ROWS float32 CPU rows to the kernel.
+def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`nn.Linear.forward`, with 1..MAX_ROWS float32 rows sent to the kernel."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if 0 < rows <= MAX_ROWS and x.dtype == torch.float32 and not x.requires_grad:
+        y = _loaded.linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return F.linear(x, self.weight, self.bias)
 
-    Installed by swapping the class of the model's own modules (`install`), so weights, state
-    dict and hooks stay exactly as loaded."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if 0 < rows <= MAX_ROWS and x.dtype == torch.float32 and not x.requires_grad:
-            y = _loaded.linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
-            return y.reshape(*x.shape[:-1], y.shape[-1])
-        return F.linear(x, self.weight, self.bias)
+def installed(module: torch.nn.Module) -> bool:
+    return getattr(module.forward, "__func__", None) is _forward
 
 
 def install(model: torch.nn.Module) -> int:
     """Serve the model's float32 CPU linear layers with the kernel; returns how many (0 when
-    the kernel is not available here)."""
+    the kernel is not available here).
+
+    Each module keeps its class (`type(m) is nn.Linear` still holds, so copies quantize and
+    convert as before: a deep copy carries the bound forward along); only its forward is
+    rebound, on the instance."""
     if load() is None:
         return 0
     count = 0
     for module in model.modules():
         if (type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
                 and module.weight.device.type == "cpu"):
-            module.__class__ = FewRowLinear
+            module.forward = types.MethodType(_forward, module)
             count += 1
     return count
 

@@ -109,7 +109,10 @@ def test_the_engine_hands_over_the_committed_paths_hidden_states(tiny_torch, pro
     got = torch.cat(rec.rows)
     committed = prompt_ids + out
     assert got.shape[0] == len(committed) - 1  # every committed token but the pending one
-    torch.testing.assert_close(got, hf_hidden(tiny_torch, committed[:-1]), atol=1e-4, rtol=1e-4)
+    # the engine's forwards feed 1-7 rows (the few-row kernel's summation order), the reference
+    # one long row block (torch's): float32 rounding differs by ~1e-4 after a few layers, a wrong
+    # row (a decoy's state, a shifted position) by orders of magnitude more
+    torch.testing.assert_close(got, hf_hidden(tiny_torch, committed[:-1]), atol=1e-3, rtol=1e-3)
 
 
 # ---- lossless greedy with a wrong head ---------------------------------------------------------

@@ -70,7 +70,7 @@ def test_installed_linears_serve_few_rows_and_leave_the_rest_to_torch(kernel):
     plain.load_state_dict(layer.state_dict())
     model = torch.nn.Sequential(layer, torch.nn.ReLU())
     assert few_rows.install(model) == 1
-    assert isinstance(layer, few_rows.FewRowLinear)
+    assert few_rows.installed(layer) and type(layer) is torch.nn.Linear
     with torch.inference_mode():
         few = torch.randn(1, 3, 64)
         assert torch.equal(layer(few), kernel.linear(few[0], layer.weight, layer.bias)[None])
@@ -84,5 +84,5 @@ def test_the_cpu_verifier_model_uses_it(kernel):
     from nodes.backends.torch_backend import TorchBackend
 
     backend = TorchBackend.load(None, "cpu")
-    kinds = {type(m) for m in backend.model.modules() if isinstance(m, torch.nn.Linear)}
-    assert kinds == {few_rows.FewRowLinear}
+    linears = [m for m in backend.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(few_rows.installed(m) for m in linears)
