@@ -6,6 +6,7 @@ Each benchmark is its own module; the CLI dispatches through `SUBCOMMANDS`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bus": ("tools.bench_bus", "bus latency, throughput and zero-copy between two processes"),
     "membership": ("tools.bench_membership", "join, failure detection, leave, convergence"),
+    "forward": ("tools.bench_forward", "a verify forward's cost by tokens fed, torch vs few-row"),
     "decode": ("tools.bench_decode", "plain vs speculative decoding, tok/s and acceptance"),
     "serve": ("tools.bench_serve", "TTFT and tok/s through the gateway vs the bus client"),
     "shard": ("tools.bench_shard", "a verifier sharded into 1-3 pipeline stages: RSS, tok/s"),

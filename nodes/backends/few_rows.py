@@ -86,7 +86,7 @@ def load() -> Any:
     if _tried:
         return _loaded
     _tried = True
-    why = _unavailable()
+    why = unavailable()
     if why:
         log.info("verify matmul: torch's own (%s)", why)
         return None
@@ -108,7 +108,7 @@ def load() -> Any:
     return module
 
 
-def _unavailable() -> str | None:
+def unavailable() -> str | None:
     if os.environ.get(ENV, "").strip().lower() == "torch":
         return f"{ENV}=torch"
     why = buildable()
@@ -146,6 +146,16 @@ def install(model: torch.nn.Module) -> int:
         if (type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
                 and module.weight.device.type == "cpu"):
             module.forward = types.MethodType(_forward, module)
+            count += 1
+    return count
+
+
+def uninstall(model: torch.nn.Module) -> int:
+    """Give the model's linear layers torch's matmul back (benchmarks compare both)."""
+    count = 0
+    for module in model.modules():
+        if installed(module):
+            del module.forward
             count += 1
     return count
 

@@ -86,3 +86,28 @@ def test_the_cpu_verifier_model_uses_it(kernel):
     backend = TorchBackend.load(None, "cpu")
     linears = [m for m in backend.model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(few_rows.installed(m) for m in linears)
+
+
+def test_bench_forward_measures_both_matmuls_on_a_real_model(tiny_folder, tmp_path, capsys):
+    import json
+
+    from tools import bench_forward
+
+    out = tmp_path / "forward.json"
+    assert bench_forward.main(["--model", str(tiny_folder), "--fed", "1,2,5", "--repeat", "1",
+                               "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    modes = {"torch", "few-rows"} if few_rows.load() is not None else {"torch"}
+    assert set(result["seconds"]) == modes
+    assert all(set(v) == {"1", "2", "5"} and min(v.values()) > 0
+               for v in result["seconds"].values())
+    assert "forward cost by tokens fed" in capsys.readouterr().out
+
+
+def test_bench_forward_refuses_bad_counts():
+    from tools import bench_forward
+
+    with pytest.raises(SystemExit):
+        bench_forward.main(["--fed", "1,x"])
+    with pytest.raises(SystemExit):
+        bench_forward.main(["--fed", "0,2"])
