@@ -181,6 +181,10 @@ class SequenceState:
     hidden_layers: tuple[int, ...] | None = None
     #: prompt positions already in the cache while a chunked prefill runs
     prefilled: int = 0
+    #: the planned tree's node values and probe flags (greedy, adaptive plans; else None),
+    #: what a batch trims its least valuable draft nodes by
+    plan_values: list[float] | None = None
+    plan_forced: list[bool] | None = None
 
     @property
     def committed(self) -> list[int]:
@@ -337,10 +341,13 @@ class Engine:
     def step_batch(self, seqs: Sequence[SequenceState]) -> list[Block]:
         """One step of each sequence in `seqs` (distinct, unfinished), their blocks in order.
 
-        New sequences are prefilled, each in its own forward. Every started sequence plans its
-        own tree (possibly just the pending token); all the trees go through ONE backend
-        forward (`Backend.forward_batch`), then each sequence accepts and commits on its own,
-        exactly as alone. Greedy outputs equal the solo ones whenever the backend's batched
+        Every started sequence plans its own tree (possibly just the pending token); new
+        sequences feed their prompt (whole, or its next chunk, within the step's prefill
+        budget: `_prefill_size`). On a backend that batches rows (`_batches_rows`) all of it
+        goes through ONE forward (`Backend.forward_batch`; a prompt chunk is a chain whose last
+        row alone matters); elsewhere each prefill runs alone first, as before. Then each
+        sequence accepts and commits on its own, exactly as alone. A batch of one takes the
+        solo code paths. Greedy outputs equal the solo ones whenever the backend's batched
         logits equal its solo logits (docs/engine.md, "Batching")."""
         if any(seq.finish_reason is not None for seq in seqs):
             raise RuntimeError("step on a finished sequence")
@@ -349,46 +356,126 @@ class Engine:
         blocks: dict[int, Block] = {}
         going = [i for i, seq in enumerate(seqs) if seq.started]
         budget = self.prefill_chunk  # prompt rows this step may still feed (None: any)
+        fills: list[tuple[int, int]] = []  # (sequence, prompt rows it feeds now)
         for i, seq in enumerate(seqs):
             if not seq.started:
-                blocks[i] = self._prefill(seq, budget)
+                size = self._prefill_size(seq, budget)
+                if not size:
+                    blocks[i] = self._no_block(seq, 0)  # the step's prompt rows are spent
+                    continue
+                fills.append((i, size))
                 if budget is not None:
-                    budget = max(0, budget - blocks[i].fed)
-        if going:
-            trees = [self._plan(seqs[i]) for i in going]
-            bases = [self.backend.cache_length(seqs[i].cache) for i in going]
-            t0 = time.perf_counter()
-            logits = self.backend.forward_batch(
-                [seqs[i].cache for i in going], [(t.tokens, t.parents) for t in trees])
-            dt = time.perf_counter() - t0
-            for i, tree, base, rows in zip(going, trees, bases, logits, strict=True):
-                blocks[i] = self._settle(seqs[i], tree, base, rows, dt, alone=len(going) == 1)
+                    budget = max(0, budget - size)
+        together = len(going) + len(fills) > 1 and self._batches_rows()
+        if not together:
+            for i, size in fills:
+                blocks[i] = self._prefill(seqs[i], size)
+            fills = []
+        if not going and not fills:
+            return [blocks[i] for i in range(len(seqs))]
+        trees = [self._plan(seqs[i]) for i in going]
+        if together:
+            self._fit_to_batch([seqs[i] for i in going], trees,
+                               sum(size for _, size in fills))
+        bases = [self.backend.cache_length(seqs[i].cache) for i in going]
+        feeds: list[Any] = [(t.tokens, t.parents) for t in trees]
+        feeds += [_PromptRows(self._prompt_rows(seqs[i], size)) for i, size in fills]
+        t0 = time.perf_counter()
+        logits = self.backend.forward_batch(
+            [seqs[i].cache for i in going] + [seqs[i].cache for i, _ in fills], feeds)
+        dt = time.perf_counter() - t0
+        alone = len(feeds) == 1
+        if together and not fills and self.fixed_k is None:
+            # a sample of the batch's cost per row fed (prompt rows skip the LM head: not one)
+            self.cost.record_batch(sum(len(t) for t in trees), dt)
+        for i, tree, base, rows in zip(going, trees, bases, logits[:len(going)], strict=True):
+            blocks[i] = self._settle(seqs[i], tree, base, rows, dt, alone=alone)
+        for (i, size), rows in zip(fills, logits[len(going):], strict=True):
+            blocks[i] = self._prefilled(seqs[i], size, rows[-1], dt)
         return [blocks[i] for i in range(len(seqs))]
 
-    def _prefill(self, seq: SequenceState, budget: int | None = None) -> Block:
-        """A new sequence's prompt, then its first token: in one forward, or with
-        `prefill_chunk` set and a prompt longer than it, one chunk per step (a block with no
-        tokens until the last chunk), so a long prompt never stalls a batch for long.
+    def _batches_rows(self) -> bool:
+        """Whether the backend's `forward_batch` feeds several sequences in one call (torch,
+        outside `batch_invariant`); the default one at a time (MLX) gains nothing from prompt
+        rows beside the others and loses `prefill`'s own split, so there prefills run alone."""
+        from nodes.backends.base import Backend as Base  # (imports the engine: not at the top)
+
+        backend = self.backend
+        return (type(backend).forward_batch is not Base.forward_batch
+                and not getattr(backend, "batch_invariant", False))
+
+    def _fit_to_batch(self, seqs: list[SequenceState], trees: list[TokenTree],
+                      prompt_rows: int) -> None:
+        """Trim the batch's least valuable draft nodes while their rows cost the batch more
+        than they buy (`CostModel.fit_batch`, on the learnt rows -> seconds curve of batched
+        forwards). Only greedy sequences' planned trees with node values are trimmed (a
+        sampling sequence's tree stays as proposed); trimming drafts never changes outputs."""
+        plans, which = [], []
+        for s, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+            values = seq.plan_values
+            if tree.drafted and values is not None and len(values) == len(tree):
+                plans.append((values, seq.plan_forced))
+                which.append(s)
+        if not plans:
+            return
+        fixed = prompt_rows + sum(len(t) for s, t in enumerate(trees) if s not in which)
+        keeps = self.cost.fit_batch(plans, fixed_rows=fixed + len(plans), tokens=len(seqs))
+        for s, keep in zip(which, keeps, strict=True):
+            tree = trees[s]
+            if len(keep) == tree.drafted:
+                continue
+            seq = seqs[s]
+            hist = seq.stats.k_hist
+            hist[tree.drafted] -= 1
+            trees[s] = tree = tree.subtree(keep)
+            hist[tree.drafted] = hist.get(tree.drafted, 0) + 1
+            for slot in seq.slots:
+                slot.offered = tree.offered_by(slot.tag)
+
+    def _prefill_size(self, seq: SequenceState, budget: int | None) -> int:
+        """Prompt rows `seq` feeds this step: the whole prompt, or with `prefill_chunk` set
+        and a prompt longer than it, its next chunk; 0 when `budget` (prompt rows this step
+        may still feed) is spent. A step's first prefill always runs.
 
         Chunk boundaries depend on the prompt alone (multiples of `prefill_chunk`), so a
-        sequence's cache, hence its output, is the same whatever it is batched with; `budget`
-        (prompt rows this step may still feed) only decides whether its next chunk runs now;
-        a step's first prefill always runs. A sequence whose sources read hidden states is
-        prefilled whole (they get every prompt row's states in one piece)."""
+        sequence's cache, hence its output, is the same whatever it is batched with; the
+        budget only decides whether its next chunk runs now. A sequence whose sources read
+        hidden states is prefilled whole (they get every prompt row's states in one piece)."""
         prompt, chunk = seq.prompt, self.prefill_chunk
-        whole = chunk is None or len(prompt) <= chunk or seq.hidden_layers is not None
-        size = len(prompt) if whole else min(chunk, len(prompt) - seq.prefilled)
+        size = len(prompt) if self._whole(seq) else min(chunk, len(prompt) - seq.prefilled)
         if budget is not None and size > budget and budget < (chunk or 0):
-            return self._no_block(seq, 0)  # this step's prompt rows are spent: next step
+            return 0
+        return size
+
+    def _whole(self, seq: SequenceState) -> bool:
+        chunk = self.prefill_chunk
+        return chunk is None or len(seq.prompt) <= chunk or seq.hidden_layers is not None
+
+    def _prompt_rows(self, seq: SequenceState, size: int) -> list[int]:
+        """The prompt tokens a prefill of `size` rows feeds now."""
+        if self._whole(seq):
+            return seq.prompt
+        return seq.prompt[seq.prefilled:seq.prefilled + size]
+
+    def _prefill(self, seq: SequenceState, size: int) -> Block:
+        """A new sequence's prompt (or its next chunk) in a forward of its own: the whole
+        prompt through `Backend.prefill` (the reference generator's split: HF-identical), a
+        chunk through `forward_last`."""
         t0 = time.perf_counter()
-        if whole:
-            row = self.backend.prefill(seq.cache, prompt)
+        if self._whole(seq):
+            row = self.backend.prefill(seq.cache, seq.prompt)
         else:
-            end = seq.prefilled + size
-            row = self.backend.forward_last(seq.cache, prompt[seq.prefilled:end])
-            seq.prefilled = end
-            log.info("prefill %d/%d positions", end, len(prompt))
-        seq.stats.verify_s += time.perf_counter() - t0
+            row = self.backend.forward_last(seq.cache, self._prompt_rows(seq, size))
+        return self._prefilled(seq, size, row, time.perf_counter() - t0)
+
+    def _prefilled(self, seq: SequenceState, size: int, row: np.ndarray, dt: float) -> Block:
+        """After `size` prompt rows went in (`row`: the logits after the last): a block with
+        no tokens while chunks remain, else the first token, committed."""
+        prompt = seq.prompt
+        if not self._whole(seq):
+            seq.prefilled += size
+            log.info("prefill %d/%d positions", seq.prefilled, len(prompt))
+        seq.stats.verify_s += dt
         if seq.prefilled and seq.prefilled < len(prompt):
             return self._no_block(seq, size)
         sp = seq.params.sampling
@@ -495,11 +582,16 @@ class Engine:
             found = found[:1]  # single-path verification: the best source's first candidate
         tree.add(found, cap if adaptive else min(cap, self.fixed_k),
                  max_depth=max(remaining - 1, 0))
+        seq.plan_values = seq.plan_forced = None
         if adaptive and tree.drafted and seq.params.sampling.greedy:
             # greedy only: which proposals survive must not depend on sampled draft tokens
             values = tree.node_values({s.tag: seq.cost.acceptance_of(s.name) for s in seq.slots})
             forced = [bool(probes & owners) for owners in tree.owners]
-            tree = tree.subtree(seq.cost.select(values, forced))
+            keep = seq.cost.select(values, forced)
+            tree = tree.subtree(keep)
+            # what the batch may still trim by (`_fit_to_batch`), in the kept tree's order
+            seq.plan_values = [values[0], *(values[i] for i in keep)]
+            seq.plan_forced = [forced[0], *(forced[i] for i in keep)]
         for slot in seq.slots:
             slot.offered = tree.offered_by(slot.tag)
             if adaptive and slot.budget > 0 and not slot.offered:
@@ -695,6 +787,18 @@ class Engine:
             if cut >= 0:
                 return new[: i + 1], "stop", text[:cut]
         return new, finish, decode(generated + new) if finish else None
+
+
+class _PromptRows(tuple):
+    """A prompt chunk's feed, `(tokens, parents)` as a chain, marked `last_only`: only its last
+    row's logits matter (a backend that batches computes only that row; the default one at a
+    time returns them all, and the engine reads the last)."""
+
+    last_only = True
+
+    def __new__(cls, tokens: Sequence[int]) -> _PromptRows:
+        tokens = list(tokens)
+        return super().__new__(cls, (tokens, list(range(-1, len(tokens) - 1))))
 
 
 def _drop_source(seq: SequenceState, slot: _Slot, what: str, exc: Exception) -> None:

@@ -25,7 +25,11 @@ token each, against a 28 ms plain step).
 
 Verify cost is learnt per fed-token count (it is strongly sublinear on CPU), draft cost per
 drafted token and per source; both belong to the backend, device and drafter and are kept
-across generations.
+across generations. So is a batched forward's cost as a function of the total rows it feeds
+(`batch_cost`, learnt from batched forwards only): each sequence plans its tree as alone, then
+`fit_batch` trims the batch's least valuable draft nodes while the rows they add cost the batch
+more than the tokens they are expected to buy, so under load speculation narrows toward plain
+batched decoding and at low load (rows nearly free) every sequence keeps its own plan.
 
 A source's acceptance starts each generation from its record, never below the prior: a
 long-run estimate per source (counts decayed by `_LONG_DECAY` per block, kept across
@@ -89,6 +93,8 @@ class CostModel:
     #: a probe's draft length: on CPU a few more tokens cost little once n >= 2
     probe_k: int = 6
     _verify: dict[int, float] = field(default_factory=dict)  # fed tokens -> EMA seconds
+    #: rows fed by a batched forward (several sequences) -> EMA seconds; shared by forks
+    _batch: dict[int, float] = field(default_factory=dict)
     #: source -> seconds per drafted token (EMA); a dict so forks share it
     _draft: dict[str, float] = field(default_factory=dict)
     #: source -> draft tokens it brought after a wait for it (EMA); shared by forks like _draft
@@ -118,6 +124,7 @@ class CostModel:
             prior_slope=self.prior_slope, margin=self.margin, probe_k=self.probe_k,
         )
         other._verify = self._verify
+        other._batch = self._batch
         other._draft = self._draft
         other._delivered = self._delivered
         other._longrun = self._longrun
@@ -182,6 +189,25 @@ class CostModel:
             ((m, cm),) = multi.items()
             return max(cm + per_token * (n - m), c1)
         return c1 * (self.prior_jump + self.prior_slope * (n - 2))
+
+    def batch_cost(self, rows: int) -> float:
+        """Seconds for a batched forward feeding `rows` rows in all, learnt from batched
+        forwards: the measured row counts' costs, made non-decreasing (a row never saves
+        time; neighbours out of order are pooled to their mean, so one slow sample does not
+        raise every larger count), joined by straight lines and continued past the ends with
+        the nearest segment's slope (one point: the solo curve's slope). Before any batched
+        forward, the solo curve `verify_cost(rows)` (a batch judged as one long sequence)."""
+        if not self._batch:
+            return self.verify_cost(rows)
+        xs = sorted(self._batch)
+        ys = _non_decreasing([self._batch[x] for x in xs])
+        if len(xs) == 1:
+            return max(0.0, ys[0] + self.verify_cost(rows) - self.verify_cost(xs[0]))
+        for j in range(1, len(xs)):
+            if rows <= xs[j] or j == len(xs) - 1:
+                x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+                return max(0.0, y0 + (y1 - y0) * (rows - x0) / (x1 - x0))
+        raise AssertionError("unreachable")
 
     def draft_cost(self, name: str = POOLED) -> float:
         """Seconds per token `name` drafts on the verifier's time (0 for remote drafts)."""
@@ -269,9 +295,47 @@ class CostModel:
                 best_n, best_rate = n, rate
         return sorted(must + rest[:best_n])
 
+    def fit_batch(self, plans: Sequence[tuple[Sequence[float], Sequence[bool]]], *,
+                  fixed_rows: int, tokens: int) -> list[list[int]]:
+        """Draft nodes (1-based, ascending) each planned tree keeps in a batched forward.
+
+        `plans[s] = (values, forced)` is one sequence's planned tree as `select` takes it;
+        `fixed_rows` counts every row the forward feeds besides those trees' draft nodes (each
+        sequence's pending token, other sequences' trees, prompt rows) and `tokens` the tokens
+        the batch commits without drafts (one per running sequence). Like `select` for one
+        tree: the batch's draft nodes are taken best first (forced ones always; each tree
+        stays prefix-closed) and cut where the batch's expected committed tokens per second,
+        `(tokens + sum of values) / batch_cost(rows)`, is highest. So a draft row is kept only
+        while what it buys beats its marginal cost at this load: all of them when rows are
+        nearly free, none but probes when every row costs a full share."""
+        rows, gain, rest = fixed_rows, float(tokens), []
+        keep: list[list[int]] = [[] for _ in plans]
+        for s, (values, forced) in enumerate(plans):
+            for i in range(1, len(values)):
+                if forced[i]:
+                    keep[s].append(i)
+                    rows += 1
+                    gain += values[i]
+                else:
+                    rest.append((-values[i], s, i))
+        rest.sort()
+        best_n, best_rate = 0, gain / self.batch_cost(rows)
+        for n, (neg, _, _) in enumerate(rest, start=1):
+            gain -= neg
+            rate = gain / self.batch_cost(rows + n)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        for _, s, i in rest[:best_n]:
+            keep[s].append(i)
+        return [sorted(k) for k in keep]
+
     # ---- observations -----------------------------------------------------------------------
     def record_verify(self, fed: int, seconds: float) -> None:
         self._verify[fed] = ema(self._verify.get(fed), seconds)
+
+    def record_batch(self, rows: int, seconds: float) -> None:
+        """A batched forward (several sequences) fed `rows` rows in all in `seconds`."""
+        self._batch[rows] = ema(self._batch.get(rows), seconds)
 
     def record_draft(self, drafted: int, seconds: float, name: str = POOLED) -> None:
         """`name` spent `seconds` of the verifier's time drafting `drafted` tokens."""
@@ -309,3 +373,14 @@ class CostModel:
         rec = self._longrun.setdefault(name, [0.0, 0.0])
         rec[0] = _LONG_DECAY * rec[0] + accepted
         rec[1] = _LONG_DECAY * rec[1] + trials
+
+
+def _non_decreasing(ys: Sequence[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([float(y), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2]
+    return [m for m, c in blocks for _ in range(int(c))]

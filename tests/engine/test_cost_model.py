@@ -245,3 +245,73 @@ def test_the_new_prompt_soon_outweighs_a_good_record():
     assert f.choose_k("suffix") == c.max_k
     f.record_acceptance(c.max_k, 0, "suffix")  # the whole draft wrong: open-ended text
     assert f.acceptance_of("suffix") < 0.6 and f.choose_k("suffix") <= 4
+
+
+# ---- a batch's cost per total rows, and draft sizing given the batch ----------------------------
+def cpu_batch(rows):
+    """A CPU-like batched forward (pinned, no timing): few rows cost little each (the few-row
+    kernel), past 16 each row costs twice as much."""
+    return 0.046 + 0.004 * rows if rows <= 16 else 0.110 + 0.008 * (rows - 16)
+
+
+def pinned_batch(curve, rows=range(2, 129)):
+    c = CostModel(max_k=16)
+    for r in rows:
+        c.record_batch(r, curve(r))
+    return c
+
+
+CHAIN = ([1.0, 0.9, 0.8, 0.7, 0.6], [False] * 5)  # a likely chain of 4 draft nodes
+
+
+def test_batch_cost_is_learnt_per_rows_non_decreasing_and_shared_by_forks():
+    c = CostModel(max_k=16)
+    for n in range(1, 9):
+        c.record_verify(n, 0.05 + 0.002 * n)
+    assert c.batch_cost(6) == c.verify_cost(6)  # before any batched forward: the solo curve
+    c.fork().record_batch(4, 0.100)  # a fork's sample is the engine's (it is the device's)
+    assert c.batch_cost(4) == pytest.approx(0.100)
+    assert c.batch_cost(6) == pytest.approx(0.100 + c.verify_cost(6) - c.verify_cost(4))
+    c.record_batch(8, 0.140)
+    c.record_batch(6, 0.200)  # one slow sample: pooled with its neighbour, not a cliff
+    assert c.batch_cost(4) == pytest.approx(0.100)
+    assert c.batch_cost(6) == pytest.approx(0.170) == c.batch_cost(8)
+    assert c.batch_cost(5) == pytest.approx(0.135)
+    assert c.batch_cost(10) == pytest.approx(0.170)  # past the end: the last segment's slope
+    assert c.start_generation() is None and c.batch_cost(4) == pytest.approx(0.100)
+
+
+def test_at_low_load_the_batch_keeps_every_planned_draft():
+    c = pinned_batch(cpu_batch)
+    keep = c.fit_batch([CHAIN, CHAIN], fixed_rows=2, tokens=2)
+    assert keep == [[1, 2, 3, 4], [1, 2, 3, 4]]
+
+
+def test_at_high_load_the_batch_narrows_to_plain_decoding():
+    c = pinned_batch(cpu_batch)
+    keep = c.fit_batch([CHAIN] * 16, fixed_rows=16, tokens=16)  # 16 rows already
+    assert keep == [[]] * 16
+    # in between, the least valuable draft nodes go first, each tree stays prefix-closed
+    keep = c.fit_batch([CHAIN] * 6, fixed_rows=6, tokens=6)
+    assert 0 < sum(map(len, keep)) < 24
+    assert all(k == list(range(1, len(k) + 1)) for k in keep)
+    assert max(map(len, keep)) - min(map(len, keep)) <= 1
+    # prompt rows in the same forward make it long anyway: a likely draft riding along costs
+    # a row's share (8 ms here) for most of a token, well above the step's rate
+    assert c.fit_batch([CHAIN, CHAIN], fixed_rows=2 + 64, tokens=2) == [[1, 2, 3, 4]] * 2
+
+
+def test_a_batch_keeps_probes_and_the_likelier_sequence_s_drafts():
+    c = pinned_batch(cpu_batch)
+    probe = ([1.0, 0.1, 0.05], [False, True, True])
+    sure = ([1.0, 0.99, 0.98, 0.97], [False] * 4)
+    unsure = ([1.0, 0.3, 0.09, 0.03], [False] * 4)
+    keep = c.fit_batch([probe, unsure, sure], fixed_rows=3 + 13, tokens=16)
+    assert keep[0] == [1, 2]  # forced, whatever the load
+    assert len(keep[2]) >= len(keep[1])
+    assert keep[1] == []
+
+
+def test_rows_nearly_free_keep_everything_whatever_the_batch():
+    c = pinned_batch(lambda rows: 0.030 + 0.0001 * rows)
+    assert c.fit_batch([CHAIN] * 16, fixed_rows=16, tokens=16) == [[1, 2, 3, 4]] * 16

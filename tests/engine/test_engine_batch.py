@@ -14,8 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from nodes.backends.base import Backend
 from nodes.drafters.ngram import NgramDrafter
 from nodes.engine import Engine, GenerationParams, Stats
+from nodes.engine.cost import CostModel
+from nodes.engine.sources import DraftSource
+from nodes.engine.tree import Candidate
+from tests.engine.conftest import hf_greedy
 
 LAYERS = (0, 1)
 
@@ -121,6 +126,346 @@ def test_a_batch_refuses_finished_and_repeated_sequences(tiny_torch, prompt_ids)
         engine.step_batch([seq])
 
 
+# ---- prefills as rows of the batched forward ---------------------------------------------------
+class Counting:
+    """The real backend underneath, counting the engine's forwards by kind."""
+
+    def __init__(self, backend):
+        self.inner = backend
+        self.calls: list[tuple[str, int]] = []  # (kind, sequences or rows)
+        self.mixed: list[tuple[int, int]] = []  # per batch: (prompt rows, stepping sequences)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward_batch(self, caches, feeds):
+        self.calls.append(("batch", len(caches)))
+        prompt = [len(f[0]) for f in feeds if getattr(f, "last_only", False)]
+        self.mixed.append((sum(prompt), len(feeds) - len(prompt)))
+        return self.inner.forward_batch(caches, feeds)
+
+    def prefill(self, cache, ids):
+        self.calls.append(("prefill", len(ids)))
+        return self.inner.prefill(cache, ids)
+
+    def forward_last(self, cache, ids):
+        self.calls.append(("last", len(ids)))
+        return self.inner.forward_last(cache, ids)
+
+
+class OneAtATime(Backend):
+    """A backend without a batched forward (what MLX is): the default `forward_batch`."""
+
+    def __init__(self, backend):
+        self.inner, self.calls = backend, []
+        self.tokenizer, self.vocab_size = backend.tokenizer, backend.vocab_size
+        self.model_name, self.supports_tree = backend.model_name, True
+
+    def new_cache(self):
+        return self.inner.new_cache()
+
+    def forward(self, cache, ids):
+        self.calls.append(("forward", len(ids)))
+        return self.inner.forward(cache, ids)
+
+    def forward_tree(self, cache, ids, parents):
+        self.calls.append(("tree", len(ids)))
+        return self.inner.forward_tree(cache, ids, parents)
+
+    def prefill(self, cache, ids):
+        self.calls.append(("prefill", len(ids)))
+        return self.inner.prefill(cache, ids)
+
+    def cache_length(self, cache):
+        return self.inner.cache_length(cache)
+
+    def crop(self, cache, length):
+        self.inner.crop(cache, length)
+
+    def compact(self, cache, base, keep):
+        self.inner.compact(cache, base, keep)
+
+
+TINY_N = 12
+TINY_PARAMS = GenerationParams(max_tokens=TINY_N, eos_token_ids=frozenset())
+
+
+def _tiny_prompts(prompt_ids):
+    """Prompts of several lengths (one longer than a chunk of 8)."""
+    return [prompt_ids, prompt_ids[:5], prompt_ids[3:], (prompt_ids * 3)[:30], prompt_ids[:2]]
+
+
+def _tiny_solo(backend, prompts):
+    engine = Engine(backend, None)
+    return [engine.generate(p, TINY_PARAMS).token_ids for p in prompts]
+
+
+def _step_all(engine, prompts, *, join_at=0, cancel=None, sources=None):
+    """The first prompt starts alone; the others join after `join_at` steps. `cancel = (index,
+    step)` closes that sequence then (mid-prefill with chunks). Returns outputs and steps."""
+    live, out, steps = {}, {i: [] for i in range(len(prompts))}, 0
+    opened = {i: (sources(i) if sources else []) for i in range(len(prompts))}
+    live[0] = engine.start(prompts[0], TINY_PARAMS, sources=opened[0])
+    while live or steps <= join_at:
+        if steps == join_at:
+            for i in range(1, len(prompts)):
+                live[i] = engine.start(prompts[i], TINY_PARAMS, sources=opened[i])
+        if cancel is not None and steps == cancel[1]:
+            live.pop(cancel[0]).close()
+        order = sorted(live)
+        for i, block in zip(order, engine.step_batch([live[i] for i in order]), strict=True):
+            out[i] += block.token_ids
+        for i in order:
+            if live[i].finish_reason is not None:
+                live.pop(i).close()
+        steps += 1
+    return out, opened, steps
+
+
+def test_prefills_join_the_running_batch_in_one_forward(tiny_torch, prompt_ids):
+    """New prompts go through the same `forward_batch` as the running sequences' steps: one
+    forward per step, no separate prefill; every output is its solo output and HF's."""
+    prompts = _tiny_prompts(prompt_ids)
+    solo = _tiny_solo(tiny_torch, prompts)
+    backend = Counting(tiny_torch)
+    out, _, _ = _step_all(Engine(backend, None), prompts, join_at=2)
+    assert [out[i] for i in range(len(prompts))] == solo
+    eos = tiny_torch.tokenizer.eos_token_ids
+    assert solo[1] == hf_greedy(tiny_torch, prompts[1], TINY_N, next(iter(eos)))
+    # steps 0-1: the first sequence alone (its solo prefill, then one step); step 2: the four
+    # new prompts and the running sequence in ONE forward; then one forward per step
+    assert backend.calls[0] == ("prefill", len(prompts[0]))
+    assert backend.calls[1:3] == [("batch", 1), ("batch", 5)]
+    assert all(kind == "batch" for kind, _ in backend.calls[1:])
+
+
+def test_prompt_chunks_join_the_running_batch(tiny_torch, prompt_ids):
+    """With chunks, a long prompt's chunks are rows of the running batch's forward, each
+    step feeding at most one chunk's worth of prompt rows; outputs unchanged."""
+    prompts = _tiny_prompts(prompt_ids)
+    solo = _tiny_solo(tiny_torch, prompts)
+    backend = Counting(tiny_torch)
+    engine = Engine(backend, None, prefill_chunk=8)
+    out, _, steps = _step_all(engine, prompts, join_at=1)
+    assert [out[i] for i in range(len(prompts))] == solo
+    # one forward per step, never a forward of its own for a chunk
+    assert len(backend.calls) == steps
+    assert all(kind == "batch" for kind, _ in backend.calls[2:])
+    assert max(rows for rows, _ in backend.mixed) <= 8
+    fed = sum(rows for rows, _ in backend.mixed) + sum(n for k, n in backend.calls if k != "batch")
+    assert fed == sum(len(p) for p in prompts)
+    assert sum(1 for rows, stepping in backend.mixed if rows and stepping) >= 4
+
+
+def test_a_cancelled_chunked_prefill_leaves_the_others_unchanged(tiny_torch, prompt_ids):
+    prompts = _tiny_prompts(prompt_ids)
+    solo = _tiny_solo(tiny_torch, prompts)
+    out, _, _ = _step_all(Engine(Counting(tiny_torch), None, prefill_chunk=8), prompts,
+                       join_at=1, cancel=(3, 3))  # the 30-token prompt, two chunks in
+    assert out[3] == []
+    assert [out[i] for i in (0, 1, 2, 4)] == [solo[i] for i in (0, 1, 2, 4)]
+
+
+def test_without_a_batched_forward_prefills_run_alone(tiny_torch, prompt_ids):
+    """The default `forward_batch` (one at a time, MLX's): prefills keep their own forward
+    (`Backend.prefill`), outputs unchanged; so does torch's `batch_invariant` mode."""
+    prompts = _tiny_prompts(prompt_ids)
+    solo = _tiny_solo(tiny_torch, prompts)
+    backend = OneAtATime(tiny_torch)
+    out, _, _ = _step_all(Engine(backend, None), prompts, join_at=2)
+    assert [out[i] for i in range(len(prompts))] == solo
+    assert sum(1 for kind, _ in backend.calls if kind == "prefill") == len(prompts)
+    counting = Counting(tiny_torch)
+    tiny_torch.batch_invariant = True
+    try:
+        out, _, _ = _step_all(Engine(counting, None), prompts, join_at=2)
+    finally:
+        tiny_torch.batch_invariant = False
+    assert [out[i] for i in range(len(prompts))] == solo
+    assert sum(1 for kind, _ in counting.calls if kind == "prefill") == len(prompts)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("capture", [False, True])
+def test_a_prompt_chunk_in_the_batched_forward_matches_alone(tiny_torch, prompt_ids,
+                                                             monkeypatch, packed, capture):
+    """Prompt rows (only the last row's logits) beside trees, in both layouts: each row as
+    alone, within float tolerance; caches and captured hidden states too."""
+    from nodes.backends import torch_batch
+    from nodes.engine.core import _PromptRows
+
+    monkeypatch.setattr(torch_batch, "_packed_pays", lambda *a: packed)
+    b = tiny_torch
+    prompts, feeds = _prompts(prompt_ids)[:3], _feeds(prompt_ids)[1:3]
+    chunk = (prompt_ids * 2)[:17]
+
+    def caches():
+        out = _primed(b, prompts[:2], capture)
+        fresh, half = b.new_cache(), b.new_cache()  # a new prompt; a prompt's second chunk
+        for c in (fresh, half):
+            if capture:
+                b.capture_hidden(c, LAYERS[1:])
+        b.forward_last(half, chunk[:8])
+        b.take_hidden(half)
+        return [*out, fresh, half]
+
+    solo_caches = caches()
+    solo = [b.forward_batch([c], [f])[0] for c, f in zip(solo_caches[:2], feeds, strict=True)]
+    solo.append(b.forward_last(solo_caches[2], chunk)[None])
+    solo.append(b.forward_last(solo_caches[3], chunk[8:])[None])
+    solo_hidden = [b.take_hidden(c) for c in solo_caches]
+    got_caches = caches()
+    got = b.forward_batch(got_caches, [*feeds, _PromptRows(chunk), _PromptRows(chunk[8:])])
+    for g, ref in zip(got, solo, strict=True):
+        assert g.shape == ref.shape
+        np.testing.assert_allclose(g, ref, atol=1e-4, rtol=0)
+        assert (g.argmax(-1) == ref.argmax(-1)).all()
+    for cache, ref_cache, ref_h in zip(got_caches, solo_caches, solo_hidden, strict=True):
+        assert b.cache_length(cache) == b.cache_length(ref_cache)
+        for layer, ref in zip(cache.layers, ref_cache.layers, strict=True):
+            torch.testing.assert_close(layer.keys, ref.keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(layer.values, ref.values, atol=1e-4, rtol=1e-4)
+        got_h = b.take_hidden(cache)
+        if capture:
+            assert got_h.shape == ref_h.shape
+            torch.testing.assert_close(got_h, ref_h, atol=1e-4, rtol=1e-4)
+        else:
+            assert got_h is None and ref_h is None
+
+
+def test_a_long_chunk_beside_one_token_steps_is_packed(tiny_torch):
+    """Padding one-token rows to a chunk's length would multiply the linear layers' work."""
+    from nodes.backends import torch_batch
+
+    assert torch_batch._packed_pays(tiny_torch, [1, 1, 1, 64], [40, 40, 40, 0])
+    assert not torch_batch._packed_pays(tiny_torch, [1, 1, 1, 1], [40, 40, 40, 40])
+
+
+class Hidden(DraftSource):
+    """A source reading hidden states (as an EAGLE head does): keeps what it is handed."""
+
+    name, hidden_layers = "hidden", (1,)
+
+    def __init__(self):
+        self.got = []
+
+    def propose(self, committed, budget):
+        return []
+
+    def feedback(self, fb):
+        self.got.append(None if fb.hidden is None else fb.hidden.clone())
+
+
+def test_a_capturing_prefill_in_the_batch_hands_over_its_hidden_states(tiny_torch, prompt_ids):
+    prompts = _tiny_prompts(prompt_ids)
+    solo = _tiny_solo(tiny_torch, prompts)
+    alone = Hidden()
+    list(Engine(tiny_torch, None).stream(prompts[3], TINY_PARAMS, sources=[alone]))
+    backend = Counting(tiny_torch)
+    out, opened, _ = _step_all(Engine(backend, None, prefill_chunk=8), prompts, join_at=1,
+                            sources=lambda i: [Hidden()] if i == 3 else [])
+    assert [out[i] for i in range(len(prompts))] == solo
+    assert all(kind == "batch" for kind, _ in backend.calls[1:])
+    got = opened[3][0].got
+    assert got[0].shape == (len(prompts[3]), 1, 64)  # prefilled whole, in the batch
+    assert len(got) == len(alone.got)
+    for g, ref in zip(got, alone.got, strict=True):
+        torch.testing.assert_close(g, ref, atol=1e-4, rtol=1e-4)
+
+
+# ---- draft sizing given the batch (pinned costs: no timing in the verdicts) ---------------------
+class _Pinned(CostModel):
+    """Solo verify costs as on SmolLM2 (CPU), a batch's cost per total rows from `ROWS`;
+    nothing learnt from timing."""
+
+    ROWS = staticmethod(lambda rows: 0.0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        for n in range(1, 18):
+            self._verify[n] = 0.056 if n == 1 else 0.090 + 0.003 * (n - 2)
+        for rows in range(1, 400):
+            self._batch[rows] = self.ROWS(rows)
+
+    def record_verify(self, fed, seconds):
+        return None
+
+    def record_batch(self, rows, seconds):
+        return None
+
+    def record_draft(self, drafted, seconds, name=""):
+        return None
+
+
+class _Idle(_Pinned):
+    """Rows nearly free (a GPU far from saturation): 0.1 ms a row."""
+
+    ROWS = staticmethod(lambda rows: 0.056 + 0.0001 * rows)
+
+
+class _Loaded(_Pinned):
+    """Every row costs a full share (a saturated device): 56 ms a row."""
+
+    ROWS = staticmethod(lambda rows: 0.056 * rows)
+
+
+class Truth(DraftSource):
+    """Proposes the reference continuation (always right)."""
+
+    name = "truth"
+
+    def __init__(self, reference):
+        self.reference = reference
+
+    def propose(self, committed, budget):
+        toks = self.reference[len(committed):len(committed) + budget]
+        return [Candidate(np.asarray(toks))] if toks else []
+
+
+def _drafted_runs(backend, prompts, solo, cost, *, together):
+    """Per sequence, the draft tokens each of its blocks verified: all stepped together, or
+    each alone; plus the outputs."""
+    def engine():  # a fresh one: no source's record from earlier generations
+        out = Engine(backend, None)
+        out.cost = cost(max_k=out.max_draft)
+        return out
+
+    src = [[Truth(p + ref)] for p, ref in zip(prompts, solo, strict=True)]
+    if not together:
+        runs = [list(engine().stream(p, TINY_PARAMS, sources=s)) for p, s in zip(prompts, src,
+                                                                                  strict=True)]
+        return [[b.drafted for b in r] for r in runs], [[t for b in r for t in b.token_ids]
+                                                        for r in runs]
+    engine = engine()
+    seqs = [engine.start(p, TINY_PARAMS, sources=s) for p, s in zip(prompts, src, strict=True)]
+    drafted, out = [[] for _ in seqs], [[] for _ in seqs]
+    while any(q.finish_reason is None for q in seqs):
+        live = [i for i, q in enumerate(seqs) if q.finish_reason is None]
+        for i, b in zip(live, engine.step_batch([seqs[i] for i in live]), strict=True):
+            drafted[i].append(b.drafted)
+            out[i] += b.token_ids
+    return drafted, out
+
+
+def test_at_low_load_each_sequence_keeps_its_solo_plan(tiny_torch, prompt_ids):
+    prompts = _tiny_prompts(prompt_ids)[:4]
+    solo = _tiny_solo(tiny_torch, prompts)
+    alone, out_alone = _drafted_runs(tiny_torch, prompts, solo, _Idle, together=False)
+    batched, out = _drafted_runs(tiny_torch, prompts, solo, _Idle, together=True)
+    assert out == out_alone == solo
+    assert batched == alone and sum(map(sum, alone)) > 0
+
+
+def test_at_high_load_the_batch_narrows_to_plain_decoding(tiny_torch, prompt_ids):
+    prompts = _tiny_prompts(prompt_ids)[:4]
+    solo = _tiny_solo(tiny_torch, prompts)
+    alone, out_alone = _drafted_runs(tiny_torch, prompts, solo, _Loaded, together=False)
+    batched, out = _drafted_runs(tiny_torch, prompts, solo, _Loaded, together=True)
+    assert out == out_alone == solo  # trimming drafts never changes an output
+    assert sum(map(sum, alone)) > 0  # alone, each sequence speculates (solo costs)
+    assert sum(map(sum, batched)) == 0  # together, no draft row buys its cost
+
+
 # ---- the real SmolLM2: whole generations ---------------------------------------------------------
 N = 40
 PROMPTS = [
@@ -223,5 +568,13 @@ def test_a_sequence_leaving_mid_batch_changes_no_other(smol, smol_prompts, solo,
 @pytest.mark.slow
 def test_sequences_joining_mid_batch_change_no_other(smol, smol_prompts, solo, mode):
     out = _run(Engine(smol, None), smol_prompts, join_at=4)
+    for i, ref in enumerate(solo):
+        assert out[i] == ref, f"sequence {i}"
+
+
+@pytest.mark.slow
+def test_prompts_joining_in_chunks_change_no_output(smol, smol_prompts, solo, mode):
+    """Prompt chunks of 16 rows ride in the running batch's forward (batched mode)."""
+    out = _run(Engine(smol, None, prefill_chunk=16), smol_prompts, join_at=4)
     for i, ref in enumerate(solo):
         assert out[i] == ref, f"sequence {i}"
