@@ -59,3 +59,28 @@ def test_one_step_feeds_at_most_one_chunk_of_prompt_rows(tiny_torch, long_prompt
 def test_a_chunk_must_be_positive(tiny_torch):
     with pytest.raises(BadRequestError):
         Engine(tiny_torch, None, prefill_chunk=0)
+
+
+def test_the_budget_holds_when_chunks_share_the_forward(tiny_torch, long_prompt, prompt_ids):
+    """Batched (chunks as rows of one forward): still one chunk's worth of prompt rows per
+    step, the same chunk boundaries, and the same outputs as alone."""
+    engine = Engine(tiny_torch, None, prefill_chunk=8)
+    solo = [[t for b in _blocks(engine, p) for t in b.token_ids]
+            for p in (long_prompt, prompt_ids[:6])]
+    seqs = [engine.start(p, PARAMS, sources=[]) for p in (long_prompt, long_prompt[:20],
+                                                          prompt_ids[:6])]
+    fed = [b.fed for b in engine.step_batch(seqs)]
+    assert fed == [8, 0, 0]
+    fed = [b.fed for b in engine.step_batch(seqs)]
+    assert fed == [8, 0, 0]
+    seqs[1].close()  # cancelled between chunks, before its first: the others go on
+    seqs = [seqs[0], seqs[2]]
+    out = [[], []]
+    while any(s.finish_reason is None for s in seqs):
+        live = [i for i, s in enumerate(seqs) if s.finish_reason is None]
+        new = {i for i in live if not seqs[i].started}
+        blocks = engine.step_batch([seqs[i] for i in live])
+        assert sum(b.fed for i, b in zip(live, blocks, strict=True) if i in new) <= 8
+        for i, b in zip(live, blocks, strict=True):
+            out[i] += b.token_ids
+    assert out == solo
