@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: without `prefill_chunk`, the most prompt rows one batched forward takes from whole prompts
+#: (a longer prompt, or one past the bound, is prefilled in a forward of its own)
+BATCHED_PROMPT_ROWS = 1024
+
 
 @dataclass(frozen=True)
 class GenerationParams:
@@ -367,6 +371,18 @@ class Engine:
                 if budget is not None:
                     budget = max(0, budget - size)
         together = len(going) + len(fills) > 1 and self._batches_rows()
+        if together and self.prefill_chunk is None and fills:
+            # no chunking: whole prompts join the forward up to a bound on its rows (packed
+            # attention is quadratic in them); the rest go alone, as before batching
+            rows, joined = 0, []
+            for i, size in fills:
+                if rows + size <= BATCHED_PROMPT_ROWS:
+                    joined.append((i, size))
+                    rows += size
+                else:
+                    blocks[i] = self._prefill(seqs[i], size)
+            fills = joined
+            together = len(going) + len(fills) > 1
         if not together:
             for i, size in fills:
                 blocks[i] = self._prefill(seqs[i], size)

@@ -239,6 +239,22 @@ def test_prefills_join_the_running_batch_in_one_forward(tiny_torch, prompt_ids):
     assert all(kind == "batch" for kind, _ in backend.calls[1:])
 
 
+def test_unchunked_prompts_join_up_to_a_bound_on_rows(tiny_torch, prompt_ids, monkeypatch):
+    """Without chunks, whole prompts join the forward while their rows stay within
+    `BATCHED_PROMPT_ROWS`; the rest are prefilled alone (`Backend.prefill`), as before."""
+    from nodes.engine import core
+
+    monkeypatch.setattr(core, "BATCHED_PROMPT_ROWS", 16)
+    prompts = _tiny_prompts(prompt_ids)  # 12 (running), then 5, 9, 30, 2 rows
+    solo = _tiny_solo(tiny_torch, prompts)
+    backend = Counting(tiny_torch)
+    out, _, _ = _step_all(Engine(backend, None), prompts, join_at=2)
+    assert [out[i] for i in range(len(prompts))] == solo
+    # step 2: 5 + 9 + 2 rows join the running sequence; the 30-row prompt goes alone
+    assert backend.calls[2:4] == [("prefill", 30), ("batch", 4)]
+    assert backend.mixed[1] == (16, 1)
+
+
 def test_prompt_chunks_join_the_running_batch(tiny_torch, prompt_ids):
     """With chunks, a long prompt's chunks are rows of the running batch's forward, each
     step feeding at most one chunk's worth of prompt rows; outputs unchanged."""
