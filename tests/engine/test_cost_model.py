@@ -271,7 +271,7 @@ def test_batch_cost_is_learnt_per_rows_non_decreasing_and_shared_by_forks():
     assert c.batch_cost(6) == c.verify_cost(6)  # before any batched forward: the solo curve
     c.fork().record_batch(4, 0.100)  # a fork's sample is the engine's (it is the device's)
     assert c.batch_cost(4) == pytest.approx(0.100)
-    assert c.batch_cost(6) == pytest.approx(0.100 + c.verify_cost(6) - c.verify_cost(4))
+    assert c.batch_cost(6) == pytest.approx(0.100 * c.verify_cost(6) / c.verify_cost(4))
     c.record_batch(8, 0.140)
     c.record_batch(6, 0.200)  # one slow sample: pooled with its neighbour, not a cliff
     assert c.batch_cost(4) == pytest.approx(0.100)
