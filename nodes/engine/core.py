@@ -208,8 +208,8 @@ class SequenceState:
 
 class Engine:
     """Verifier backend + optional drafter (a `SourceOpener`), or caller-given sources.
-    Stepping one sequence at a time per engine; the verify costs it learns carry over between
-    sequences, acceptance starts afresh with each.
+    Steps one sequence (`step`) or several in one forward (`step_batch`); the verify costs it
+    learns (solo and batched) carry over between sequences, acceptance starts afresh with each.
 
     `fixed_k` pins the draft node budget (tests); otherwise the cost model picks it per step.
     `tree=False` verifies only the first candidate's single path (what a backend without tree
@@ -436,6 +436,10 @@ class Engine:
             return
         fixed = prompt_rows + sum(len(t) for s, t in enumerate(trees) if s not in which)
         keeps = self.cost.fit_batch(plans, fixed_rows=fixed + len(plans), tokens=len(seqs))
+        if log.isEnabledFor(logging.DEBUG):
+            planned = sum(len(v) - 1 for v, _ in plans)
+            log.debug("batch of %d (%d fixed rows): keeps %d of %d planned draft nodes",
+                      len(seqs), fixed + len(plans), sum(map(len, keeps)), planned)
         for s, keep in zip(which, keeps, strict=True):
             tree = trees[s]
             if len(keep) == tree.drafted:
