@@ -90,7 +90,8 @@ class CostModel:
     prior_jump: float = 1.5
     prior_slope: float = 0.03
     margin: float = 1.0
-    #: a probe's draft length: on CPU a few more tokens cost little once n >= 2
+    #: the longest probe: a probe's draft length is the k that would pay best if the source
+    #: were as good as the prior (`probe_length`), at most this
     probe_k: int = 6
     _verify: dict[int, float] = field(default_factory=dict)  # fed tokens -> EMA seconds
     #: rows fed by a batched forward (several sequences) -> EMA seconds; shared by forks
@@ -245,9 +246,22 @@ class CostModel:
         if est.plain_streak >= est.probe_interval:
             est.plain_streak = 0
             est.probing = True
-            return min(self.max_k, self.probe_k)
+            return self.probe_length()
         est.probing = False
         return 0
+
+    def probe_length(self) -> int:
+        """A probe's draft length: the k (up to `probe_k`) with the best committed tokens per
+        second of verify at the prior acceptance, from the learnt verify curve. Why not a fixed
+        length: what a probe costs is the curve's rise. Where one extra row costs nearly a whole
+        forward and later rows little (torch's matmul on a CPU: 2 tokens 1.7x one, 7 tokens
+        1.9x) the best probe is long; where rows are cheap and rise steadily (the few-row kernel:
+        2 tokens 1.18x, 7 tokens 1.6x) it is 2-3 tokens, and a useless source's probes cost half
+        as much (a probe every 8-32 plain steps is most of what such a source costs)."""
+        a = min(self.prior_acceptance, 0.999)
+        best = max(range(1, max(1, min(self.max_k, self.probe_k)) + 1),
+                   key=lambda k: (1 - a ** (k + 1)) / (1 - a) / self.verify_cost(k + 1))
+        return best
 
     def wait_pays(self, name: str, k: int, wait_s: float) -> bool:
         """Whether waiting `wait_s` for k of `name`'s drafts beats a plain step now: expected

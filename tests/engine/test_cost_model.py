@@ -315,3 +315,31 @@ def test_a_batch_keeps_probes_and_the_likelier_sequence_s_drafts():
 def test_rows_nearly_free_keep_everything_whatever_the_batch():
     c = pinned_batch(lambda rows: 0.030 + 0.0001 * rows)
     assert c.fit_batch([CHAIN] * 16, fixed_rows=16, tokens=16) == [[1, 2, 3, 4]] * 16
+
+
+def test_a_probe_is_as_long_as_the_verify_curve_makes_it_worth():
+    """Long where the first extra row is dear and later ones cheap (torch's CPU matmul), short
+    where rows rise steadily (the few-row kernel), never past probe_k."""
+    torch_like, kernel_like = CostModel(), CostModel()
+    for n, ms in {1: 50, 2: 85, 3: 105, 4: 84, 5: 95, 6: 95, 7: 96, 8: 96, 9: 100}.items():
+        torch_like.record_verify(n, ms / 1000)
+    for n, ms in {1: 47, 2: 56, 3: 62, 4: 70, 5: 72, 6: 73, 7: 78, 8: 83, 9: 86}.items():
+        kernel_like.record_verify(n, ms / 1000)
+    assert torch_like.probe_length() >= 3
+    assert kernel_like.probe_length() <= 3
+    assert kernel_like.probe_length() < torch_like.probe_length()
+    assert CostModel(probe_k=2).probe_length() <= 2
+
+
+def test_a_source_that_never_helps_is_probed_with_the_probe_length():
+    c = CostModel()
+    for n, ms in {1: 47, 2: 56, 3: 62, 4: 70, 5: 72, 6: 73, 7: 78}.items():
+        c.record_verify(n, ms / 1000)
+    asked = []
+    for _ in range(200):
+        k = c.choose_k("useless")
+        asked.append(k)
+        if k:
+            c.record_acceptance(k, 0, "useless")
+    probes = [k for k in asked[40:] if k]  # past the first tries at the prior: probes only
+    assert probes and set(probes) == {c.probe_length()}
