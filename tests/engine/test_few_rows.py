@@ -74,7 +74,7 @@ def test_installed_linears_serve_few_rows_and_leave_the_rest_to_torch(kernel):
     with torch.inference_mode():
         few = torch.randn(1, 3, 64)
         assert torch.equal(layer(few), kernel.linear(few[0], layer.weight, layer.bias)[None])
-        many = torch.randn(2, few_rows.MAX_ROWS, 64)  # 32 rows: torch's matmul, bit for bit
+        many = torch.randn(2, few_rows.MAX_ROWS, 64)  # 2 x MAX_ROWS rows: torch's, bit for bit
         assert torch.equal(layer(many), plain(many))
 
 
