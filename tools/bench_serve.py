@@ -6,7 +6,9 @@ the verifiers), then through the gateway's HTTP API (streaming); TTFT is the tim
 to the first token (bus: first `token_chunk`; HTTP: first chunk with text), tok/s is all
 generated tokens over the wall time of the batch. Greedy, no proposers; `--drafter ngram` gives
 the verifiers their own drafter (speculative rows), `--max-batch 1,8` compares one generation
-at a time with batches of 8.
+at a time with batches of 8. `--prompts mixed` sends the decode benchmark's chat prompts
+(tools/prompts.py: four input-grounded, two open-ended, in turn) through the chat endpoints
+instead of the short completion prompts, where speculation has something to draft from.
 """
 
 from __future__ import annotations
@@ -25,6 +27,19 @@ from pathlib import Path
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
            "Here is a list of the fifty states of the United States: Alabama,",
            "The three most important inventions of the twentieth century are"]
+PROMPT_SETS = ("completion", "mixed", "grounded", "open")
+
+
+def _prompts(kind: str) -> list[tuple[str, bool]]:
+    """(text, chat) per request, taken in turn."""
+    from tools.prompts import INPUT_GROUNDED, OPEN_ENDED
+    from tools.prompts import PROMPTS as CHAT
+
+    if kind == "completion":
+        return [(p, False) for p in PROMPTS]
+    keep = {"mixed": (INPUT_GROUNDED, OPEN_ENDED), "grounded": (INPUT_GROUNDED,),
+            "open": (OPEN_ENDED,)}[kind]
+    return [(text, True) for cls, text in CHAT if cls in keep]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the verifiers' own drafter (e.g. ngram: speculative rows; "
                              "default none: plain decoding)")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--prompts", choices=PROMPT_SETS, default="completion",
+                        help="completion: short completion prompts (default); mixed / grounded "
+                             "/ open: the decode benchmark's chat prompts of those classes")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 1 verifier, concurrency 1 and 4, 4 requests of 8 "
                              "tokens")
@@ -53,10 +71,12 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def _via_bus(cc, verifiers, i: int, max_tokens: int) -> tuple[float, int]:
+def _via_bus(cc, verifiers, i: int, max_tokens: int,
+             prompts: list[tuple[str, bool]]) -> tuple[float, int]:
     from nodes.cluster_client import ClusterError, GenerateRequest
 
-    req = GenerateRequest(PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, chat=False)
+    text, chat = prompts[i % len(prompts)]
+    req = GenerateRequest(text, max_tokens=max_tokens, chat=chat)
     t0 = time.perf_counter()
     ttft, n = None, 0
     try:
@@ -71,18 +91,23 @@ def _via_bus(cc, verifiers, i: int, max_tokens: int) -> tuple[float, int]:
     return ttft, n
 
 
-def _via_http(url: str, i: int, max_tokens: int) -> tuple[float, int]:
+def _via_http(url: str, i: int, max_tokens: int,
+              prompts: list[tuple[str, bool]]) -> tuple[float, int]:
     import http.client
     import urllib.parse
 
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
-    body = {"model": "smollm2-135m", "prompt": PROMPTS[i % len(PROMPTS)],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    text, chat = prompts[i % len(prompts)]
+    body = {"model": "smollm2-135m", "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
-                 headers={"Content-Type": "application/json"})
+    conn.request("POST", "/v1/chat/completions" if chat else "/v1/completions",
+                 body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     ttft, n = None, 0
     if resp.status != 200:
@@ -94,7 +119,8 @@ def _via_http(url: str, i: int, max_tokens: int) -> tuple[float, int]:
         obj = json.loads(line[6:])
         if "error" in obj:
             break
-        if ttft is None and obj.get("choices") and obj["choices"][0].get("text"):
+        choice = obj["choices"][0] if obj.get("choices") else {}
+        if ttft is None and (choice.get("text") or choice.get("delta", {}).get("content")):
             ttft = time.perf_counter() - t0
         if obj.get("usage"):
             n = obj["usage"]["completion_tokens"]
@@ -170,6 +196,7 @@ def _bench_cluster(n: int, levels: list[int], args: argparse.Namespace,
     from tools.local_cluster import LocalCluster
 
     log_dir = Path(tempfile.mkdtemp(prefix="specbus-bench-serve-"))
+    prompts = _prompts(args.prompts)
     rows = []
     with LocalCluster(log_dir=log_dir, mdns=False) as c:
         print(f"starting {n} verifier(s) and a gateway (logs: {log_dir})", file=sys.stderr)
@@ -187,15 +214,16 @@ def _bench_cluster(n: int, levels: list[int], args: argparse.Namespace,
             verifiers = cc.verifiers()
             _wait_gateway(url, n)
             for i in range(2 * n):  # warm-up: connections, tokenizer, caches
-                _via_bus(cc, verifiers, i, 4)
-                _via_http(url, i, 4)
+                _via_bus(cc, verifiers, i, 4, prompts)
+                _via_http(url, i, 4, prompts)
             for conc in levels:
                 requests = max(args.requests, conc)
                 for path, fn in (
-                        ("bus", lambda i: _via_bus(cc, verifiers, i, args.max_tokens)),
-                        ("gateway", lambda i: _via_http(url, i, args.max_tokens))):
+                        ("bus", lambda i: _via_bus(cc, verifiers, i, args.max_tokens,
+                                                   prompts)),
+                        ("gateway", lambda i: _via_http(url, i, args.max_tokens, prompts))):
                     row = {"path": path, "concurrency": conc, "verifiers": n,
-                           "max_batch": max_batch, "drafter": args.drafter,
+                           "max_batch": max_batch, "drafter": args.drafter, "prompts": args.prompts,
                            **_level(fn, conc, requests, gw.proc.pid)}
                     rows.append(row)
                     print(f"{path:8} c={conc:<3} verifiers={n} batch={max_batch} ttft p50 "
