@@ -5,7 +5,7 @@ row as a fast matrix-vector product but for 2-16 rows as a packed matrix product
 1.7-3x as much (MKL's small-M path). On SmolLM2-135M a 2-token forward cost 1.72x a 1-token one
 and a 3-token one 2.1x, so a drafter had to be right almost every time to pay, and none was on
 open text. `few_rows.cpp` is a register-tiled AVX2/FMA kernel that streams each weight row once
-for all the rows fed; with it a 2-token forward costs ~1.1x a 1-token one (docs/engine.md,
+for all the rows fed; with it a 2-token forward costs ~1.18x a 1-token one (docs/engine.md,
 "Verify cost on CPUs").
 
 Lossless: each output element is summed in one fixed order (8 lanes over k, then the lanes)

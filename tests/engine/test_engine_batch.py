@@ -200,12 +200,7 @@ def _step_all(engine, prompts, *, join_at=0, cancel=None, sources=None):
                 live[i] = engine.start(prompts[i], TINY_PARAMS, sources=opened[i])
         if cancel is not None and steps == cancel[1]:
             live.pop(cancel[0]).close()
-        order = sorted(live)
-        for i, block in zip(order, engine.step_batch([live[i] for i in order]), strict=True):
-            out[i] += block.token_ids
-        for i in order:
-            if live[i].finish_reason is not None:
-                live.pop(i).close()
+        _step_live(engine, live, out)
         steps += 1
     return out, opened, steps
 
@@ -517,12 +512,7 @@ def _run(engine, prompts, *, leave=None, join_at=None, stats=None):
                                     sources=_drafts(i, prompts[i]))
         if leave is not None and steps == leave[1] and leave[0] in live:
             live.pop(leave[0]).close()
-        order = sorted(live)
-        for i, block in zip(order, engine.step_batch([live[i] for i in order]), strict=True):
-            out[i] += block.token_ids
-        for i in order:
-            if live[i].finish_reason is not None:
-                live.pop(i).close()
+        _step_live(engine, live, out)
         steps += 1
     return out
 
@@ -591,3 +581,14 @@ def _assert_like_solo(b, got, solo, caches, solo_caches, solo_hidden, capture):
             torch.testing.assert_close(got_h, ref_h, atol=1e-3, rtol=1e-3)
         else:
             assert got_h is None and ref_h is None
+
+
+def _step_live(engine, live, out):
+    """One scheduler step over the running sequences {index: state}: their blocks' tokens go
+    to `out[index]`, finished ones are closed and leave `live`."""
+    order = sorted(live)
+    for i, block in zip(order, engine.step_batch([live[i] for i in order]), strict=True):
+        out[i] += block.token_ids
+    for i in order:
+        if live[i].finish_reason is not None:
+            live.pop(i).close()
