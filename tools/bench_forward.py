@@ -14,6 +14,7 @@ import json
 import os
 import time
 
+MAX_FED = 512  # tokens per forward: far past any verify or prefill chunk measured here
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
           "It was a dark night and the sea was rough, and the keeper")
 
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace, error=None) -> int:
         fail(f"--fed: comma-separated integers expected, got {args.fed!r}")
     if not fed or fed[0] < 1 or args.repeat < 1 or args.threads < 1:
         fail("--fed counts, --repeat and --threads must be >= 1")
+    if fed[-1] > MAX_FED:
+        fail(f"--fed counts must be <= {MAX_FED} (a verify forward's size), got {fed[-1]}")
 
     import torch
 

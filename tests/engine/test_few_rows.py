@@ -111,3 +111,5 @@ def test_bench_forward_refuses_bad_counts():
         bench_forward.main(["--fed", "1,x"])
     with pytest.raises(SystemExit):
         bench_forward.main(["--fed", "0,2"])
+    with pytest.raises(SystemExit):
+        bench_forward.main(["--fed", "1,100000"])
