@@ -31,6 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-prompts", type=int, default=0,
                         help="use N generated open-ended chat prompts (templates x topics, "
                         "nodes/drafters/eagle/prompts.py) instead of the 64 built-in ones")
+    parser.add_argument("--self-prompts", type=int, default=0,
+                        help="add N prompts the verifier writes itself (sampled after its chat "
+                        "template's user header; far more varied than templates), answered "
+                        "like the others")
+    parser.add_argument("--extra-data", action="append", default=[],
+                        help="also train on an earlier run's data (its DIR/.train/data.pt; "
+                        "same draft vocabulary, e.g. with --init that run's head); repeatable")
     parser.add_argument("--cycle-temperatures", action="store_true",
                         help="answer every prompt once, generation batch b at temperature b "
                         "mod the list (default: every prompt once per temperature)")
@@ -107,6 +114,13 @@ def _run(args: argparse.Namespace) -> int:
         torch.save(blob, data_file)
     data_s = blob.get("seconds", 0.0)  # what making it took, also when reused
     train, held, draft_ids = blob["train"], blob["held"], blob["draft_ids"]
+    for extra in args.extra_data:
+        more = torch.load(extra, weights_only=False)
+        if not torch.equal(more["draft_ids"].cpu(), draft_ids.cpu()):
+            raise ValueError(f"--extra-data {extra}: another draft vocabulary than this run's "
+                             "(start both from the same --init head)")
+        train, held = train + more["train"], held + more["held"]
+        _say(f"data: + {len(more['train'])} + {len(more['held'])} sequences from {extra}")
 
     head = T.new_head(backend, draft_ids, layers, seed=args.seed)
     if args.init:
@@ -171,8 +185,12 @@ def _make_data(args, backend, layers, D) -> dict:
         from nodes.drafters.eagle.prompts import chat_prompts
 
         prompts = chat_prompts(args.chat_prompts, seed=args.seed)
-    else:
+    elif not args.self_prompts:
         prompts = D.PROMPTS[: args.prompts] if args.prompts else D.PROMPTS
+    else:
+        prompts = []
+    if args.self_prompts:
+        prompts = list(prompts) + _self_prompts(args, backend, D)
     temps = tuple(float(t) for t in args.temperatures.split(","))
     t0 = time.monotonic()
     # each generation batch (tokens, hidden states, labels) is saved as it is made: an
@@ -227,6 +245,30 @@ def _make_data(args, backend, layers, D) -> dict:
             "responses": len(seqs.tokens)}
 
 
+def _self_prompts(args, backend, D) -> list[str]:
+    """The verifier's own prompts, kept in DIR/.train/self_prompts.json as they are written
+    (a rerun reuses them, so its response batches still answer the same prompts)."""
+    import json
+
+    path = Path(args.out) / ".train" / "self_prompts.json"
+    have = [] if args.fresh or not path.exists() else json.loads(path.read_text())
+    if len(have) >= args.self_prompts:
+        return have[: args.self_prompts]
+    t0 = time.monotonic()
+
+    def keep(prompts: list[str]) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(prompts, ensure_ascii=False, indent=0))
+        os.replace(tmp, path)
+        _say(f"data: {len(prompts)} of {args.self_prompts} prompts written by the verifier, "
+             f"{time.monotonic() - t0:.0f} s")
+
+    prompts = D.model_written_prompts(backend, args.self_prompts, seed=args.seed,
+                                      batch=args.gen_batch, on_batch=keep)
+    keep(prompts)
+    return prompts
+
+
 def _load_shards(folder: Path, D):
     """The generation batches a previous run saved, in order (None: none saved)."""
     import torch
@@ -249,10 +291,6 @@ def _load_shards(folder: Path, D):
 def _shared_prefix(backend) -> int:
     """Positions every chat-template prompt starts with (its system prompt), less the two
     tokens that lead into the user's turn."""
-    tok = backend.tokenizer
-    a = tok.encode("Hello there.", chat=True)
-    b = tok.encode("Why is the sea salty?", chat=True)
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return max(0, n - 2)
+    from nodes.drafters.eagle.data import user_turn_prefix
+
+    return max(0, len(user_turn_prefix(backend.tokenizer)) - 2)

@@ -101,3 +101,15 @@ def test_on_a_cpu_the_shipped_head_drafts_int8_and_agrees_with_its_fp32_self(smo
     hit32 = (top["fp32"] == truth).float().mean().item()
     assert agree >= 0.8, agree
     assert hit8 >= hit32 - 0.05, (hit8, hit32)
+
+
+def test_the_verifier_writes_varied_prompts_of_its_own(smollm2):
+    """`train-drafter --self-prompts`: user turns sampled after the chat template's user
+    header; kept only when the model ended them, each text once, the same for the same seed."""
+    from nodes.drafters.eagle.data import model_written_prompts, user_turn_prefix
+
+    prefix = smollm2.tokenizer.decode(user_turn_prefix(smollm2.tokenizer))
+    assert prefix.rstrip().endswith("user")
+    first = model_written_prompts(smollm2, 4, seed=3, batch=6)
+    assert len(first) == 4 and len(set(first)) == 4 and all(p.strip() == p and p for p in first)
+    assert model_written_prompts(smollm2, 4, seed=3, batch=6) == first

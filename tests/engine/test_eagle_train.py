@@ -101,3 +101,36 @@ def test_generation_resumes_after_the_batches_an_interrupted_run_saved(tiny_fold
                                                              for e in whole[part]]
         for a, b in zip(again[part], whole[part], strict=True):
             assert torch.equal(a.features, b.features) and torch.equal(a.top_ids, b.top_ids)
+
+
+def test_a_model_that_never_ends_its_turn_writes_no_prompts_and_says_so(tiny_folder, tmp_path,
+                                                                        capsys):
+    """The random tiny model never ends a user turn: --self-prompts stops with a clear error
+    after a bounded number of batches instead of sampling forever."""
+    out = tmp_path / "head"
+    assert main(["train-drafter", "--model", str(tiny_folder), "--out", str(out),
+                 "--self-prompts", "2", "--gen-batch", "2", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "wrote no usable prompt in 4 batches of 2" in err
+
+
+def test_extra_data_adds_an_earlier_runs_sequences_with_the_same_vocabulary(tiny_folder,
+                                                                          tmp_path, capsys):
+    first, second, other = tmp_path / "first", tmp_path / "second", tmp_path / "other"
+    common = ["train-drafter", "--model", str(tiny_folder), "--max-new", "8", "--temperatures",
+              "0", "--draft-vocab", "256", "--batch", "2", "--ttt", "1", "--steps", "1"]
+    assert main([*common, "--out", str(first), "--prompts", "3"]) == 0
+    earlier = torch.load(first / ".train" / "data.pt", weights_only=False)
+    capsys.readouterr()
+    assert main([*common, "--out", str(second), "--prompts", "2", "--init", str(first),
+                 "--extra-data", str(first / ".train" / "data.pt")]) == 0
+    err = capsys.readouterr().err
+    assert (f"data: + {len(earlier['train'])} + {len(earlier['held'])} sequences from "
+            f"{first / '.train' / 'data.pt'}") in err
+    own = torch.load(second / ".train" / "data.pt", weights_only=False)
+    total = len(own["train"]) + len(earlier["train"])
+    assert json.loads((second / "specbus_head.json").read_text())["training"]["sequences"] == total
+    # a run with another draft vocabulary refuses it
+    assert main([*common, "--out", str(other), "--prompts", "2", "--draft-vocab", "128",
+                 "--extra-data", str(first / ".train" / "data.pt")]) == 2
+    assert "another draft vocabulary than this run's" in capsys.readouterr().err

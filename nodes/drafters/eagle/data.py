@@ -8,6 +8,12 @@
    second forward (on a CPU teacher forcing costs per token what batched generation does).
 2. Local text, when given, is cut into chunks that are sequences as they are, teacher-forced
    (`teacher_force`): one verifier pass gives their hidden states and labels.
+   Prompts can be written by the verifier itself (`model_written_prompts`): fed only its chat
+   template up to the user's turn, an instruction-tuned model samples what users ask it (the
+   "Magpie" trick). Templates x topics (prompts.py) teach a head the answers to a few
+   phrasings: a head trained on them was right 0.58 of the time on held-out template prompts
+   but 0.38 on prompts written otherwise; the model's own user turns are as varied as what
+   it was tuned on.
 3. Draft vocabulary: the most frequent tokens of those sequences (what the verifier says);
    captured labels are then restricted to it (`examples_from_captured`), teacher-forced ones
    are computed over it: the verifier's distribution renormalised on the draft vocabulary,
@@ -170,6 +176,61 @@ def make_responses(backend, prompts=PROMPTS, max_new: int = 128, batch: int = 8,
         if on_batch is not None:
             on_batch(out, start)
     return out
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """The chat template's tokens before a user's words (system prompt, user header)."""
+    a = tokenizer.encode("Hello there.", chat=True)
+    b = tokenizer.encode("Why is the sea salty?", chat=True)
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def model_written_prompts(backend, n: int, seed: int = 0, batch: int = 64, max_len: int = 48,
+                          temperature: float = 1.0, deadline: float | None = None,
+                          on_batch=None) -> list[str]:
+    """Up to `n` distinct user prompts the verifier writes itself: sampled (temperature,
+    nucleus 0.95) after its chat template's user header. Kept: turns the model ended within
+    `max_len` tokens (longer ones ramble), of 4 tokens or more, each text once. Needs a chat
+    template. `deadline` (time.monotonic()): no batch starts after it; `on_batch(prompts)`
+    after every batch. At most 4x the batches `n` would need if every turn were kept: a
+    model that seldom ends its turn gets a clear error, not an endless loop."""
+    tok = backend.tokenizer
+    if not tok.has_chat_template:
+        raise ValueError("model-written prompts need a chat model (no chat template)")
+    prefix = user_turn_prefix(tok)
+    eos = sorted(tok.eos_token_ids)
+    pad = eos[0] if eos else 0
+    seen: set[str] = set()
+    out: list[str] = []
+    b, most = 0, 4 * -(-n // batch)
+    while len(out) < n and (deadline is None or time.monotonic() < deadline):
+        if b == most:
+            if not out:
+                raise ValueError(f"the verifier wrote no usable prompt in {b} batches of "
+                                 f"{batch} (none ended its turn within {max_len} tokens): "
+                                 "is it an instruction-tuned chat model?")
+            log.warning("model-written prompts: %d of %d after %d batches; going on with "
+                        "those", len(out), n, b)
+            break
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + 7919 * b + 1)
+        seqs, _ = _generate(backend, [prefix] * batch, max_len, temperature, pad, eos, gen,
+                            None)
+        for s in seqs:
+            turn = s[len(prefix):]
+            if not turn or turn[-1] not in eos or len(turn) < 5:
+                continue
+            text = tok.decode(turn[:-1]).strip()
+            if text and text not in seen:
+                seen.add(text)
+                out.append(text)
+        b += 1
+        log.info("model-written prompts: %d of %d after %d batches", len(out), n, b)
+        if on_batch is not None:
+            on_batch(out[:n])
+    return out[:n]
 
 
 @torch.inference_mode()
