@@ -3,7 +3,8 @@
 Three limits, each refused with a typed error (nodes/engine/errors.py) and counted:
 - messages per second per connection, a token bucket checked for every request a node
   serves (`RateLimiter`, in `Node._on_request`): `rate_limited`;
-- generations queued or running per connection on a verifier (`PeerSlots`): `busy`;
+- generations queued or running per connection on a verifier (`PeerSlots`; the batch plus
+  `generations_per_peer` queued): `busy`;
 - draft sessions per connection and in total on a proposer, and their state in bytes with a
   fair share per connection (`SessionBook`): `too_many_sessions`; a session belongs to the
   connection that opened it, and another connection naming its id gets `forbidden` (ids are
@@ -34,8 +35,9 @@ class AdmissionLimits:
 
     rate_per_s: float = 500.0  # requests per second per connection, sustained
     burst: int = 1000  # requests a connection may send at once
-    # queued + running generations per connection: a gateway keeps up to 8 in flight per
-    # verifier by default (`--gateway-max-inflight`), over its one connection
+    # generations a connection may have queued on a verifier beyond its batch: a connection
+    # may hold `max_batch + generations_per_peer` queued or running (a gateway carries all its
+    # users over one connection; verifier.per_connection), half the verifier's queue of 16
     generations_per_peer: int = 8
     sessions_per_peer: int = 16  # open draft sessions per connection
     sessions_total: int = 256  # open draft sessions per proposer

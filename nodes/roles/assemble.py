@@ -39,7 +39,8 @@ class RoleSpec:
     share: str = "output"
     #: the model's name on the card (`/v1/models`, `members`); "": derived from `model`
     served_name: str = ""
-    #: generations a verifier steps together (one forward per step; 1: one at a time)
+    #: generations a verifier steps together (one forward per step; 1: one at a time; the
+    #: node's `--max-batch` defaults to 8)
     max_batch: int = 1
     #: a torch verifier runs its batches one sequence at a time: each sequence's logits bit
     #: for bit its solo ones (docs/engine.md, "Batching"), at the cost of the batching gain
@@ -156,6 +157,10 @@ def assemble(spec: RoleSpec) -> Roles:
         # protocol 2: drafts stream in ahead and are never waited for (but with draft='force')
         roles.verifier = VerifierRole(engine, lease_s=spec.lease_s,
                                       max_context=spec.max_context, max_batch=spec.max_batch)
+        # what one connection may have queued or running here: cluster clients and gateways
+        # keep at most that many in flight on this verifier and queue the rest themselves
+        roles.card.setdefault("extras", {}).update(
+            max_batch=spec.max_batch, per_client=roles.verifier.slots.per_peer)
         if spec.share != "off":
             from nodes.roles.suffix_share import Publisher
 
@@ -188,8 +193,8 @@ def assemble(spec: RoleSpec) -> Roles:
             roles.card["vocab"] = vocab
             roles.card.setdefault("backend", own.name)
             roles.card.setdefault("model", own.model_name)
-        roles.card["extras"] = {"drafter": drafter.name,
-                                "draft_tok_s": round(_measure_draft(drafter), 1)}
+        roles.card.setdefault("extras", {}).update(
+            drafter=drafter.name, draft_tok_s=round(_measure_draft(drafter), 1))
         if drafter.hidden_layers:  # an EAGLE-3 head: verifiers send their hidden states
             roles.card["extras"].update(hidden_layers=list(drafter.hidden_layers),
                                         hidden_size=drafter.hidden_size)

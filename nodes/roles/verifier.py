@@ -136,8 +136,9 @@ class VerifierRole:
         self._closing = False
         self._watching = False  # subscribed to membership events (I/O thread)
         self._clients: ConnectionSweep | None = None  # probes requesting connections (I/O)
-        #: queued + running generations per connection (admission.py)
-        self.slots = PeerSlots((admission or AdmissionLimits()).generations_per_peer)
+        #: queued + running generations per connection (admission.py): a connection may fill
+        #: the batch and queue `generations_per_peer` more (one gateway carrying many users)
+        self.slots = PeerSlots(per_connection(max_batch, admission or AdmissionLimits()))
         self._node = None
         self.active = 0
         self._worker = threading.Thread(target=self._run, name="verifier-compute", daemon=True)
@@ -234,11 +235,18 @@ class VerifierRole:
             return None if self._closing else self._waiting.popleft()
 
     def _next_nowait(self):
-        """A queued request if there is one (None otherwise, or when closing)."""
+        """A queued request if there is one (None otherwise, or when closing): the oldest of
+        the connection with the fewest generations in the batch, so a connection that fills
+        the queue cannot keep another's request waiting behind all of its own."""
         with self._cv:
             if self._closing or not self._waiting:
                 return None
-            return self._waiting.popleft()
+            running = collections.Counter(job.req.peer for job in self._jobs)
+            best = min(range(len(self._waiting)),
+                       key=lambda i: (running[self._waiting[i][0].peer], i))
+            item = self._waiting[best]
+            del self._waiting[best]
+            return item
 
     def _prune_links(self, workers=None) -> None:
         """Compute thread: close the links of proposers that are no longer workers."""
@@ -552,6 +560,14 @@ class VerifierRole:
         s.busy_s += elapsed
         s.last_tok_s = len(generated) / elapsed if elapsed > 0 else 0.0
         s.last_acceptance = stats.acceptance
+
+
+def per_connection(max_batch: int, limits: AdmissionLimits) -> int:
+    """Generations one connection may have queued or running: the whole batch plus
+    `limits.generations_per_peer` queued. A gateway carries all its users over one connection,
+    so 16 users of a `--max-batch 8` verifier fit (8 stepping, 8 waiting) while the verifier's
+    queue (`max_queue`, 16 by default) still keeps half its room for other connections."""
+    return max_batch + limits.generations_per_peer
 
 
 def _token_chunk(index: int, block, piece: str) -> Message:

@@ -300,3 +300,52 @@ def test_token_chunks_carry_the_verifiers_logprobs_when_asked(host, verifier, ti
                                                           max_tokens=8), timeout=60)
     plain = [TokenChunk.from_message(m) for m in call.replies(60) if m.type == "token_chunk"]
     assert plain and all(len(c.logprobs) == 0 and c.top_n is None for c in plain)  # not asked
+
+
+def test_a_connection_may_fill_the_batch_plus_a_bounded_queue_and_others_go_first(
+        host, tiny_backend):
+    """Issue 24: one connection (a gateway carrying all its users) may hold the batch plus
+    `generations_per_peer` (8) queued; one more is `busy`, saying why. Another connection's
+    request, queued after all of those, joins the batch before the hog's queued ones (the
+    queue is taken fewest-running-connection first). The compute thread is held in its first
+    request's start until everything is queued, so the order is not a matter of timing."""
+    from bus.streams import StreamClient
+    from nodes.roles.admission import AdmissionLimits
+    from tests.polling import wait_until
+
+    role = VerifierRole(Engine(tiny_backend, None, max_draft=4), max_batch=2)
+    assert role.slots.per_peer == 2 + AdmissionLimits().generations_per_peer == 10
+    gate, started = threading.Event(), []
+    begin = role._begin
+
+    def held_begin(req, parsed):
+        started.append(req.message.get("prompt"))
+        gate.wait(60)
+        return begin(req, parsed)
+
+    role._begin = held_begin
+    role.attach(host)
+    other = StreamClient(host.loop, host.factory, sender="other")
+    try:
+        def ask(client, prompt):
+            return client.request(host.server.endpoint, make(
+                "generate_req", prompt=prompt, max_tokens=4, chat=False), timeout=120)
+
+        calls = [ask(host.client, f"hog {i}") for i in range(12)]
+        assert wait_until(lambda: role.queued == 9 and started == ["hog 0"], 30)
+        for call in calls[10:]:
+            with pytest.raises(RemoteError) as err:
+                call.result(30)
+            assert err.value.code == "busy" and "has 10 generations queued or running" in str(
+                err.value)
+        mine = ask(other, "other")
+        assert wait_until(lambda: role.queued == 10, 30)
+        gate.set()
+        assert mine.result(120).type == "done"
+        assert all(call.result(120).type == "done" for call in calls[:10])
+        assert started[:2] == ["hog 0", "other"]
+        assert role.admission.snapshot()["rejected_busy"] == 2
+    finally:
+        gate.set()
+        other.close()
+        role.close()
