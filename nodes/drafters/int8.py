@@ -1,16 +1,26 @@
-"""The verifier's own model, dynamically quantised to int8, as drafter.
+"""The verifier's own model, quantised to int8, as drafter.
 
-No second model to ship. Plain dynamic int8 (every Linear, per-tensor weights) agreed with the
-fp32 model on only ~45% of greedy tokens of SmolLM2-135M: a few activation channels are huge
-outliers and per-tensor input quantisation flattens the rest. So, for Llama-family models:
-SmoothQuant-style smoothing first (nodes/drafters/smoothing.py), per-output-channel weights,
-and the MLP down projections (whose inputs, act(gate) * up, carry the worst outliers) kept in
-fp32 (fp16/bf16 copies of them were no faster here: 30 of them took 11/11/14.5 ms a token).
-Measured teacher-forced on 10 prompts (1 thread, this CPU): ~90% agreement at ~0.6x the fp32
-single-token cost (plain dynamic int8: 45-55%; smoothed with down_proj in int8 too: ~81%).
-A plain Llama (the embedded model) then drafts through a lean forward of the same weights
-(nodes/drafters/lean_llama.py: ~0.75x the HF int8 copy's token time, same logits).
-torch backend only (dynamic quantisation is a CPU torch feature).
+No second model to ship. Two forms:
+
+* **Weight-only int8** (W8A32; where the few-row kernel is built, nodes/backends/w8.py): every
+  Linear, the MLP down projections and the LM head included, int8 weights with a float32 scale
+  per output channel, float32 activations and sums. No smoothing: activations are never
+  quantised, so their outlier channels do not matter. Measured on SmolLM2-135M (docs/engine.md,
+  "The int8 drafter, weight-only"): greedy agreement with the fp32 model ~0.97 teacher-forced
+  (the dynamic form below: ~0.91) at a lower token cost than the dynamic form.
+* **Dynamic int8** (the fallback where the kernel is not available: not built, not x86
+  AVX2/FMA, or `SPECBUS_MATMUL=torch`; said once in the log). Plain dynamic int8 (every Linear,
+  per-tensor weights) agreed with the fp32 model on only ~45% of greedy tokens of SmolLM2-135M:
+  a few activation channels are huge outliers and per-tensor input quantisation flattens the
+  rest. So, for Llama-family models: SmoothQuant-style smoothing first
+  (nodes/drafters/smoothing.py), per-output-channel weights, and the MLP down projections
+  (whose inputs, act(gate) * up, carry the worst outliers) kept in fp32 (fp16/bf16 copies of
+  them were no faster here). Measured teacher-forced on 10 prompts (1 thread): ~90% agreement
+  at ~0.6x the fp32 single-token cost (plain dynamic int8: 45-55%; smoothed with down_proj in
+  int8 too: ~81%).
+
+A plain Llama (the embedded model) drafts through a lean forward of the same weights
+(nodes/drafters/lean_llama.py); other models through their HF modules. torch backend only.
 """
 
 from __future__ import annotations
@@ -72,18 +82,41 @@ def _quantize_modules(clone: Any, smoothed: bool) -> Any:
 
 
 def int8_backend(verifier: Backend) -> Backend:
-    """The verifier's model as an int8 drafting backend: the lean forward
-    (nodes/drafters/lean_llama.py) for a plain smoothed Llama, the HF modules otherwise."""
+    """The verifier's model as an int8 drafting backend: weight-only int8 where the kernel is
+    available, smoothed dynamic int8 otherwise; through the lean forward
+    (nodes/drafters/lean_llama.py) for a plain Llama, the HF modules otherwise."""
+    from nodes.backends import w8
     from nodes.backends.torch_backend import TorchBackend
     from nodes.drafters.lean_llama import LeanBackend, LeanLlama, lean_supported
 
-    clone, smoothed = _prepared_copy(verifier.model, calibration_batches(verifier.tokenizer))
     name = f"{verifier.model_name}-int8"
+    why = w8.available()
+    if why is None:
+        clone = copy.deepcopy(verifier.model).to("cpu").eval()
+        if lean_supported(clone):
+            log.info("int8 drafter: weight-only int8 (every Linear), lean forward")
+            return LeanBackend(LeanLlama(clone, weights="w8"), verifier.tokenizer, name)
+        count = w8.quantize_linears_w8(clone)
+        log.info("int8 drafter: weight-only int8 (%d Linears), HF modules (%s is not a plain "
+                 "Llama)", count, getattr(clone.config, "model_type", "?"))
+        return TorchBackend.from_model(clone, verifier.tokenizer, name)
+    _say_fallback(why)
+    clone, smoothed = _prepared_copy(verifier.model, calibration_batches(verifier.tokenizer))
     if smoothed and lean_supported(clone):
-        return LeanBackend(LeanLlama(clone), verifier.tokenizer, name)
+        return LeanBackend(LeanLlama(clone, weights="dynamic"), verifier.tokenizer, name)
     log.info("int8 drafter: %s is not a plain Llama, drafting through the HF modules",
              getattr(clone.config, "model_type", "?"))
     return TorchBackend.from_model(_quantize_modules(clone, smoothed), verifier.tokenizer, name)
+
+
+_said: set[str] = set()
+
+
+def _say_fallback(why: str) -> None:
+    if why not in _said:
+        _said.add(why)
+        log.info("int8 drafter: dynamic int8 (smoothed, down projections fp32): the weight-only "
+                 "int8 kernel is not available (%s)", why)
 
 
 class Int8Drafter(ModelDrafter):

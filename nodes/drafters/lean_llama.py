@@ -3,10 +3,17 @@
 Why: on one CPU core, HF's module stack spent ~45 % of an int8 SmolLM2-135M token in Python
 (module calls, cache objects, mask building, 181 separate quantised Linears), and a remote int8
 proposer's speedup is bounded by how fast it drafts (it must draft every committed token). This
-runs the same arithmetic as `quantize_int8`'s HF copy (the same smoothed weights, per-channel
-int8 weights quantised by torch's own dynamic quantiser, per-tensor dynamic activations, the
-down projections in fp32) with q/k/v and gate/up fused into one Linear each (same weights and
-scales, one activation quantisation instead of three) and a preallocated K/V buffer per layer.
+runs the int8 arithmetic with q/k/v and gate/up fused into one Linear each and a preallocated
+K/V buffer per layer, in one of two weight forms:
+
+* `weights="w8"` (where the few-row kernel is built: nodes/backends/w8.py): every projection,
+  the down projections and the LM head included, with weight-only int8 (a float32 scale per
+  output channel, float32 activations), from the model as it is (no smoothing: activation
+  outliers do not touch weight-only quantisation).
+* `weights="dynamic"` (the fallback): the same arithmetic as `quantize_int8`'s HF copy (the
+  same smoothed weights, per-channel int8 weights quantised by torch's own dynamic quantiser,
+  per-tensor dynamic activations, the down projections in fp32; fused projections keep the same
+  rows and scales, one activation quantisation instead of three).
 
 Only the layout it can check is taken (`lean_supported`): Llama with no biases, SiLU, and a
 rotary embedding fixed at load; anything else keeps the HF path. A drafter's arithmetic never
@@ -52,11 +59,11 @@ def lean_supported(model: Any) -> bool:
 @dataclass
 class _Layer:
     norm_in: torch.Tensor
-    qkv: Any  # packed int8 weights
+    qkv: Any  # a projection: called on x [n, in], returns [n, out]
     out: Any
     norm_post: torch.Tensor
     gate_up: Any
-    down: torch.Tensor  # fp32
+    down: Any
 
 
 class LeanCache:
@@ -84,9 +91,13 @@ class LeanCache:
 class LeanLlama:
     """The decode forward (see the module docstring)."""
 
-    def __init__(self, model: Any) -> None:
-        """Quantise every projection but the MLP down projections (kept fp32, as the smoothed
-        HF copy does); `model` is the fp32 model, smoothed already if it is to be."""
+    def __init__(self, model: Any, weights: str = "dynamic") -> None:
+        """Quantise the projections of `model` (the fp32 model): `weights="dynamic"` (smoothed
+        already, by the caller) keeps the MLP down projections fp32 as the smoothed HF copy
+        does; `weights="w8"` quantises every one, weight-only (see the module docstring)."""
+        if weights not in ("dynamic", "w8"):
+            raise ValueError(f"weights: 'dynamic' or 'w8', not {weights!r}")
+        self.weights = weights
         cfg = model.config
         self.heads = int(cfg.num_attention_heads)
         self.kv_heads = int(cfg.num_key_value_heads)
@@ -99,27 +110,30 @@ class LeanLlama:
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         self.embed = inner.embed_tokens.weight.detach().float().clone()
         self.norm_final = inner.norm.weight.detach().float().clone()
-        fused = torch.nn.ModuleDict()
+        fused: dict[str, torch.Tensor] = {}
         for i, layer in enumerate(inner.layers):
             att, mlp = layer.self_attn, layer.mlp
-            fused[f"{i}_qkv"] = _linear(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight)
-            fused[f"{i}_out"] = _linear(att.o_proj.weight)
-            fused[f"{i}_gate_up"] = _linear(mlp.gate_proj.weight, mlp.up_proj.weight)
-        fused["head"] = _linear(model.lm_head.weight)
-        packed = _quantize(fused)
-        self.head = packed["head"]
+            fused[f"{i}_qkv"] = _stack(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight)
+            fused[f"{i}_out"] = _stack(att.o_proj.weight)
+            fused[f"{i}_gate_up"] = _stack(mlp.gate_proj.weight, mlp.up_proj.weight)
+            if weights == "w8":
+                fused[f"{i}_down"] = _stack(mlp.down_proj.weight)
+        fused["head"] = _stack(model.lm_head.weight)
+        proj = _w8(fused) if weights == "w8" else _dynamic(fused)
+        self.head = proj["head"]
         self.layers = [
             _Layer(
                 norm_in=layer.input_layernorm.weight.detach().float().clone(),
-                qkv=packed[f"{i}_qkv"],
-                out=packed[f"{i}_out"],
+                qkv=proj[f"{i}_qkv"],
+                out=proj[f"{i}_out"],
                 norm_post=layer.post_attention_layernorm.weight.detach().float().clone(),
-                gate_up=packed[f"{i}_gate_up"],
-                down=layer.mlp.down_proj.weight.detach().float().clone(),
+                gate_up=proj[f"{i}_gate_up"],
+                down=proj[f"{i}_down"] if weights == "w8"
+                else _Float(layer.mlp.down_proj.weight.detach().float().clone()),
             )
             for i, layer in enumerate(inner.layers)
         ]
-        self.intermediate = self.layers[0].down.shape[1]
+        self.intermediate = int(inner.layers[0].mlp.down_proj.weight.shape[1])
 
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.kv_heads, self.head_dim)
@@ -143,7 +157,7 @@ class LeanLlama:
         x = self.embed[torch.tensor(list(token_ids), dtype=torch.long)]
         h_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for i, layer in enumerate(self.layers):
-            qkv = _qlinear(_rms(x, layer.norm_in, self.eps), layer.qkv)
+            qkv = layer.qkv(_rms(x, layer.norm_in, self.eps))
             q = qkv[:, :h_dim].view(n, self.heads, self.head_dim).transpose(0, 1)
             k = qkv[:, h_dim:h_dim + kv_dim].view(n, self.kv_heads, self.head_dim).transpose(0, 1)
             v = qkv[:, h_dim + kv_dim:].view(n, self.kv_heads, self.head_dim).transpose(0, 1)
@@ -153,14 +167,13 @@ class LeanLlama:
             att = F.scaled_dot_product_attention(
                 _rotate(q, cos, sin)[None], keys[None, :, : past + n],
                 values[None, :, : past + n], attn_mask=mask, enable_gqa=True)
-            x = x + _qlinear(att[0].transpose(0, 1).reshape(n, h_dim), layer.out)
-            gu = _qlinear(_rms(x, layer.norm_post, self.eps), layer.gate_up)
-            x = x + F.linear(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:],
-                             layer.down)
+            x = x + layer.out(att[0].transpose(0, 1).reshape(n, h_dim))
+            gu = layer.gate_up(_rms(x, layer.norm_post, self.eps))
+            x = x + layer.down(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:])
         cache.length = past + n
         if last_only:
             x = x[-1:]
-        return _qlinear(_rms(x, self.norm_final, self.eps), self.head)
+        return self.head(_rms(x, self.norm_final, self.eps))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -209,27 +222,77 @@ class LeanBackend(Backend):
         cache.length = min(cache.length, max(length, 0))
 
 
-def _linear(*weights: torch.Tensor) -> torch.nn.Linear:
-    """A bias-free Linear whose rows are the given weights stacked (a fused projection)."""
-    w = torch.cat([x.detach().float() for x in weights], dim=0)
-    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
-    lin.weight.data.copy_(w)
-    return lin
+def _stack(*weights: torch.Tensor) -> torch.Tensor:
+    """The given weights' rows stacked: one fused projection's float32 weight."""
+    return torch.cat([x.detach().float() for x in weights], dim=0)
 
 
-def _quantize(linears: torch.nn.ModuleDict) -> dict[str, Any]:
-    """Packed per-channel int8 weights (torch's dynamic quantiser, as `quantize_int8` uses)."""
+class _Float:
+    """A float32 projection (the dynamic form's down projections)."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class _Dynamic:
+    """Per-channel int8 weights packed by torch's dynamic quantiser; activations quantised per
+    call (per tensor)."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x, self.packed, reduce_range=True)
+
+
+class _W8:
+    """Weight-only int8 (nodes/backends/w8.py) called straight into the kernel: x is always
+    [n, in] float32 here, so none of `W8Linear.forward`'s checks are needed."""
+
+    __slots__ = ("kernel", "packed", "scale")
+
+    def __init__(self, kernel: Any, packed: torch.Tensor, scale: torch.Tensor) -> None:
+        self.kernel, self.packed, self.scale = kernel, packed, scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.linear_w8(x, self.packed, self.scale)
+
+
+def _dynamic(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Per-channel int8 weights packed by torch's dynamic quantiser (as `quantize_int8`)."""
+    linears = torch.nn.ModuleDict()
+    for name, w in weights.items():
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data.copy_(w)
+        linears[name] = lin
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization deprecation notice
         from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
         spec = {name: per_channel_dynamic_qconfig for name in linears}
         q = quantize_dynamic(linears, spec, dtype=torch.qint8)
-    return {name: q[name]._packed_params._packed_params for name in linears}
+    return {name: _Dynamic(q[name]._packed_params._packed_params) for name in linears}
 
 
-def _qlinear(x: torch.Tensor, packed: Any) -> torch.Tensor:
-    return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=True)
+def _w8(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from nodes.backends import few_rows
+    from nodes.backends.w8 import pack_w8, quantize_weight
+
+    kernel = few_rows.load()
+    if kernel is None:
+        raise RuntimeError("weight-only int8 needs the few-row kernel (`make setup`)")
+    out = {}
+    for name, w in weights.items():
+        q, scale = quantize_weight(w)
+        out[name] = _W8(kernel, pack_w8(q), scale)
+    return out
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,5 +1,7 @@
-"""The int8 drafter: smoothing is exact in fp32, it buys agreement with the verifier, and the
-lean forward computes what the HF int8 copy computes."""
+"""The int8 drafter's dynamic form (the fallback where the weight-only kernel is not available:
+`SPECBUS_MATMUL=torch` here; the weight-only form is tests/engine/test_int8_w8.py): smoothing is
+exact in fp32, it buys agreement with the verifier, and the lean forward computes what the HF
+int8 copy computes."""
 
 from __future__ import annotations
 
@@ -71,6 +73,14 @@ def test_models_smoothing_cannot_fold_are_quantised_plainly(tiny_torch):
     assert not [n for n, m in q.named_modules() if type(m) is torch.nn.Linear]
 
 
+@pytest.fixture
+def dynamic_int8(monkeypatch):
+    """The int8 drafter in its dynamic form (as where the weight-only kernel is not built)."""
+    from nodes.backends import few_rows
+
+    monkeypatch.setenv(few_rows.ENV, "torch")
+
+
 def _int8_pair(tiny_torch):
     """The HF int8 copy and the int8 drafter's backend (the lean forward) of the tiny model."""
     from nodes.backends.torch_backend import TorchBackend
@@ -81,11 +91,11 @@ def _int8_pair(tiny_torch):
                                                _calibration(tiny_torch.tokenizer)),
                                  tiny_torch.tokenizer, "hf-int8")
     lean = Int8Drafter.from_verifier(tiny_torch).backend
-    assert isinstance(lean, LeanBackend)
+    assert isinstance(lean, LeanBackend) and lean.lean.weights == "dynamic"
     return hf, lean
 
 
-def test_the_lean_forward_computes_what_the_hf_int8_copy_does(tiny_torch, prompt_ids):
+def test_the_lean_forward_computes_what_the_hf_int8_copy_does(tiny_torch, prompt_ids, dynamic_int8):
     import numpy as np
 
     hf, lean = _int8_pair(tiny_torch)
@@ -104,7 +114,7 @@ def test_the_lean_forward_computes_what_the_hf_int8_copy_does(tiny_torch, prompt
     np.testing.assert_allclose(rows[1], rows[0], atol=1e-4, rtol=1e-4)
 
 
-def test_the_lean_forward_verifies_and_compacts_trees_like_hf(tiny_torch, prompt_ids):
+def test_the_lean_forward_verifies_and_compacts_trees_like_hf(tiny_torch, prompt_ids, dynamic_int8):
     import numpy as np
 
     hf, lean = _int8_pair(tiny_torch)
@@ -122,7 +132,7 @@ def test_the_lean_forward_verifies_and_compacts_trees_like_hf(tiny_torch, prompt
     np.testing.assert_allclose(rows[1], rows[0], atol=1e-4, rtol=1e-4)
 
 
-def test_the_lean_cache_grows_past_its_first_buffer(tiny_torch):
+def test_the_lean_cache_grows_past_its_first_buffer(tiny_torch, dynamic_int8):
     import numpy as np
 
     hf, lean = _int8_pair(tiny_torch)
@@ -133,7 +143,7 @@ def test_the_lean_cache_grows_past_its_first_buffer(tiny_torch):
                                atol=1e-4, rtol=1e-4)
 
 
-def test_layouts_the_lean_forward_does_not_know_keep_the_hf_modules(tiny_torch):
+def test_layouts_the_lean_forward_does_not_know_keep_the_hf_modules(tiny_torch, dynamic_int8):
     import copy
 
     from nodes.backends.torch_backend import TorchBackend
@@ -156,7 +166,7 @@ AGREEMENT_PROMPTS = (
 
 
 @pytest.mark.slow
-def test_smoothed_int8_agrees_with_smollm2_far_more_than_plain_int8(smollm2_folder):
+def test_smoothed_int8_agrees_with_smollm2_far_more_than_plain_int8(smollm2_folder, dynamic_int8):
     """Teacher-forced greedy agreement over the model's own continuations (deterministic)."""
     import torch
 
