@@ -116,9 +116,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"where a gateway serves HTTP (default {DEFAULT_HTTP}, this "
                              "machine only; another address only when given here; port 0: "
                              "any free port)")
-    parser.add_argument("--gateway-max-inflight", type=int, default=8, metavar="N",
+    parser.add_argument("--gateway-max-inflight", type=int, default=None, metavar="N",
                         help="requests a gateway keeps in flight per verifier (running + "
-                             "queued) before it answers 429 (default 8)")
+                             "queued there; default: what the verifier admits per connection, "
+                             "its --max-batch + 8); more wait in the gateway's queue")
+    parser.add_argument("--gateway-queue", type=int, default=64, metavar="N",
+                        help="requests a gateway holds waiting for a verifier slot, first come "
+                             "first served, before it answers 429 (default 64; 0: 429 at once "
+                             "when every verifier is full)")
+    parser.add_argument("--gateway-queue-wait", type=positive_float, default=60.0,
+                        metavar="SECONDS",
+                        help="the longest a request waits in the gateway's queue before its "
+                             "429 (default 60)")
     parser.add_argument("--gateway-stall", type=positive_float, default=15.0,
                         metavar="SECONDS",
                         help="a streaming verifier silent this long is taken for stalled and "
@@ -195,13 +204,16 @@ def _make_gateway(args: argparse.Namespace, config: NodeConfig):
         return None
     from nodes.gateway.role import GatewayRole, parse_http
 
-    if args.gateway_max_inflight < 1:
+    if args.gateway_max_inflight is not None and args.gateway_max_inflight < 1:
         raise ValueError(f"--gateway-max-inflight must be >= 1, got {args.gateway_max_inflight}")
+    if args.gateway_queue < 0:
+        raise ValueError(f"--gateway-queue must be >= 0, got {args.gateway_queue}")
     host, port = parse_http(args.http or DEFAULT_HTTP)
     try:
         gateway = GatewayRole(host, port, max_inflight=args.gateway_max_inflight,
                               stall_s=args.gateway_stall, tokenize=not args.gateway_no_tokenizer,
-                              cors_origins=tuple(args.cors_origin))
+                              cors_origins=tuple(args.cors_origin), queue=args.gateway_queue,
+                              queue_wait_s=args.gateway_queue_wait)
     except OSError as exc:
         raise ValueError(f"cannot listen on {host}:{port} for HTTP: {exc}") from None
     extras = {**(config.card_fields.get("extras") or {}), **gateway.card_extras}

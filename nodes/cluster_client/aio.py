@@ -17,27 +17,40 @@ from nodes.cluster_client.core import POLL_S, Failover
 async def events(core: Failover, client, loop: asyncio.AbstractEventLoop
                  ) -> AsyncIterator[Any]:
     """core.Started, Piece, Resuming, then Final; raises core.ClusterError. Closing the
-    generator (a client that went away) cancels the verifier's work and frees the slot."""
-    while not core.finished:
-        att = core.begin()
-        queue: asyncio.Queue = asyncio.Queue()
-        call = None
-        try:
-            call = client.request(att.verifier.endpoint, att.message,
-                                  on_reply=_forward_to(queue, loop))
-            for ev in core.started(att):
-                yield ev
-            while att.open:
+    generator (a client that went away) cancels the verifier's work and frees the slot, or
+    gives up its place in the line while it waits for one."""
+    woken = asyncio.Event()
+    core.wake = lambda: None if loop.is_closed() else loop.call_soon_threadsafe(woken.set)
+    try:
+        while not core.finished:
+            woken.clear()
+            att = core.begin()
+            if att is None:  # every verifier is full: wait in the balancer's line
                 try:
-                    item = await asyncio.wait_for(queue.get(), POLL_S)
+                    await asyncio.wait_for(woken.wait(), core.wait_s())
                 except TimeoutError:
-                    item = None
-                for ev in core.quiet(att) if item is None else core.reply(att, item):
+                    pass
+                continue
+            queue: asyncio.Queue = asyncio.Queue()
+            call = None
+            try:
+                call = client.request(att.verifier.endpoint, att.message,
+                                      on_reply=_forward_to(queue, loop))
+                for ev in core.started(att):
                     yield ev
-        finally:
-            core.end(att)
-            if call is not None and not call.done:
-                call.cancel()  # thread-safe: tells the verifier to drop the work
+                while att.open:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), POLL_S)
+                    except TimeoutError:
+                        item = None
+                    for ev in core.quiet(att) if item is None else core.reply(att, item):
+                        yield ev
+            finally:
+                core.end(att)
+                if call is not None and not call.done:
+                    call.cancel()  # thread-safe: tells the verifier to drop the work
+    finally:
+        core.close()  # a place still held in the line is given up (a client that left)
 
 
 def _forward_to(queue: asyncio.Queue, loop: asyncio.AbstractEventLoop):

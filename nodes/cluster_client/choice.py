@@ -1,21 +1,29 @@
-"""Which verifier serves a generation, and when a serving one counts as gone.
+"""Which verifier serves a generation, when a serving one counts as gone, and the line of
+generations waiting for a verifier slot.
 
 Load is what the verifier last reported in its telemetry (active + queued, about once a second;
 the gateway feeds `Balancer.report`), else the load on its card, or what this client has in
 flight on it, whichever is larger: our own count is exact and fresh, the report also counts
-other clients. A client may cap what it sends each verifier (`max_inflight`: the gateway takes
-at most its running request plus a bounded queue, so a burst waits in no unbounded backlog and
-the one beyond gets a 429); the CLI and the benches leave it uncapped and let the verifier's
-own queue answer `busy`. A lock makes the counts safe for the sync client's threads (a bench
+other clients. A client keeps at most what a verifier admits per connection in flight on it
+(its card's `per_client`: the batch plus a bounded queue, nodes/roles/verifier.py) and, when
+asked, less (`max_inflight`, the gateway's `--gateway-max-inflight`).
+
+Beyond that a generation waits in the client's own line (`queue` places, `queue_wait_s` at
+most): first come, first served among the generations that could use the same verifier, a
+place given up as soon as its generation is closed (a gateway user that disconnects). Only a
+full line (or a wait past its limit) is `busy`, so a gateway carrying 16 users over one
+connection serves them all while every queue stays bounded. `queue=0` answers `busy` at once
+when every verifier is full. A lock makes all of it safe for the sync client's threads (a bench
 streams from a pool); the gateway uses it from its asyncio thread only.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from discovery.table import Member, State
 
@@ -33,15 +41,21 @@ class VerifierInfo:
     tokenizer: str
     tok_s: float
     load: float = 0.0  # active + queued as the card last said (gossip: may lag telemetry)
+    #: generations it admits per connection, queued or running (its card; 0: not said)
+    per_client: int = 0
 
 
 def info_of(m: Member) -> VerifierInfo:
     """The snapshot of a member's card; a field its card lacks (a test's stand-in member that
     only has a stream endpoint) is left empty."""
     card = m.card
+    extras = getattr(card, "extras", None)
+    per_client = extras.get("per_client", 0) if isinstance(extras, dict) else 0
+    if not isinstance(per_client, int) or isinstance(per_client, bool) or per_client < 1:
+        per_client = 0
     return VerifierInfo(m.node_id, getattr(card, "name", ""), card.endpoints.get("stream", ""),
                         getattr(card, "model", ""), getattr(card, "tokenizer", ""),
-                        getattr(card, "tok_s", 0.0), getattr(card, "load", 0.0))
+                        getattr(card, "tok_s", 0.0), getattr(card, "load", 0.0), per_client)
 
 
 def verifiers_of(members: Iterable[Member]) -> list[VerifierInfo]:
@@ -89,28 +103,60 @@ class ClusterView:
 
 
 class NoCapacity(Exception):
-    """Every verifier of the model is at its in-flight limit."""
+    """Every verifier of the model is at its in-flight limit (and the line is full)."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A generation's place in the line. `wake` is called (from whichever thread freed a slot)
+    when it may be its turn; the waiter then asks again."""
+
+    deadline: float
+    wake: Callable[[], None] | None = None
+    wanted: frozenset[str] = field(default_factory=frozenset)  # verifiers it could use
+    since: float = field(default_factory=time.monotonic)
 
 
 class Balancer:
-    def __init__(self, max_inflight: int | None = 8) -> None:
+    def __init__(self, max_inflight: int | None = 8, queue: int = 0,
+                 queue_wait_s: float = 60.0, unknown_cap: int | None = None) -> None:
+        """`max_inflight`: at most this many in flight per verifier (None: what its card
+        admits per connection, else `unknown_cap`, else no cap); `queue`: places in the line
+        of generations waiting for a slot (0: none, `busy` at once); `queue_wait_s`: the
+        longest wait in it."""
         if max_inflight is not None and max_inflight < 1:
             raise ValueError(f"max in-flight per verifier must be >= 1, got {max_inflight}")
+        if queue < 0 or queue_wait_s <= 0:
+            raise ValueError(f"queue must be >= 0 and its wait > 0, got {queue}, "
+                             f"{queue_wait_s}")
         self.max_inflight = max_inflight
+        self.unknown_cap = unknown_cap
+        self.queue = queue
+        self.queue_wait_s = queue_wait_s
         self.inflight: dict[str, int] = {}
         #: node id -> active + queued from its telemetry (members only, bounded)
         self.reported: OrderedDict[str, int] = OrderedDict()
+        self.line: list[Ticket] = []  # oldest first
+        self.refused = 0  # generations refused because the line was full or waited too long
         self._lock = threading.Lock()
 
     def load(self, v: VerifierInfo) -> float:
         return max(self.inflight.get(v.node_id, 0), self.reported.get(v.node_id, v.load))
 
+    def limit(self, v: VerifierInfo) -> int | None:
+        """What this client keeps in flight on `v` at most (None: no cap)."""
+        admits = v.per_client or self.unknown_cap
+        caps = [c for c in (self.max_inflight, admits) if c]
+        return min(caps) if caps else None
+
     def has_room(self, v: VerifierInfo) -> bool:
-        return self.max_inflight is None or self.inflight.get(v.node_id, 0) < self.max_inflight
+        cap = self.limit(v)
+        return cap is None or self.inflight.get(v.node_id, 0) < cap
 
     def pick(self, candidates: list[VerifierInfo], exclude: Iterable[str] = frozenset()
              ) -> VerifierInfo:
-        """The least loaded candidate with room; raises NoCapacity (LookupError if none)."""
+        """The least loaded candidate with room; raises NoCapacity (LookupError if none).
+        Takes no slot and joins no line (see `take`)."""
         exclude = set(exclude)
         with self._lock:
             usable = [v for v in candidates if v.node_id not in exclude]
@@ -118,9 +164,59 @@ class Balancer:
                 raise LookupError("no verifier")
             free = [v for v in usable if self.has_room(v)]
             if not free:
-                raise NoCapacity(f"all {len(usable)} verifier(s) have {self.max_inflight} "
-                                 "requests in flight")
+                raise NoCapacity(self._full(usable))
             return min(free, key=lambda v: (self.load(v), -v.tok_s, v.node_id))
+
+    def take(self, candidates: list[VerifierInfo], exclude: Iterable[str] = frozenset(),
+             ticket: Ticket | None = None) -> VerifierInfo | None:
+        """Pick a verifier and take its slot in one step (threads cannot both take the last
+        one), or wait: `ticket` joins (or keeps its place in) the line and None is returned.
+        A verifier that a generation ahead in the line could use is left to it. Raises
+        LookupError when no candidate is left, NoCapacity when every one is full and the line
+        is full (or `ticket` is None: no waiting)."""
+        exclude = set(exclude)
+        with self._lock:
+            usable = [v for v in candidates if v.node_id not in exclude]
+            if not usable:
+                self._leave(ticket)
+                raise LookupError("no verifier")
+            ahead = self.line if ticket not in self.line else self.line[
+                :self.line.index(ticket)]
+            claimed = frozenset().union(*(t.wanted for t in ahead))
+            free = [v for v in usable if self.has_room(v) and v.node_id not in claimed]
+            if free:
+                v = min(free, key=lambda v: (self.load(v), -v.tok_s, v.node_id))
+                self.inflight[v.node_id] = self.inflight.get(v.node_id, 0) + 1
+                self._leave(ticket)
+                return v
+            if ticket is None or (ticket not in self.line and len(self.line) >= self.queue):
+                self.refused += 1
+                why = self._full(usable)
+                if ticket is not None and self.queue:
+                    why += f", and {len(self.line)} requests already wait for a slot"
+                raise NoCapacity(why)
+            ticket.wanted = frozenset(v.node_id for v in usable)
+            if ticket not in self.line:
+                self.line.append(ticket)
+            return None
+
+    def leave(self, ticket: Ticket | None) -> None:
+        """`ticket` gives up its place (its generation ended, was cancelled or waited too
+        long); those behind it may move up."""
+        with self._lock:
+            left = self._leave(ticket)
+        if left:
+            self._wake()
+
+    def expired(self, ticket: Ticket) -> None:
+        """`ticket` waited its longest: it leaves the line, counted as refused."""
+        with self._lock:
+            self.refused += 1
+        self.leave(ticket)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.line)
 
     def acquire(self, v: VerifierInfo) -> None:
         with self._lock:
@@ -133,6 +229,7 @@ class Balancer:
                 self.inflight[v.node_id] = n
             else:
                 self.inflight.pop(v.node_id, None)
+        self._wake()
 
     def report(self, node_id: str, active: int, queued: int) -> None:
         with self._lock:
@@ -140,3 +237,22 @@ class Balancer:
             self.reported.move_to_end(node_id)
             while len(self.reported) > MAX_REPORTED:
                 self.reported.popitem(last=False)
+
+    # -- lock held ------------------------------------------------------------------------------
+    def _leave(self, ticket: Ticket | None) -> bool:
+        if ticket is not None and ticket in self.line:
+            self.line.remove(ticket)
+            return True
+        return False
+
+    def _full(self, usable: list[VerifierInfo]) -> str:
+        caps = sorted({str(self.limit(v)) for v in usable})
+        return (f"all {len(usable)} verifier(s) have {'/'.join(caps)} requests of this client "
+                "in flight")
+
+    def _wake(self) -> None:
+        """Every waiter asks again (the line's order decides who gets the slot)."""
+        with self._lock:
+            wakers = [t.wake for t in self.line if t.wake is not None]
+        for wake in wakers:
+            wake()

@@ -23,6 +23,11 @@ the point of resumption included) and never hands out what it would take back.
 
 Slots: an attempt takes its verifier's slot only after its message is built (a request the
 wire refuses must not hold one: issue 21), and the face releases it (`end`) on every path out.
+When every verifier is at this client's limit, `begin` returns None and the generation waits
+in the balancer's line (choice.Balancer.take): the face waits until it is woken or `wait_s`
+passes and asks again; a full line, or a wait past `queue_wait_s`, is `busy`. The face gives
+the place up (`close`) on every path out, so a generation cancelled while waiting leaves
+nothing behind.
 """
 
 from __future__ import annotations
@@ -38,7 +43,13 @@ from bus.streams import BusError, RemoteError
 from codec.errors import BadRequest, CodecError
 from codec.messages import Message
 from codec.structs import Done, ErrorReply, GenerateReq, TokenChunk
-from nodes.cluster_client.choice import Balancer, ClusterView, NoCapacity, VerifierInfo
+from nodes.cluster_client.choice import (
+    Balancer,
+    ClusterView,
+    NoCapacity,
+    Ticket,
+    VerifierInfo,
+)
 from nodes.cluster_client.logprobs import ReceivedLogprobs
 from nodes.cluster_client.text import TextAssembler
 
@@ -144,17 +155,38 @@ class Failover:
         #: every token's log probability, when the request asks for them
         self.logprobs = ReceivedLogprobs() if req.logprobs is not None else None
         self._unsent = ReceivedLogprobs()  # received since the last piece
+        #: called (any thread) when a slot may have freed for this waiting generation
+        self.wake: Any = None
+        self.ticket: Ticket | None = None  # its place in the balancer's line while waiting
 
     # -- an attempt's life ---------------------------------------------------------------------
-    def begin(self, now: float | None = None) -> Attempt:
-        """Choose the next verifier, build its request, take its slot (in that order)."""
-        v = self._pick()
+    def begin(self, now: float | None = None) -> Attempt | None:
+        """Build the next request, then choose its verifier and take the slot (one step); None
+        while every verifier is full and the generation waits in the line (ask again when
+        woken or after `wait_s`)."""
+        now = time.monotonic() if now is None else now
         message = self._message()
-        self.balancer.acquire(v)
+        v = self._pick(now)
+        if v is None:
+            return None
         self.used.append(v.node_id)
         if self.model is None:
             self.model = v.model
-        return Attempt(v, message, time.monotonic() if now is None else now)
+        return Attempt(v, message, now)
+
+    def wait_s(self, now: float | None = None) -> float:
+        """How long a waiting face sleeps before asking again (if not woken first)."""
+        if self.ticket is None:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return max(0.0, min(POLL_S * 5, self.ticket.deadline - now))
+
+    def close(self) -> None:
+        """The generation is over (or abandoned): its place in the line, if any, is given up.
+        Faces call it on every path out."""
+        ticket, self.ticket = self.ticket, None
+        if ticket is not None:
+            self.balancer.leave(ticket)
 
     def started(self, att: Attempt) -> list:
         return [Started(att.verifier.node_id)]
@@ -266,17 +298,33 @@ class Failover:
             out.append(self._final("length", {}))
         return out
 
-    def _pick(self) -> VerifierInfo:
+    def _pick(self, now: float) -> VerifierInfo | None:
+        """The verifier of the next attempt with its slot taken, or None: wait in the line."""
         if self.first is not None and not self.used:
-            return self.first
-        candidates = [v for v in self.view.verifiers() if self._fits(v)]
+            candidates = [self.first]
+        else:
+            candidates = [v for v in self.view.verifiers() if self._fits(v)]
+        ticket = self.ticket
+        if ticket is None and self.balancer.queue:
+            ticket = Ticket(now + self.balancer.queue_wait_s, self._wake)
         try:
-            return self.balancer.pick(candidates, self.tried)
+            v = self.balancer.take(candidates, self.tried, ticket)
         except NoCapacity as exc:
+            self.ticket = None
             raise ClusterError(f"the cluster is busy ({exc})", BUSY, detail=str(exc),
                                failovers=self.failovers) from None
         except LookupError:
-            pass
+            self.ticket = None
+        else:
+            self.ticket = ticket if v is None else None
+            if v is None and now >= ticket.deadline:
+                self.ticket = None
+                self.balancer.expired(ticket)
+                why = (f"waited {self.balancer.queue_wait_s:g}s in this client's queue and "
+                       "no verifier slot freed")
+                raise ClusterError(f"the cluster is busy ({why})", BUSY, detail=why,
+                                   failovers=self.failovers)
+            return v
         model = self.model
         if self.busy and not self.failovers:
             why = "every verifier's queue is full"
@@ -287,6 +335,10 @@ class Failover:
                                f"of {model!r} is available", NO_VERIFIER, verifier=last,
                                failovers=self.failovers) from None
         raise ClusterError(f"no verifier of {model!r} is available now", NO_VERIFIER) from None
+
+    def _wake(self) -> None:
+        if self.wake is not None:
+            self.wake()
 
     def _fits(self, v: VerifierInfo) -> bool:
         """Can `v` serve this generation: same model and, once token ids are sent, the same

@@ -8,6 +8,7 @@ replies in, so `specbus generate --cluster` fails over exactly as the gateway do
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,9 @@ from nodes.cluster_client.core import POLL_S, ClusterError, Failover, Final, Pie
 #: gateway, which has users waiting, moves after its --stall seconds.
 STALL_S: float | None = None
 IDLE_S = 120.0  # silent this long: give up (`timeout`)
+#: generations of this client waiting for a verifier slot (a bench's pool, a program's threads)
+QUEUE = 256
+QUEUE_WAIT_S = 120.0  # the longest such a wait lasts before `busy`
 
 
 @dataclass
@@ -45,12 +49,15 @@ class ClusterClient:
     def __init__(self, cluster: str, interface: str = DEFAULT_INTERFACE,
                  peers: tuple[str, ...] = (), mdns: bool = True,
                  secret_file: str | None = None, insecure: bool = False,
-                 stall_s: float | None = STALL_S) -> None:
+                 stall_s: float | None = STALL_S, queue: int = QUEUE,
+                 queue_wait_s: float = QUEUE_WAIT_S) -> None:
         from nodes.node import Node, NodeConfig
 
         self._tokenizers = None  # TokenizerCache, made on the first failover-ready request
         self.stall_s = stall_s
-        self.balancer = Balancer(max_inflight=None)  # the verifiers' queues answer `busy`
+        # at most what each verifier admits per connection (its card) in flight on it; more
+        # wait in this client's line (`queue` places, `queue_wait_s` each), then `busy`
+        self.balancer = Balancer(max_inflight=None, queue=queue, queue_wait_s=queue_wait_s)
         self.node = Node(NodeConfig(cluster=cluster, observer=True, interface=interface,
                                     peers=peers, mdns=mdns, secret_file=secret_file,
                                     insecure=insecure))
@@ -110,7 +117,10 @@ class ClusterClient:
         one a lost verifier is an error."""
         first = self._first(verifier)
         tok = self._tokenizer(first) if failover else None
-        core = Failover(req, ClusterView(self.node), self.balancer, first=first,
+        # not pinned: the balancer picks among the model's verifiers (waiting when all are
+        # full), `first` only names the model and tokenizer
+        core = Failover(req, ClusterView(self.node), self.balancer,
+                        first=first if verifier is not None else None, model=first.model,
                         prompt_ids=_prompt_ids(req, tok), tokenizer=tok, resume=failover,
                         stall_s=self.stall_s, idle_s=idle_timeout)
         yield from self._drive(core, raw=False)
@@ -137,30 +147,41 @@ class ClusterClient:
     def _drive(self, core: Failover, raw: bool) -> Iterator[Any]:
         """Run `core` over the node's StreamClient: one call per attempt, cancelled on every
         path out (no orphan on a verifier), the slot released."""
-        while not core.finished:
-            att = core.begin()
-            call = None
-            try:
-                call = self.node.client.request(att.verifier.endpoint, att.message)
-                if not raw:
-                    yield from core.started(att)
-                while att.open:
-                    item = _next(call)
-                    events = core.quiet(att) if item is None else core.reply(att, item)
-                    if raw and item is not None:
-                        yield item
-                    else:
-                        yield from events
-            finally:
-                core.end(att)
-                if call is not None and not call.done:
-                    call.cancel()
+        woken = threading.Event()
+        core.wake = woken.set  # a slot freed (any thread): ask again now
+        try:
+            while not core.finished:
+                woken.clear()
+                att = core.begin()
+                if att is None:  # every verifier is full: wait in the balancer's line
+                    woken.wait(core.wait_s())
+                    continue
+                call = None
+                try:
+                    call = self.node.client.request(att.verifier.endpoint, att.message)
+                    if not raw:
+                        yield from core.started(att)
+                    while att.open:
+                        item = _next(call)
+                        events = core.quiet(att) if item is None else core.reply(att, item)
+                        if raw and item is not None:
+                            yield item
+                        else:
+                            yield from events
+                finally:
+                    core.end(att)
+                    if call is not None and not call.done:
+                        call.cancel()
+        finally:
+            core.close()  # a place still held in the line is given up
 
     def _first(self, verifier: Member | None):
+        """The verifier asked for, else the least loaded one (whose model and tokenizer the
+        generation then keeps; a full one is waited for in the line, see `events`)."""
         if verifier is not None:
             return info_of(verifier)
-        members = self.verifiers()
-        return self.balancer.pick([info_of(m) for m in members])
+        infos = [info_of(m) for m in self.verifiers()]
+        return min(infos, key=lambda v: (self.balancer.load(v), -v.tok_s, v.node_id))
 
     def _tokenizer(self, target):
         if self._tokenizers is None:

@@ -82,11 +82,12 @@ class GatewayApp:
         return self._json(request, status, {
             "status": "ok" if models else "no_verifier", "node_id": self.node.node_id,
             "models": sorted(models), "verifiers": sum(len(v) for v in models.values()),
-            "inflight": sum(self.balancer.inflight.values())})
+            "inflight": sum(self.balancer.inflight.values()), "queued": self.balancer.waiting})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         self.metrics.count_request(_endpoint(request), 200)
-        body = self.metrics.render(self.verifiers(), dict(self.balancer.inflight))
+        b = self.balancer
+        body = self.metrics.render(self.verifiers(), dict(b.inflight), b.waiting, b.refused)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     # -- generation endpoints -------------------------------------------------------------------
@@ -110,9 +111,15 @@ class GatewayApp:
                          asyncio.get_running_loop())
         events = gen.events()
         try:
-            first = await anext(events)  # picks the verifier: 429/503 before any byte is sent
+            # picks the verifier, waiting in the queue while every one is full: 429/503
+            # before any byte is sent; a client leaving meanwhile gives its place up
+            first = await anext(events)
         except StreamFailed as exc:
             raise exc.error from None
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.cancelled += 1  # the client went away while queued
+            await events.aclose()
+            raise
         try:
             if api.stream:
                 return await self._stream(request, api, events, first, plan.tokenizer)

@@ -103,15 +103,18 @@ class GatewayMetrics:
         self.telemetry.pop(node_id, None)
 
     # -- rendering ------------------------------------------------------------------------------
-    def render(self, verifiers: list, inflight: dict[str, int]) -> bytes:
+    def render(self, verifiers: list, inflight: dict[str, int], queued: int = 0,
+               queue_refused: int = 0) -> bytes:
         """The Prometheus text exposition of every figure, through `prometheus_client` (its
         format, escaping and content type, `CONTENT_TYPE`); built from this object's state
         at scrape time, on the asyncio thread that owns it."""
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Snapshot(list(self._families(verifiers, inflight))))
+        registry.register(_Snapshot(list(self._families(verifiers, inflight, queued,
+                                                        queue_refused))))
         return generate_latest(registry)
 
-    def _families(self, verifiers: list, inflight: dict[str, int]):
+    def _families(self, verifiers: list, inflight: dict[str, int], queued: int = 0,
+                  queue_refused: int = 0):
         def family(name: str, kind: str, help_: str, labels: tuple[str, ...],
                    samples: list[tuple[tuple[str, ...], float]]):
             cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
@@ -132,6 +135,12 @@ class GatewayMetrics:
                  self.cancelled),
                 ("stream_errors", "Streams ended by an error event", self.stream_errors)):
             yield family(f"specbus_gateway_{name}_total", "counter", help_, (), [((), value)])
+        yield family("specbus_gateway_queued", "gauge",
+                     "Requests waiting in the gateway's queue for a verifier slot", (),
+                     [((), queued)])
+        yield family("specbus_gateway_queue_refused_total", "counter",
+                     "Requests answered 429 because the gateway's queue was full or their "
+                     "wait in it ran out", (), [((), queue_refused)])
         drafted = sum(v["drafted"] for v in self.per_verifier.values())
         accepted = sum(v["accepted"] for v in self.per_verifier.values())
         yield family("specbus_gateway_acceptance", "gauge",

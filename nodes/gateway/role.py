@@ -30,6 +30,9 @@ from nodes.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
+QUEUE = 64  # requests waiting for a verifier slot (`--gateway-queue`)
+QUEUE_WAIT_S = 60.0  # the longest one waits before its 429 (`--gateway-queue-wait`)
+UNKNOWN_CAP = 8  # in flight per verifier whose card does not say what it admits
 
 
 def parse_http(text: str) -> tuple[str, int]:
@@ -50,9 +53,10 @@ def parse_http(text: str) -> tuple[str, int]:
 
 
 class GatewayRole:
-    def __init__(self, host: str = "127.0.0.1", port: int = 8000, max_inflight: int = 8,
-                 stall_s: float = 15.0, tokenize: bool = True,
-                 cors_origins: tuple[str, ...] = ()) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000,
+                 max_inflight: int | None = None, stall_s: float = 15.0, tokenize: bool = True,
+                 cors_origins: tuple[str, ...] = (), queue: int = QUEUE,
+                 queue_wait_s: float = QUEUE_WAIT_S) -> None:
         self.cors_origins = tuple(cors_origins)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -65,7 +69,10 @@ class GatewayRole:
         self._sock.listen(128)
         bound = self._sock.getsockname()
         self.url = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{bound[1]}"
-        self.balancer = Balancer(max_inflight)
+        # per verifier: what it admits per connection (its card; 8 when it does not say) or
+        # less; beyond that requests wait in a bounded line, FIFO, then 429
+        self.balancer = Balancer(max_inflight, queue=queue, queue_wait_s=queue_wait_s,
+                                 unknown_cap=UNKNOWN_CAP)
         self.metrics = GatewayMetrics()
         self.tokenizers = TokenizerCache(enabled=tokenize)
         self.stall_s = stall_s
@@ -111,6 +118,8 @@ class GatewayRole:
     def telemetry(self) -> dict[str, Any]:
         m = self.metrics
         return {"gateway": {"http": self.url, "inflight": sum(self.balancer.inflight.values()),
+                            "queued": self.balancer.waiting,
+                            "queue_refused": self.balancer.refused,
                             "requests": sum(m.requests.values()), "failovers": m.failovers,
                             "stats_refused": m.stats_refused,
                             "connections_refused": self.connections.refused

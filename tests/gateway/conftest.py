@@ -1,8 +1,9 @@
 """One real cluster for the gateway tests: two SmolLM2 verifiers and a gateway node.
 
 Processes on loopback (no mDNS: seeds only), the gateway on an ephemeral HTTP port. The gateway
-takes at most one request per verifier (`--gateway-max-inflight 1`) so that "all verifiers busy"
-(429) is reachable with two streams, and a failover always lands on the other verifier.
+takes at most one request per verifier (`--gateway-max-inflight 1`) and queues none
+(`--gateway-queue 0`) so that "all verifiers busy" (429) is reachable with two streams, and a
+failover always lands on the other verifier. (The gateway's queue: test_gateway_queue.py.)
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def cluster(tmp_path_factory):
         v2 = c.spawn("v2", "--role", "verifier", "--threads", "1")
         gateways = [
             c.spawn("gw", "--role", "gateway", "--http", "127.0.0.1:0",
-                    "--gateway-max-inflight", "1"),
+                    "--gateway-max-inflight", "1", "--gateway-queue", "0"),
             c.spawn("gw-text", "--role", "gateway", "--http", "127.0.0.1:0",
                     "--gateway-no-tokenizer", "--cors-origin", "http://ui.example"),
         ]

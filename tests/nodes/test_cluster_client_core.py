@@ -222,3 +222,104 @@ def test_closing_the_async_face_cancels_the_call_and_frees_the_slot():
 
     asyncio.run(run())
     assert balancer.inflight == {} and client.cancelled == 1
+
+
+# -- the line: generations waiting for a verifier slot (issue 24) -------------------------------
+def test_beyond_the_limit_generations_wait_in_line_first_come_first_served():
+    balancer = Balancer(max_inflight=1, queue=2, queue_wait_s=60.0)
+    view = View(verifier("a"))
+    first = core_for(view, balancer)
+    running = first.begin(now=0)
+    assert running.verifier.node_id == "a"
+    second, third = core_for(view, balancer), core_for(view, balancer)
+    woken = []
+    second.wake, third.wake = (lambda: woken.append(2)), (lambda: woken.append(3))
+    assert second.begin(now=1) is None and third.begin(now=2) is None  # both wait
+    assert balancer.waiting == 2 and balancer.inflight == {"a": 1}
+    # the line is full: the next one is busy at once, saying so
+    with pytest.raises(ClusterError) as err:
+        core_for(view, balancer).begin(now=3)
+    assert err.value.code == "busy" and "2 requests already wait" in str(err.value)
+    first.end(running)  # a slot frees: every waiter is woken ...
+    assert sorted(woken) == [2, 3]
+    assert third.begin(now=4) is None  # ... but the later one stays behind the earlier
+    att = second.begin(now=5)
+    assert att.verifier.node_id == "a" and balancer.waiting == 1
+    assert balancer.inflight == {"a": 1}
+    second.end(att)
+    assert third.begin(now=6).verifier.node_id == "a" and balancer.waiting == 0
+
+
+def test_a_waiter_that_leaves_gives_its_place_to_the_next():
+    balancer = Balancer(max_inflight=1, queue=4)
+    view = View(verifier("a"))
+    holder = core_for(view, balancer)
+    running = holder.begin(now=0)
+    leaver, next_ = core_for(view, balancer), core_for(view, balancer)
+    assert leaver.begin(now=1) is None and next_.begin(now=2) is None
+    leaver.close()  # its client went away while queued
+    assert balancer.waiting == 1
+    holder.end(running)
+    assert next_.begin(now=3).verifier.node_id == "a"
+    assert balancer.waiting == 0 and balancer.refused == 0
+
+
+def test_a_wait_past_its_limit_is_busy_and_leaves_the_line():
+    balancer = Balancer(max_inflight=1, queue=4, queue_wait_s=10.0)
+    view = View(verifier("a"))
+    core_for(view, balancer).begin(now=0)
+    waiter = core_for(view, balancer)
+    assert waiter.begin(now=1) is None and 0 < waiter.wait_s(now=1) <= 1.0
+    assert waiter.begin(now=10) is None
+    with pytest.raises(ClusterError) as err:
+        waiter.begin(now=11)
+    assert err.value.code == "busy" and "waited 10s" in str(err.value)
+    assert balancer.waiting == 0 and balancer.refused == 1
+
+
+def test_a_waiter_for_another_model_is_not_held_up():
+    balancer = Balancer(max_inflight=1, queue=4)
+    view = View(verifier("a"), verifier("x", model="other"))
+    core_for(view, balancer).begin(now=0)
+    assert core_for(view, balancer).begin(now=1) is None  # waits for `a`
+    other = Failover(GenerateRequest("hi", max_tokens=5), view, balancer, model="other")
+    assert other.begin(now=2).verifier.node_id == "x"
+
+
+def test_the_verifiers_card_sets_the_limit_and_the_client_can_only_lower_it():
+    card = VerifierInfo("a", "a", "tcp://a", "m", "fp", 10.0, 0.0, per_client=16)
+    assert Balancer(max_inflight=None).limit(card) == 16
+    assert Balancer(max_inflight=4).limit(card) == 4
+    assert Balancer(max_inflight=32).limit(card) == 16
+    assert Balancer(max_inflight=None).limit(verifier("old")) is None  # says nothing: no cap
+    assert Balancer(max_inflight=None, unknown_cap=8).limit(verifier("old")) == 8
+
+
+def test_the_async_face_waits_in_line_and_a_closed_waiter_leaks_nothing():
+    balancer = Balancer(max_inflight=1, queue=4)
+    view = View(verifier("a"))
+    holder, waiter, leaver = (core_for(view, balancer) for _ in range(3))
+    client = Client([[], [chunk(0, 1, 2, 3, 4, 5), done(None)]])
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        running = aio.events(holder, client, loop)
+        assert isinstance(await anext(running), Started)
+        served = aio.events(waiter, client, loop)
+        waiting = asyncio.ensure_future(anext(served))
+        gone = aio.events(leaver, client, loop)
+        leaving = asyncio.ensure_future(anext(gone))
+        while balancer.waiting < 2:
+            await asyncio.sleep(0)
+        leaving.cancel()  # the HTTP client of the second waiter disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert balancer.waiting == 1 and not waiting.done()
+        await running.aclose()  # the running one ends: the first waiter is woken and served
+        assert isinstance(await asyncio.wait_for(waiting, 10), Started)
+        assert balancer.waiting == 0 and balancer.inflight == {"a": 1}
+        await served.aclose()
+
+    asyncio.run(run())
+    assert balancer.waiting == 0 and balancer.inflight == {}
+    assert [ep for ep, _ in client.sent] == ["tcp://a", "tcp://a"]
