@@ -376,8 +376,8 @@ class ProposerSource(DraftSource):
             owner = calls.get(call, self)
             if owner is self:
                 self.inbox.append((call, reply))
-            elif not owner.closed:
-                owner.inbox.append((call, reply))
+            elif not owner.closed and not owner.dropped:
+                owner.inbox.append((call, reply))  # a dropped one's are discarded
         for call, _ in got:
             if call.done:
                 calls.pop(call, None)
@@ -501,10 +501,22 @@ class ProposerSource(DraftSource):
             self.dropped = True
             self.best = None
             log.info("proposer %s dropped for session %s: %s", self.link.node_id, self.sid, why)
-            # a dropped proposer is no longer read: close its connection now rather than let
-            # whatever it still streams pile up against the receive high-water mark (libzmq
-            # 4.3.5 can abort the process on an engine whose input stopped at the HWM)
-            self.client.close_peer(self.link.endpoint)
+            if self._shared():
+                # batch-mates still draft with this proposer over the same connection: stop
+                # only this session's stream; they read (and discard) what it still sends
+                if self.stream is not None and not self.stream.done:
+                    self.client.cancel(self.stream)
+            else:
+                # a dropped proposer is no longer read: close its connection now rather than
+                # let whatever it still streams pile up against the receive high-water mark
+                # (libzmq 4.3.5 can abort the process on an engine whose input stopped at the
+                # HWM)
+                self.client.close_peer(self.link.endpoint)
+
+    def _shared(self) -> bool:
+        """Another generation still reads this link's connection (a batch-mate's session)."""
+        return any(owner is not self and not owner.dropped and not owner.closed
+                   for owner in self.link.calls.values())
 
 
 def _hidden_rows(hidden) -> np.ndarray:

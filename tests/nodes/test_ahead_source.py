@@ -303,3 +303,35 @@ def test_each_generation_counts_only_its_own_share_of_the_link(host, scripted):
             src.close()
     finally:
         link.close()
+
+
+def test_a_generation_dropping_a_proposer_keeps_it_for_its_batch_mates(host, scripted):
+    """Issue 24: a generation that drops its proposer (here: its session answered with a
+    fatal error) used to close the link's connection, failing every batch-mate's session on
+    it too. Now only its own stream is cancelled while a batch-mate still reads the connection;
+    the last one to drop closes it."""
+    policy = DraftPolicy()
+    link = ProposerLink("p1", host.server.endpoint, "scripted")
+    try:
+        client = link.direct(host.factory, "verifier", policy.max_queued)
+        a = ProposerSource(link, client, PROMPT, SamplingParams(), session_id="sa",
+                           vocab_size=VOCAB, fingerprint="fp", max_draft=8, policy=policy)
+        req_a = scripted.streams.get(timeout=10)
+        b = ProposerSource(link, client, [7, 8], SamplingParams(), session_id="sb",
+                           vocab_size=VOCAB, fingerprint="fp", max_draft=8, policy=policy)
+        req_b = scripted.streams.get(timeout=10)
+        req_a.fail("out_of_sync", "session sa lost its place")
+        read_until(a, lambda: a.dropped)
+        assert a.stream.done and not b.stream.done  # a's stream is over, b's is not
+        assert host.server.endpoint in client.peers  # the connection stays for b
+        scripted.chunk(req_b, 2, [9, 10])
+        read_until(b, lambda: b.best is not None)
+        assert offered(b, [7, 8]) == [9, 10] and not b.dropped
+        b.feedback(Feedback(committed=(9,), committed_len=3, offered=2, accepted=1))
+        assert scripted.commits.get(timeout=10) == (3, [9])  # b's commits still go out
+        b._drop("test: the last reader drops it")
+        assert host.server.endpoint not in client.peers  # now the connection is closed
+        a.close()
+        b.close()
+    finally:
+        link.close()
