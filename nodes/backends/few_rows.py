@@ -13,6 +13,10 @@ whatever the number of rows or their tiling, so a row's result never depends on 
 rows share the forward: verifying k drafted tokens gives each position the logits it gets fed
 alone, and a batched sequence the logits it gets unbatched, as far as the linear layers go.
 
+The same extension holds `linear_w8`, a weight-only int8 matmul (int8 weights packed in groups
+of 8 rows with a float32 scale per row, float32 activations and sums) for the int8 drafter and
+any module converted by nodes/backends/w8.py (which says why); it follows the same switch.
+
 The kernel is a torch C++ extension built by `make` (`python -m nodes.backends.few_rows build`)
 into the virtualenv, keyed by torch version and source; nothing compiles at run time. Where it
 is not built, or the CPU lacks AVX2/FMA, or `SPECBUS_MATMUL=torch` is set, torch's own matmul

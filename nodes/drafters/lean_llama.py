@@ -73,6 +73,9 @@ class LeanCache:
         self.length = 0
         self.keys = [torch.empty(kv_heads, _FIRST_CAPACITY, head_dim) for _ in range(layers)]
         self.values = [torch.empty(kv_heads, _FIRST_CAPACITY, head_dim) for _ in range(layers)]
+        #: the last tree fed after `length` positions, whose K/V stay in the buffers past a crop
+        #: back to its base (LeanBackend.forward_tree): (base, tokens, parents, logits)
+        self.tree: tuple[int, list[int], list[int], np.ndarray] | None = None
 
     def reserve(self, total: int) -> None:
         """Room for `total` positions (doubling, so appends stay amortised O(1))."""
@@ -81,6 +84,7 @@ class LeanCache:
             return
         while cap < total:
             cap *= 2
+        self.tree = None  # only what is below `length` is copied
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):
                 new = torch.empty(old.shape[0], cap, old.shape[2])
@@ -145,15 +149,30 @@ class LeanLlama:
         [n or 1, vocab]."""
         n, past = len(token_ids), cache.length
         if parents is None:
-            depth = torch.arange(n)
-            mask = _chain_mask(n, past)
-        else:
-            depth_np, visible = tree_layout(parents)
-            depth = torch.from_numpy(depth_np)
-            mask = torch.ones(n, past + n, dtype=torch.bool)
-            mask[:, past:] = torch.from_numpy(visible)
+            return self._run(cache, token_ids, past + torch.arange(n), _chain_mask(n, past),
+                             last_only)
+        depth, visible = tree_layout(parents)
+        mask = torch.ones(n, past + n, dtype=torch.bool)
+        mask[:, past:] = torch.from_numpy(visible)
+        return self._run(cache, token_ids, past + torch.from_numpy(depth), mask, last_only)
+
+    @torch.inference_mode()
+    def extend_tree(self, cache: LeanCache, base: int, token_ids: Sequence[int],
+                    parents: Sequence[int], start: int) -> torch.Tensor:
+        """Logits [n - start, vocab] of nodes `start`.. of a tree fed after `base` positions
+        whose first `start` nodes are cached already (at base.., `cache.length` base + start)."""
+        n = len(token_ids)
+        depth, visible = tree_layout(parents)
+        mask = torch.ones(n - start, base + n, dtype=torch.bool)
+        mask[:, base:] = torch.from_numpy(visible[start:])
+        return self._run(cache, token_ids[start:], base + torch.from_numpy(depth[start:]), mask,
+                         False)
+
+    def _run(self, cache: LeanCache, token_ids: Sequence[int], positions: torch.Tensor,
+             mask: torch.Tensor | None, last_only: bool) -> torch.Tensor:
+        n, past = len(token_ids), cache.length
         cache.reserve(past + n)
-        cos, sin = self._rope(past + depth)
+        cos, sin = self._rope(positions)
         x = self.embed[torch.tensor(list(token_ids), dtype=torch.long)]
         h_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for i, layer in enumerate(self.layers):
@@ -199,16 +218,40 @@ class LeanBackend(Backend):
         return self.lean.new_cache()
 
     def forward(self, cache: LeanCache, token_ids: Sequence[int]) -> np.ndarray:
+        cache.tree = None
         return self.lean.forward(cache, token_ids, last_only=False).numpy()
 
     def forward_last(self, cache: LeanCache, token_ids: Sequence[int]) -> np.ndarray:
+        cache.tree = None
         return self.lean.forward(cache, token_ids, last_only=True)[0].numpy()
 
     def forward_tree(self, cache: LeanCache, token_ids: Sequence[int],
                      parents: Sequence[int]) -> np.ndarray:
-        return self.lean.forward(cache, token_ids, last_only=False, parents=parents).numpy()
+        """A tree's logits. A model drafter grows its tree a level at a time, feeding the whole
+        tree again after a crop back to its base each time; the nodes fed last time are still
+        in the buffers, so only the new ones are computed (each node's K/V depends on its
+        ancestors alone, which come before it). Weight-only int8 only: its rows are
+        independent, while dynamic int8 scales a call's activations together."""
+        base, tokens, parents = cache.length, [int(t) for t in token_ids], [int(p) for p in parents]
+        memo, start = cache.tree, 0
+        if memo is not None and memo[0] == base and self.lean.weights == "w8":
+            m = len(memo[1])
+            if m <= len(tokens) and memo[1] == tokens[:m] and memo[2] == parents[:m]:
+                start = m
+        if start == len(tokens):
+            logits = memo[3]
+            cache.length = base + start
+        elif start:
+            cache.length = base + start
+            new = self.lean.extend_tree(cache, base, tokens, parents, start).numpy()
+            logits = np.concatenate([memo[3], new])
+        else:
+            logits = self.lean.forward(cache, tokens, last_only=False, parents=parents).numpy()
+        cache.tree = (base, tokens, parents, logits)
+        return logits
 
     def compact(self, cache: LeanCache, base: int, keep: Sequence[int]) -> None:
+        cache.tree = None
         idx = torch.tensor([base + i for i in keep], dtype=torch.long)
         for buffers in (cache.keys, cache.values):
             for layer in buffers:
@@ -220,6 +263,8 @@ class LeanBackend(Backend):
 
     def crop(self, cache: LeanCache, length: int) -> None:
         cache.length = min(cache.length, max(length, 0))
+        if cache.tree is not None and cache.length < cache.tree[0]:
+            cache.tree = None
 
 
 def _stack(*weights: torch.Tensor) -> torch.Tensor:

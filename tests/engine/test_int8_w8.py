@@ -232,3 +232,60 @@ def test_weight_only_int8_agrees_with_smollm2_more_than_the_dynamic_fallback(
     # measured 0.94-1.00 per prompt over 10 prompts x 64 tokens (mean 0.977; dynamic 0.900)
     assert good >= 0.9, (good, fallback)
     assert good >= fallback, (good, fallback)
+
+
+@pytest.mark.parametrize("form", ["w8", "dynamic"])
+def test_a_tree_grown_a_level_at_a_time_computes_only_its_new_nodes(
+        form, tiny_torch, prompt_ids, monkeypatch):
+    """The model drafter feeds its whole tree again at each level after a crop back to the
+    base; the lean backend reuses the nodes it has (their K/V depend on their ancestors only)
+    and gives what a fresh forward of the whole tree gives. Not with dynamic int8, whose
+    activation scale is per call."""
+    from nodes.drafters.int8 import Int8Drafter
+
+    if form == "w8" and available_reason() is not None:
+        pytest.skip(f"no kernel: {available_reason()}")
+    if form == "dynamic":
+        monkeypatch.setenv(few_rows.ENV, "torch")
+    lean = Int8Drafter.from_verifier(tiny_torch).backend
+    assert lean.lean.weights == form
+    grown, fresh = lean.new_cache(), lean.new_cache()
+    for cache in (grown, fresh):
+        lean.forward(cache, prompt_ids)
+    base = len(prompt_ids)
+    levels = [([5], [-1]), ([5, 6, 7], [-1, 0, 0]), ([5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 2, 2])]
+    fed = []
+    for tokens, parents in levels:
+        lean.crop(grown, base)
+        logits = lean.forward_tree(grown, tokens, parents)
+        fed.append(len(tokens))
+        assert lean.cache_length(grown) == base + len(tokens)
+    calls = []
+    real = lean.lean._run
+    monkeypatch.setattr(lean.lean, "_run", lambda c, t, *a: calls.append(len(t)) or real(c, t, *a))
+    lean.crop(grown, base)
+    again = lean.forward_tree(grown, *levels[-1])  # the same tree again: nothing computed
+    lean.crop(grown, base)
+    bigger = lean.forward_tree(grown, [*levels[-1][0], 11], [*levels[-1][1], 3])
+    if form == "dynamic":  # activations scaled per call: the whole tree is computed again
+        assert calls == [6, 7]
+        return
+    assert calls == [1]  # the one new node
+    lean.crop(fresh, base)
+    whole = lean.forward_tree(fresh, [*levels[-1][0], 11], [*levels[-1][1], 3])
+    calls.clear()
+    # rows are independent in the linear layers; attention rounds by query count (~2e-5)
+    np.testing.assert_allclose(bigger, whole, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(again, logits, atol=0, rtol=0)
+    # compaction, a plain forward or a crop below the base forget the tree
+    lean.compact(grown, base, [0, 1, 3])
+    assert grown.tree is None
+    lean.crop(grown, base)
+    other = lean.forward_tree(grown, [5, 9], [-1, 0])
+    assert calls == [2] and other.shape[0] == 2
+    lean.crop(grown, base - 1)
+    assert grown.tree is None
+
+
+def available_reason():
+    return w8.available()
