@@ -87,9 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest context served: a verifier's prompt + max tokens, a "
                              "proposer's draft session (default: the model's context; 8192 "
                              "for ngram)")
-    parser.add_argument("--max-batch", type=int, default=1, metavar="N",
+    parser.add_argument("--max-batch", type=int, default=8, metavar="N",
                         help="verifier: generations stepped together, one forward per step "
-                             "(default 1: one at a time; docs/engine.md, Batching)")
+                             "(default 8; 1: one at a time; docs/engine.md, Batching)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="verifier: run a batch one sequence at a time, so every output "
                              "is bit for bit its solo output (costs the batching gain)")

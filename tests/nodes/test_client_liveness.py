@@ -32,7 +32,9 @@ QUEUED = 4  # generations the orphaned client leaves behind: 1 running + 3 queue
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = one_verifier(tmp_path_factory)
+    # one at a time: the orphaned client's work is one running generation and three queued
+    # ones, so both the queue and the running job are dropped (a batch would run all four)
+    c = one_verifier(tmp_path_factory, "--max-batch", "1")
     yield c
     c.stop()
 
