@@ -9,25 +9,34 @@ its own, so such a block is proof that the proposer's drafts were accepted for t
 before the kill. Each output must then equal the same request decoded alone without
 speculation, byte for byte, and all four must complete.
 
-The verifier runs `--batch-invariant` (as tests/nodes/test_verifier_batching.py does): which
-steps the sequences share depends on when they arrive and when the proposer dies, and batched
-CPU matmuls differ from solo ones in the last bits (docs/engine.md, "Batching"), so only the
-invariant mode makes the verdict independent of timing.
+Both modes run. With `--batch-invariant` (as tests/nodes/test_verifier_batching.py runs) each
+output must equal its solo output bit for bit. In the default mode which steps the sequences
+share depends on when they arrive and when the proposer dies, and batched CPU matmuls differ
+from solo ones in the last bits (docs/engine.md, "Batching"), so a greedy choice between two
+tokens whose log probabilities differ by less than that could go either way: there each output
+must equal its solo output or leave it only at such a near-tie (the solo run's top-2 log
+probabilities at the first differing position within `NEAR_TIE`; every later token then
+continues another prefix). That verdict does not depend on timing: a wrong draft accepted, a
+lost or repeated token, or a batch-mate's row leaking in would leave the solo output where
+the solo model was sure.
 
 Where the kill landed is checked, not assumed: a sequence still running when the verifier
 learns that the proposer is gone drops it (`dropped` in its `done` stats) and decodes on its
 own. The kill comes at the streams' first multi-token blocks (about 20 tokens in, 100+ still
 to go; here the first `done` came about 10 s after the kill), so all four are in the batch
-then. Measured: 50-85 s in all (2 shared cores), most of it the model's load and the solo runs.
+then. Measured: 50-85 s a mode (169 s for both on 2 shared cores), most of it the model's load
+and the solo runs.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from dataclasses import replace
 
 import pytest
 
+from codec.structs import TokenChunk
 from nodes.cluster_client import ClusterError, GenerateRequest
 from nodes.telemetry import StatsWatcher
 from tests.nodes.conftest import client_of, one_verifier
@@ -41,11 +50,16 @@ pytestmark = pytest.mark.slow
 REQUESTS = [(text, 120 + 12 * i) for i, text in
             enumerate(t for kind, t in PROMPTS if kind == INPUT_GROUNDED)]
 assert len(REQUESTS) == 4
+#: two tokens closer than this in the solo run's log probabilities are a near-tie (batched
+#: logits differ from solo ones by up to ~1e-4 here: docs/engine.md, "Numerics")
+NEAR_TIE = 1e-3
+MODES = {"batch-invariant": ("--batch-invariant",), "default": ()}
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = one_verifier(tmp_path_factory, "--max-batch", "4", "--batch-invariant")
+@pytest.fixture(scope="module", params=list(MODES))
+def cluster(request, tmp_path_factory):
+    c = one_verifier(tmp_path_factory, "--max-batch", "4", *MODES[request.param])
+    c.mode = request.param
     try:
         c.start_node("ngram", "--role", "proposer", "--drafter", "ngram", seed=True)
     except BaseException:
@@ -66,9 +80,37 @@ def client(cluster):
 
 @pytest.fixture(scope="module")
 def solo(client):
-    """Each request decoded alone, one after another, without speculation."""
-    return [client.generate(GenerateRequest(text, max_tokens=n, speculate=False))
-            .stats["token_ids"] for text, n in REQUESTS]
+    """Each request decoded alone, one after another, without speculation: its token ids and,
+    per token, the verifier's top-2 {token id: log probability}."""
+    out = []
+    for text, n in REQUESTS:
+        ids, tops = [], []
+        req = replace(GenerateRequest(text, max_tokens=n, speculate=False), logprobs=2)
+        for msg in client.stream(req, client.verifiers()[0]):
+            if msg.type != "token_chunk":
+                continue
+            chunk = TokenChunk.from_message(msg)
+            k = chunk.top_n
+            for j, t in enumerate(chunk.tokens.tolist()):
+                ids.append(t)
+                tops.append(dict(zip(chunk.top_ids[j * k:(j + 1) * k].tolist(),
+                                     chunk.top_logprobs[j * k:(j + 1) * k].tolist(),
+                                     strict=True)))
+        out.append((ids, tops))
+    return out
+
+
+def differs_only_at_a_near_tie(ids: list[int], solo_ids: list[int], tops: list[dict]) -> bool:
+    """`ids` is the solo output, or leaves it first where the solo run's top two were within
+    NEAR_TIE of each other, with the other of the two."""
+    if ids == solo_ids:
+        return True
+    p = next((j for j, (a, b) in enumerate(zip(ids, solo_ids, strict=False)) if a != b),
+             None)
+    if p is None:  # one stops early: an end of sequence where the other went on
+        return False
+    top = tops[p]
+    return ids[p] in top and abs(top[ids[p]] - top[solo_ids[p]]) < NEAR_TIE
 
 
 def test_proposer_killed_under_four_batched_sequences_changes_no_output(cluster, client,
@@ -124,7 +166,14 @@ def test_proposer_killed_under_four_batched_sequences_changes_no_output(cluster,
         assert getattr(msg, "type", None) == "done", f"request {i}: {msg!r}"
         stats = msg["stats"]
         ids = [t for chunk in chunks[i] for t in chunk]
-        assert stats["token_ids"] == ids == solo[i], f"request {i}"
+        solo_ids, tops = solo[i]
+        assert stats["token_ids"] == ids, f"request {i}"
+        if cluster.mode == "batch-invariant":
+            assert ids == solo_ids, f"request {i}"
+        else:
+            assert differs_only_at_a_near_tie(ids, solo_ids, tops), f"request {i}"
+            if ids != solo_ids:  # allowed, and worth seeing (-rP)
+                print(f"request {i}: left its solo output at a near-tie")
         used_by = stats["proposers"][proposer.node_id]
         assert used_by["drafts"] >= 1 and used_by["accepted"] >= 1, used_by
         # still running when the verifier learnt the proposer was gone: the kill hit it
