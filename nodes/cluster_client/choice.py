@@ -10,11 +10,14 @@ asked, less (`max_inflight`, the gateway's `--gateway-max-inflight`).
 
 Beyond that a generation waits in the client's own line (`queue` places, `queue_wait_s` at
 most): first come, first served among the generations that could use the same verifier, a
-place given up as soon as its generation is closed (a gateway user that disconnects). Only a
-full line (or a wait past its limit) is `busy`, so a gateway carrying 16 users over one
-connection serves them all while every queue stays bounded. `queue=0` answers `busy` at once
-when every verifier is full. A lock makes all of it safe for the sync client's threads (a bench
-streams from a pool); the gateway uses it from its asyncio thread only.
+place given up as soon as its generation is closed (a gateway user that disconnects). A
+verifier that answers `busy` (its own queue full of other clients' work) is held: nothing more
+goes to it until one of ours there ends or `HOLD_S` passes, and the generation tries another or
+waits in the line. Only a full line (or a wait past its limit) is `busy`, so a gateway carrying
+16 users over one connection serves them all while every queue stays bounded. `queue=0`
+answers `busy` at once when every verifier is full. A lock makes all of it safe for the sync
+client's threads (a bench streams from a pool); the gateway uses it from its asyncio thread
+only.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from discovery.table import Member, State
 
 MAX_REPORTED = 256  # verifiers whose telemetry is kept (a peer cannot grow it without bound)
+HOLD_S = 1.0  # a verifier that answered `busy` gets nothing more from a queueing client this long
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,10 @@ class Balancer:
         #: node id -> active + queued from its telemetry (members only, bounded)
         self.reported: OrderedDict[str, int] = OrderedDict()
         self.line: list[Ticket] = []  # oldest first
+        #: node id -> (monotonic time, our in-flight count then): it answered `busy` (its
+        #: queue full of other clients' work); no more is sent to it until one of ours on it
+        #: ends or HOLD_S passes
+        self.held: dict[str, tuple[float, int]] = {}
         self.refused = 0  # generations refused because the line was full or waited too long
         self._lock = threading.Lock()
 
@@ -149,9 +157,28 @@ class Balancer:
         caps = [c for c in (self.max_inflight, admits) if c]
         return min(caps) if caps else None
 
-    def has_room(self, v: VerifierInfo) -> bool:
+    def has_room(self, v: VerifierInfo, now: float | None = None) -> bool:
+        n = self.inflight.get(v.node_id, 0)
+        held = self.held.get(v.node_id)
+        if held is not None and n >= held[1]:
+            now = time.monotonic() if now is None else now
+            if now < held[0] + HOLD_S:
+                return False
         cap = self.limit(v)
-        return cap is None or self.inflight.get(v.node_id, 0) < cap
+        return cap is None or n < cap
+
+    def hold(self, v: VerifierInfo, now: float | None = None) -> None:
+        """`v` answered `busy` (its own queue is full): send it nothing more for HOLD_S, or
+        until one of this client's generations on it ends; meanwhile waiters try others or
+        wait in the line."""
+        with self._lock:
+            now = time.monotonic() if now is None else now
+            for node_id in [k for k, (t, _) in self.held.items() if now >= t + HOLD_S]:
+                del self.held[node_id]
+            # ours there besides the refused one (still counted until its attempt ends)
+            self.held[v.node_id] = (now, max(0, self.inflight.get(v.node_id, 0) - 1))
+            while len(self.held) > MAX_REPORTED:
+                self.held.pop(next(iter(self.held)))
 
     def pick(self, candidates: list[VerifierInfo], exclude: Iterable[str] = frozenset()
              ) -> VerifierInfo:
@@ -168,7 +195,7 @@ class Balancer:
             return min(free, key=lambda v: (self.load(v), -v.tok_s, v.node_id))
 
     def take(self, candidates: list[VerifierInfo], exclude: Iterable[str] = frozenset(),
-             ticket: Ticket | None = None) -> VerifierInfo | None:
+             ticket: Ticket | None = None, now: float | None = None) -> VerifierInfo | None:
         """Pick a verifier and take its slot in one step (threads cannot both take the last
         one), or wait: `ticket` joins (or keeps its place in) the line and None is returned.
         A verifier that a generation ahead in the line could use is left to it. Raises
@@ -183,7 +210,7 @@ class Balancer:
             ahead = self.line if ticket not in self.line else self.line[
                 :self.line.index(ticket)]
             claimed = frozenset().union(*(t.wanted for t in ahead))
-            free = [v for v in usable if self.has_room(v) and v.node_id not in claimed]
+            free = [v for v in usable if self.has_room(v, now) and v.node_id not in claimed]
             if free:
                 v = min(free, key=lambda v: (self.load(v), -v.tok_s, v.node_id))
                 self.inflight[v.node_id] = self.inflight.get(v.node_id, 0) + 1
@@ -224,6 +251,9 @@ class Balancer:
 
     def release(self, v: VerifierInfo) -> None:
         with self._lock:
+            held = self.held.get(v.node_id)
+            if held is not None and self.inflight.get(v.node_id, 0) <= held[1]:
+                del self.held[v.node_id]  # another of ours there ended: its queue has room
             n = self.inflight.get(v.node_id, 0) - 1
             if n > 0:
                 self.inflight[v.node_id] = n

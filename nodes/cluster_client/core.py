@@ -204,7 +204,10 @@ class Failover:
             item = RemoteError(str(item.get("code")), str(item.get("message")))
         if isinstance(item, RemoteError):
             if item.code == BUSY and not att.got_any and self.resume:
-                self.tried.add(v.node_id)  # its queue filled up: try another one
+                if self.balancer.queue:  # hold it: try another, or wait in line for it
+                    self.balancer.hold(v, att.last)
+                else:
+                    self.tried.add(v.node_id)  # its queue filled up: try another one
                 self.busy += 1
                 att.open = False
                 return []
@@ -308,7 +311,7 @@ class Failover:
         if ticket is None and self.balancer.queue:
             ticket = Ticket(now + self.balancer.queue_wait_s, self._wake)
         try:
-            v = self.balancer.take(candidates, self.tried, ticket)
+            v = self.balancer.take(candidates, self.tried, ticket, now)
         except NoCapacity as exc:
             self.ticket = None
             raise ClusterError(f"the cluster is busy ({exc})", BUSY, detail=str(exc),

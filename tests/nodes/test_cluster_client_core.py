@@ -323,3 +323,37 @@ def test_the_async_face_waits_in_line_and_a_closed_waiter_leaks_nothing():
     asyncio.run(run())
     assert balancer.waiting == 0 and balancer.inflight == {}
     assert [ep for ep, _ in client.sent] == ["tcp://a", "tcp://a"]
+
+
+def test_a_verifier_busy_with_other_clients_is_waited_for_not_refused():
+    """Its own queue is full of other clients' work: with a line, the generation tries the
+    other verifier, else waits; the busy one gets nothing more until one of ours there ends
+    or HOLD_S passes. Without a line it is `busy` as before (test above)."""
+    from nodes.cluster_client.choice import HOLD_S
+
+    balancer = Balancer(max_inflight=4, queue=4, queue_wait_s=60.0)
+    view = View(verifier("a"))
+    other = core_for(view, balancer)
+    mine = other.begin(now=0)  # one of ours runs on `a`
+    core = core_for(view, balancer)
+    att = core.begin(now=1)
+    assert core.reply(att, ErrorReply("busy", "verifier queue is full").to_message(),
+                      now=1) == [] and not att.open
+    core.end(att)
+    assert core.begin(now=1.5) is None and balancer.waiting == 1  # held: waits in line
+    other.end(mine)  # ours there ended: its queue has room again
+    again = core.begin(now=1.6)
+    assert again.verifier.node_id == "a" and balancer.waiting == 0
+    # none of ours left there: the hold lasts HOLD_S
+    assert core.reply(again, ErrorReply("busy", "queue full").to_message(), now=2) == []
+    core.end(again)
+    assert core.begin(now=2 + HOLD_S / 2) is None
+    assert core.begin(now=2 + HOLD_S).verifier.node_id == "a"
+    # with another verifier up, a busy one is simply passed over
+    view.alive.append(verifier("b", load=5))
+    core2 = core_for(view, balancer)
+    att = core2.begin(now=10)
+    assert att.verifier.node_id == "a"
+    core2.reply(att, ErrorReply("busy", "queue full").to_message(), now=10)
+    core2.end(att)
+    assert core2.begin(now=10.1).verifier.node_id == "b"
