@@ -66,10 +66,12 @@ def test_the_shipped_head_loads_offline_and_stays_lossless(smollm2):
 
 
 def test_on_a_cpu_the_shipped_head_drafts_int8_and_agrees_with_its_fp32_self(smollm2):
-    """int8 weights (all but `fc`, which reads the verifier's outlier-heavy hidden states)
-    must keep the head's predictions: on the verifier's real features of a chat answer the
-    int8 head's top token equals the fp32 head's at most positions and hits the verifier's
-    next token as often, give or take a little."""
+    """int8 weights must keep the head's predictions: on the verifier's real features of a
+    chat answer the int8 head's top token equals the fp32 head's at most positions and hits
+    the verifier's next token as often, give or take a little. Weight-only int8 (the few-row
+    kernel) quantizes every linear, `fc` included; the dynamic-int8 fallback all but `fc`
+    (which reads the verifier's outlier-heavy hidden states)."""
+    from nodes.backends import w8
     from nodes.drafters.eagle.cache import HeadCache
     from nodes.drafters.eagle.source import SHIPPED_HEAD, EagleDrafter
 
@@ -77,8 +79,14 @@ def test_on_a_cpu_the_shipped_head_drafts_int8_and_agrees_with_its_fp32_self(smo
         pytest.skip("no head shipped")
     int8 = EagleDrafter.load(None, smollm2)  # the default on a CPU
     fp32 = EagleDrafter.load(None, smollm2, int8=False)
-    assert isinstance(int8.head.fc, torch.nn.Linear)
-    assert not isinstance(int8.head.lm_head, torch.nn.Linear)  # a quantized module
+    if w8.available() is None:
+        assert isinstance(int8.head.fc, w8.W8Linear)
+        assert isinstance(int8.head.lm_head, w8.W8Linear)
+        floor = 0.95
+    else:
+        assert isinstance(int8.head.fc, torch.nn.Linear)
+        assert not isinstance(int8.head.lm_head, torch.nn.Linear)  # a quantized module
+        floor = 0.8
     assert isinstance(fp32.head.lm_head, torch.nn.Linear)
     prompt = smollm2.tokenizer.encode("How do tides work, and why are there two a day?",
                                       chat=True)
@@ -99,7 +107,8 @@ def test_on_a_cpu_the_shipped_head_drafts_int8_and_agrees_with_its_fp32_self(smo
     agree = (top["int8"] == top["fp32"]).float().mean().item()
     hit8 = (top["int8"] == truth).float().mean().item()
     hit32 = (top["fp32"] == truth).float().mean().item()
-    assert agree >= 0.8, agree
+    print(f"int8/fp32 argmax agreement {agree:.3f}; top-1 {hit8:.3f} vs {hit32:.3f}")
+    assert agree >= floor, agree
     assert hit8 >= hit32 - 0.05, (hit8, hit32)
 
 
