@@ -125,9 +125,13 @@ def unavailable() -> str | None:
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`nn.Linear.forward`, with 1..MAX_ROWS float32 rows sent to the kernel."""
+    """`nn.Linear.forward`, with 1..MAX_ROWS float32 rows sent to the kernel. The kernel has
+    no backward: where autograd would record this product (grad mode on and the input or the
+    weights requiring grad), torch's matmul serves, so training through the model still gets
+    its gradients."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if 0 < rows <= MAX_ROWS and x.dtype == torch.float32 and not x.requires_grad:
+    graded = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+    if 0 < rows <= MAX_ROWS and x.dtype == torch.float32 and not graded:
         y = _loaded.linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return F.linear(x, self.weight, self.bias)

@@ -79,6 +79,24 @@ def test_installed_linears_serve_few_rows_and_leave_the_rest_to_torch(kernel):
 
 
 @needs_kernel
+def test_training_through_an_installed_linear_gets_weight_gradients(kernel):
+    """The kernel has no backward: with grad mode on and weights requiring grad, torch's
+    matmul serves (weight gradients as a plain Linear's); under no_grad the kernel does, even
+    though the weights still require grad (every serving path runs so)."""
+    layer = torch.nn.Linear(32, 16)
+    plain = torch.nn.Linear(32, 16)
+    plain.load_state_dict(layer.state_dict())
+    few_rows.install(torch.nn.Sequential(layer))
+    x = torch.randn(3, 32)  # an input that does not require grad: only the weights do
+    layer(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    assert layer.weight.grad is not None
+    assert torch.allclose(layer.weight.grad, plain.weight.grad, atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(layer(x), kernel.linear(x, layer.weight, layer.bias))
+
+
+@needs_kernel
 @pytest.mark.slow
 def test_the_cpu_verifier_model_uses_it(kernel):
     from nodes.backends.torch_backend import TorchBackend
