@@ -79,8 +79,12 @@ def test_smollm2_trees_match_hf(smol_torch, smol_prompt, hf_reference, drafter_n
 
     if drafter_name == "ngram":
         drafter = NgramDrafter(branches=4)
-    else:
-        drafter = make_drafter("int8", smol_torch)
+    else:  # trees asked for: the weight-only int8 drafter's own default is chains
+        from nodes.drafters.int8 import Int8Drafter
+        from nodes.drafters.model import TREE_WIDTH
+
+        drafter = Int8Drafter(make_drafter("int8", smol_torch).backend, name="int8",
+                              tree_width=TREE_WIDTH)
     engine = Engine(smol_torch, drafter, fixed_k=8)
     stats = Stats()
     out = []

@@ -158,8 +158,10 @@ def test_without_the_kernel_nothing_is_converted_and_the_drafter_is_dynamic(
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     assert w8.quantize_linears_w8(model) == 0 and type(model[0]) is torch.nn.Linear
     with caplog.at_level("INFO", logger="nodes.drafters.int8"):
-        backend = Int8Drafter.from_verifier(tiny_torch).backend
+        drafter = Int8Drafter.from_verifier(tiny_torch)
+    backend = drafter.backend
     assert backend.lean.weights == "dynamic"
+    assert drafter.tree_width > 1  # dynamic int8 (~0.90 agreement) keeps its trees
     # the fallback is said in the log (once per reason and process)
     from nodes.drafters import int8
 
@@ -176,8 +178,10 @@ def test_the_int8_drafter_is_weight_only_where_the_kernel_is(kernel, tiny_torch,
     from nodes.backends.torch_backend import TorchBackend
     from nodes.drafters.int8 import Int8Drafter
 
-    lean = Int8Drafter.from_verifier(tiny_torch).backend
+    drafter = Int8Drafter.from_verifier(tiny_torch)
+    lean = drafter.backend
     assert lean.lean.weights == "w8"
+    assert drafter.tree_width == 1  # ~0.98 agreement: its chain, no trees (docs/engine.md)
     hf_model = copy.deepcopy(tiny_torch.model)
     assert w8.quantize_linears_w8(hf_model) == 7 * len(hf_model.model.layers) + 1
     hf = TorchBackend.from_model(hf_model, tiny_torch.tokenizer, "hf-w8")
