@@ -91,6 +91,7 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
     """(name, backend, factory); factories load lazily so a failing one is skipped alone."""
     from nodes.backends.base import load_backend
     from nodes.drafters.int8 import Int8Drafter, calibration_batches, quantize_int8
+    from nodes.drafters.model import TREE_WIDTH
     from nodes.drafters.ngram import NgramDrafter
     from nodes.engine.core import Engine
 
@@ -114,6 +115,10 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
 
     def int8_chain():
         return Int8Drafter(int8().backend, name="int8", tree_width=1)
+
+    def int8_tree():
+        """Trees whatever the drafter's own default (chains where it is weight-only int8)."""
+        return Int8Drafter(int8().backend, name="int8", tree_width=TREE_WIDTH)
 
     def eagle(tree_width: int):
         """The shipped EAGLE-3 head (int8 weights on a CPU), reading this verifier's hidden
@@ -153,7 +158,8 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
             "torch",
             lambda: _engine_runner(Engine(torch_backend(), int8_chain())),
         ),
-        ("engine-int8-tree", "torch", lambda: _engine_runner(Engine(torch_backend(), int8()))),
+        ("engine-int8-tree", "torch",
+         lambda: _engine_runner(Engine(torch_backend(), int8_tree()))),
         (
             "hf-assisted-int8",
             "torch",
