@@ -196,14 +196,15 @@ class CostModel:
         forwards: the measured row counts' costs, made non-decreasing (a row never saves
         time; neighbours out of order are pooled to their mean, so one slow sample does not
         raise every larger count), joined by straight lines and continued past the ends with
-        the nearest segment's slope (one point: the solo curve scaled through it). Before any
-        batched forward, the solo curve `verify_cost(rows)` (a batch judged as one long
-        sequence)."""
+        the nearest segment's slope above the largest count; below the smallest (and with one
+        point) the solo curve scaled through it, never the segment's line, which a steep
+        first segment (prompt rows) would carry to zero or below. Before any batched forward,
+        the solo curve `verify_cost(rows)` (a batch judged as one long sequence)."""
         if not self._batch:
             return self.verify_cost(rows)
         xs = sorted(self._batch)
         ys = _non_decreasing([self._batch[x] for x in xs])
-        if len(xs) == 1:  # the solo curve's shape, scaled through the one point
+        if len(xs) == 1 or rows < xs[0]:  # the solo curve's shape, scaled through a point
             return ys[0] * self.verify_cost(rows) / self.verify_cost(xs[0])
         for j in range(1, len(xs)):
             if rows <= xs[j] or j == len(xs) - 1:

@@ -281,6 +281,21 @@ def test_batch_cost_is_learnt_per_rows_non_decreasing_and_shared_by_forks():
     assert c.start_generation() is None and c.batch_cost(4) == pytest.approx(0.100)
 
 
+def test_below_the_smallest_batched_forward_the_cost_stays_positive():
+    """Only long batched forwards measured (prompts riding along: 150 and 300 rows, a steep
+    line that crosses zero at 75 rows): a 2-row batch is the solo curve scaled through the
+    smallest point, positive and below it, and fitting a batch there does not divide by zero
+    (it did: `bench serve --drafter int8` at c = 2 failed generations so)."""
+    c = CostModel(max_k=16)
+    for n in range(1, 9):
+        c.record_verify(n, 0.05 + 0.002 * n)
+    c.record_batch(150, 0.50)
+    c.record_batch(300, 1.50)
+    assert 0 < c.batch_cost(2) == pytest.approx(0.50 * c.verify_cost(2) / c.verify_cost(150))
+    assert c.batch_cost(2) < c.batch_cost(150)
+    assert c.fit_batch([CHAIN, CHAIN], fixed_rows=2, tokens=2) == [[1, 2, 3, 4]] * 2
+
+
 def test_at_low_load_the_batch_keeps_every_planned_draft():
     c = pinned_batch(cpu_batch)
     keep = c.fit_batch([CHAIN, CHAIN], fixed_rows=2, tokens=2)
