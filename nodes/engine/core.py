@@ -389,7 +389,10 @@ class Engine:
             fills = []
         if not going and not fills:
             return [blocks[i] for i in range(len(seqs))]
-        trees = [self._plan(seqs[i]) for i in going]
+        # sequences sharing this step's forward: an in-process source's drafting makes all
+        # of them wait (`CostModel.fit_draft_to_batch`)
+        sharing = len(going) + len(fills) if together else 1
+        trees = [self._plan(seqs[i], sharing) for i in going]
         if together:
             self._fit_to_batch([seqs[i] for i in going], trees,
                                sum(size for _, size in fills))
@@ -560,9 +563,10 @@ class Engine:
         return hidden[rows]
 
     # ---- the step's parts -------------------------------------------------------------------
-    def _plan(self, seq: SequenceState) -> TokenTree:
-        """Ask every source for candidates, each within the budget its own record earns, merge
-        them into one tree (the likeliest source first) and keep the nodes worth a forward."""
+    def _plan(self, seq: SequenceState, sharing: int = 1) -> TokenTree:
+        """Ask every source for candidates, each within the budget its own record earns (and,
+        `sharing` sequences in the step, that the batch's rate leaves it), merge them into one
+        tree (the likeliest source first) and keep the nodes worth a forward."""
         remaining = seq.params.max_tokens - len(seq.generated)
         cap = max(0, min(self.max_draft, remaining - 1))
         adaptive = self.fixed_k is None
@@ -573,6 +577,8 @@ class Engine:
         for i, slot in enumerate(list(seq.slots)):
             slot.asked, slot.offered, slot.tag, slot.budget = False, 0, i, 0
             budget = seq.cost.choose_k(slot.name) if adaptive else self.fixed_k
+            if adaptive and sharing > 1:
+                budget = seq.cost.fit_draft_to_batch(budget, slot.name, sharing)
             budget = slot.budget = max(0, min(budget, cap))
             t0 = time.perf_counter()
             try:

@@ -251,6 +251,30 @@ class CostModel:
         est.probing = False
         return 0
 
+    def fit_draft_to_batch(self, k: int, name: str, sequences: int) -> int:
+        """At most k tokens of `name`'s drafts, cut to what pays when `sequences` share the
+        step, for a source that drafts on the verifier's own time (`draft_cost` > 0; a remote
+        source's drafts are free here and `fit_batch` weighs their rows).
+
+        Why: every sequence of the batch waits while one drafts in process, so a draft token
+        must buy more than the batch's plain rate, not the solo one. With every sequence doing
+        alike, a sequence's rate is `expected_tokens(j) / (T / B + d j)`: T the batch's plain
+        forward (`batch_cost(B)`), d the drafting cost per token (the draft rows' own cost is
+        `fit_batch`'s to weigh, after drafting). At B = 1 the solo choice stands; at B = 8 on
+        a CPU an int8 drafter (16 ms a token) stops drafting, since a plain batched step
+        already commits a token per ~21 ms (measured: in-process int8 drafts at c >= 4 cut
+        `bench serve` to 0.6x batched plain), while an n-gram drafter (microseconds) keeps k."""
+        d = self.draft_cost(name)
+        if sequences <= 1 or d <= 0 or k <= 0:
+            return k
+        share = self.batch_cost(sequences) / sequences
+        best_j, best = 0, 1.0 / share * self.margin  # a draft must beat plain by the margin
+        for j in range(1, k + 1):
+            rate = self.expected_tokens(j, name) / (share + d * j)
+            if rate > best:
+                best_j, best = j, rate
+        return best_j
+
     def probe_length(self) -> int:
         """A probe's draft length: the k (up to `probe_k`) with the best committed tokens per
         second of verify at the prior acceptance, from the learnt verify curve. Why not a fixed

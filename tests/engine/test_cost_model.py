@@ -296,6 +296,28 @@ def test_below_the_smallest_batched_forward_the_cost_stays_positive():
     assert c.fit_batch([CHAIN, CHAIN], fixed_rows=2, tokens=2) == [[1, 2, 3, 4]] * 2
 
 
+def test_an_in_process_drafter_drafts_less_as_the_batch_grows():
+    """A source drafting on the verifier's own time (16 ms a token, right 0.75 of the time)
+    drafts as alone in a batch of one, and not at all once the batch's plain rate beats what
+    its drafting buys (every sequence waits while it drafts); a remote source (no draft cost
+    here) keeps its k whatever the batch, `fit_batch` weighing its rows."""
+    c = pinned_batch(cpu_batch)
+    for _ in range(50):
+        c.record_acceptance(4, 3, "int8")
+        c.record_acceptance(4, 3, "remote")
+        c.record_draft(4, 0.064, "int8")
+    assert c.acceptance_of("int8") == pytest.approx(0.75, abs=0.02)
+    assert c.fit_draft_to_batch(5, "int8", 1) == 5
+    ks = [c.fit_draft_to_batch(5, "int8", b) for b in (2, 4, 8, 16)]
+    assert ks == sorted(ks, reverse=True) and ks[-1] == 0
+    assert [c.fit_draft_to_batch(5, "remote", b) for b in (1, 8, 16)] == [5, 5, 5]
+    # drafting that costs next to nothing keeps its length in a batch
+    c.record_draft(4, 1e-6, "cheap")
+    for _ in range(50):
+        c.record_acceptance(4, 3, "cheap")
+    assert c.fit_draft_to_batch(5, "cheap", 8) == 5
+
+
 def test_at_low_load_the_batch_keeps_every_planned_draft():
     c = pinned_batch(cpu_batch)
     keep = c.fit_batch([CHAIN, CHAIN], fixed_rows=2, tokens=2)

@@ -338,7 +338,7 @@ def test_a_likely_runner_up_is_verified_and_a_hopeless_one_pruned(tiny_torch, pr
     engine.cost = PinnedCost(max_k=engine.max_draft)
     source = RunnerUp("int8", prompt_ids + reference, tiny_torch.vocab_size)
     trees, plan = [], engine._plan
-    engine._plan = lambda seq: trees.append(plan(seq)) or trees[-1]
+    engine._plan = lambda seq, *rest: trees.append(plan(seq, *rest)) or trees[-1]
     params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
     out, stats = run(engine, prompt_ids, params, sources=[source])
     assert out == reference[:N]
