@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from nodes.backends import few_rows
 from nodes.drafters.base import Drafter, branch_points
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -204,3 +205,50 @@ class Branch(tuple):
     at = property(lambda self: self[0])
     tokens = property(lambda self: self[1])
     conf = property(lambda self: self[2])
+
+
+# ---- the few-row kernel and int8 drafters ---------------------------------------------------
+needs_kernel = pytest.mark.skipif(
+    few_rows.buildable() is not None or shutil.which("g++") is None,
+    reason="the few-row kernel is x86 AVX2 code built with g++")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = few_rows.load()
+    assert module is not None, (
+        f"`make setup` should have built {few_rows.build_dir()}: "
+        "run `python -m nodes.backends.few_rows build -v` to see why it did not")
+    return module
+
+
+AGREEMENT_PROMPTS = (
+    "Describe a rainy afternoon in a small harbour town.",
+    "What are three good habits for writing clear emails?",
+    "Explain how a refrigerator keeps food cold.",
+)
+
+
+def greedy_agreement(verifier, drafters, prompts=AGREEMENT_PROMPTS, new_tokens: int = 32):
+    """Teacher-forced greedy agreement of each drafting backend with `verifier` over the
+    verifier's own greedy continuations of `prompts` (deterministic): the share of
+    continuation tokens each backend's argmax gets right."""
+    import torch
+
+    continuations = []
+    with torch.no_grad():
+        for text in prompts:
+            ids = verifier.tokenizer.encode(text, chat=True)
+            out = verifier.model.generate(torch.tensor([ids]), max_new_tokens=new_tokens,
+                                          do_sample=False)
+            continuations.append((out[0].tolist(), len(ids)))
+    shares = []
+    for backend in drafters:
+        hits = total = 0
+        for sequence, start in continuations:
+            logits = torch.from_numpy(backend.forward(backend.new_cache(), sequence))
+            guess = logits[start - 1 : -1].argmax(-1)
+            hits += int((guess == torch.tensor(sequence[start:])).sum())
+            total += len(sequence) - start
+        shares.append(hits / total)
+    return shares

@@ -9,6 +9,7 @@ import pytest
 
 from nodes.drafters.int8 import quantize_int8
 from nodes.drafters.smoothing import CALIBRATION_TEXTS, input_absmax, is_llama_like, smooth_
+from tests.engine.conftest import greedy_agreement
 
 
 def _calibration(tokenizer):
@@ -158,17 +159,9 @@ def test_layouts_the_lean_forward_does_not_know_keep_the_hf_modules(tiny_torch, 
     assert isinstance(Int8Drafter.from_verifier(other).backend, TorchBackend)
 
 
-AGREEMENT_PROMPTS = (
-    "Describe a rainy afternoon in a small harbour town.",
-    "What are three good habits for writing clear emails?",
-    "Explain how a refrigerator keeps food cold.",
-)
-
-
 @pytest.mark.slow
 def test_smoothed_int8_agrees_with_smollm2_far_more_than_plain_int8(smollm2_folder, dynamic_int8):
     """Teacher-forced greedy agreement over the model's own continuations (deterministic)."""
-    import torch
 
     from nodes.backends.torch_backend import TorchBackend
     from nodes.drafters.int8 import Int8Drafter
@@ -177,21 +170,6 @@ def test_smoothed_int8_agrees_with_smollm2_far_more_than_plain_int8(smollm2_fold
     smoothed = Int8Drafter.from_verifier(verifier).backend  # the lean forward
     plain = TorchBackend.from_model(quantize_int8(verifier.model), verifier.tokenizer, "plain")
 
-    def agreement(backend):
-        hits = total = 0
-        for sequence, start in continuations:
-            logits = torch.from_numpy(backend.forward(backend.new_cache(), sequence))
-            guess = logits[start - 1 : -1].argmax(-1)
-            hits += int((guess == torch.tensor(sequence[start:])).sum())
-            total += len(sequence) - start
-        return hits / total
-
-    continuations = []
-    with torch.no_grad():
-        for text in AGREEMENT_PROMPTS:
-            ids = verifier.tokenizer.encode(text, chat=True)
-            out = verifier.model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
-            continuations.append((out[0].tolist(), len(ids)))
-    good, bad = agreement(smoothed), agreement(plain)
+    good, bad = greedy_agreement(verifier, (smoothed, plain))
     assert good >= 0.75, (good, bad)  # measured 0.84-0.97 per prompt on 10 prompts
     assert good - bad >= 0.15, (good, bad)  # plain dynamic int8: 0.33-0.88

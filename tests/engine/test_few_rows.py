@@ -3,26 +3,12 @@ and installed on the verifier's model."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from nodes.backends import few_rows
-
-needs_kernel = pytest.mark.skipif(
-    few_rows.buildable() is not None or shutil.which("g++") is None,
-    reason="the few-row kernel is x86 AVX2 code built with g++")
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    module = few_rows.load()
-    assert module is not None, (
-        f"`make setup` should have built {few_rows.build_dir()}: "
-        "run `python -m nodes.backends.few_rows build -v` to see why it did not")
-    return module
+from tests.engine.conftest import needs_kernel
 
 
 @needs_kernel

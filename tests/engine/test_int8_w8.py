@@ -5,7 +5,6 @@ fallback where the kernel is not available, and the int8 drafter built on it."""
 from __future__ import annotations
 
 import copy
-import shutil
 
 import numpy as np
 import pytest
@@ -13,19 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from nodes.backends import few_rows, w8
-
-needs_kernel = pytest.mark.skipif(
-    few_rows.buildable() is not None or shutil.which("g++") is None,
-    reason="the few-row kernel is x86 AVX2 code built with g++")
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    module = few_rows.load()
-    assert module is not None, (
-        f"`make setup` should have built {few_rows.build_dir()}: "
-        "run `python -m nodes.backends.few_rows build -v` to see why it did not")
-    return module
+from tests.engine.conftest import greedy_agreement, needs_kernel
 
 
 def _reference(x, layer: w8.W8Linear):
@@ -195,13 +182,6 @@ def test_the_int8_drafter_is_weight_only_where_the_kernel_is(kernel, tiny_torch,
     np.testing.assert_allclose(rows[1], rows[0], atol=1e-4, rtol=1e-4)
 
 
-AGREEMENT_PROMPTS = (
-    "Describe a rainy afternoon in a small harbour town.",
-    "What are three good habits for writing clear emails?",
-    "Explain how a refrigerator keeps food cold.",
-)
-
-
 @needs_kernel
 @pytest.mark.slow
 def test_weight_only_int8_agrees_with_smollm2_more_than_the_dynamic_fallback(
@@ -217,22 +197,7 @@ def test_weight_only_int8_agrees_with_smollm2_more_than_the_dynamic_fallback(
     monkeypatch.delenv(few_rows.ENV)
     assert (weight_only.lean.weights, dynamic.lean.weights) == ("w8", "dynamic")
 
-    continuations = []
-    with torch.no_grad():
-        for text in AGREEMENT_PROMPTS:
-            ids = verifier.tokenizer.encode(text, chat=True)
-            out = verifier.model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
-            continuations.append((out[0].tolist(), len(ids)))
-
-    def agreement(backend):
-        hits = total = 0
-        for sequence, start in continuations:
-            logits = torch.from_numpy(backend.forward(backend.new_cache(), sequence))
-            hits += int((logits[start - 1:-1].argmax(-1) == torch.tensor(sequence[start:])).sum())
-            total += len(sequence) - start
-        return hits / total
-
-    good, fallback = agreement(weight_only), agreement(dynamic)
+    good, fallback = greedy_agreement(verifier, (weight_only, dynamic))
     # measured 0.94-1.00 per prompt over 10 prompts x 64 tokens (mean 0.977; dynamic 0.900)
     assert good >= 0.9, (good, fallback)
     assert good >= fallback, (good, fallback)
