@@ -39,7 +39,13 @@ drafter that is the model's own copy) is asked for its large budget from the fir
 while the new prompt's first blocks soon outweigh the seed (one wrong long draft halves it).
 A source with a poor record starts at the prior, as every source did before: a prompt it
 helps with (one that copies its input) is not held back by the ones before, and one it does
-not help with turns it down within a few steps, as before.
+not help with turns it down within a few steps, as before. Except a *steady* source (a model
+drafting for the verifier: `DraftSource.steady`), whose agreement is the model pair's rather
+than the prompt's: once its record has `_MIN_RECORD` trials it starts there even below the
+prior. Why: a head right 0.2-0.37 of the time, started at the prior's 0.5 on every request,
+drafted (and lost) the first blocks of each one, and on a verifier serving many short
+requests those first blocks are most of what it does (`bench serve` with the head: 0.95x
+plain at concurrency 1).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ _DECAY = 0.7  # weight of history per block: acceptance comes in phases (copying
 #: the same for a source's long-run estimate, kept across generations (~10 blocks of memory)
 _LONG_DECAY = 0.9
 _EMA = 0.3
+#: trials (decayed) a steady source's record needs before it replaces the prior
+_MIN_RECORD = 4.0
 #: the source key of callers that do not name one (a single drafter)
 POOLED = ""
 
@@ -105,6 +113,8 @@ class CostModel:
     #: source -> [accepted, trials] over every generation (decayed): a new generation's
     #: starting point; a dict so forks share it
     _longrun: dict[str, list[float]] = field(default_factory=dict)
+    #: sources whose record binds below the prior (`mark_steady`); shared by forks
+    _steady: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.start_generation()
@@ -129,7 +139,13 @@ class CostModel:
         other._draft = self._draft
         other._delivered = self._delivered
         other._longrun = self._longrun
+        other._steady = self._steady
         return other
+
+    def mark_steady(self, name: str) -> None:
+        """`name`'s acceptance is the drafter's, not the prompt's (`DraftSource.steady`): a
+        new generation starts from its record, even below the prior (`start_acceptance`)."""
+        self._steady.add(name)
 
     # ---- estimates --------------------------------------------------------------------------
     def _source(self, name: str) -> _SourceEstimate:
@@ -144,10 +160,13 @@ class CostModel:
     def start_acceptance(self, name: str = POOLED) -> float:
         """Where `name`'s acceptance starts a generation: its long-run estimate over earlier
         generations, never below the prior (a poor record must not hold back a prompt the
-        source helps with: it is turned down within a few steps where it does not)."""
+        source helps with: it is turned down within a few steps where it does not), except
+        for a steady source with a record of at least `_MIN_RECORD` trials: its record."""
         rec = self._longrun.get(name)
         if rec is None or rec[1] <= 0:
             return self.prior_acceptance
+        if name in self._steady and rec[1] >= _MIN_RECORD:
+            return rec[0] / rec[1]
         return max(self.prior_acceptance, rec[0] / rec[1])
 
     def acceptance_of(self, name: str = POOLED) -> float:
