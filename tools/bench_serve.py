@@ -50,9 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated concurrency levels (default 1,4,16)")
     parser.add_argument("--requests", type=int, default=8,
                         help="requests per level, at least the concurrency (default 8)")
-    parser.add_argument("--max-batch", default="1",
+    parser.add_argument("--max-batch", default="8",
                         help="comma-separated verifier --max-batch values, one cluster each "
-                             "(default 1: one generation at a time)")
+                             "(default 8, the node's default; 1: one generation at a time)")
     parser.add_argument("--drafter", default="none",
                         help="the verifiers' own drafter (e.g. ngram: speculative rows; "
                              "default none: plain decoding)")

@@ -45,7 +45,7 @@ than the prompt's: once its record has `_MIN_RECORD` trials it starts there even
 prior. Why: a head right 0.2-0.37 of the time, started at the prior's 0.5 on every request,
 drafted (and lost) the first blocks of each one, and on a verifier serving many short
 requests those first blocks are most of what it does (`bench serve` with the head: 0.95x
-plain at concurrency 1).
+plain at concurrency 1). Such a source also starts probing at the longest interval.
 """
 
 from __future__ import annotations
@@ -151,9 +151,14 @@ class CostModel:
     def _source(self, name: str) -> _SourceEstimate:
         est = self._sources.get(name)
         if est is None:
+            start = self.start_acceptance(name)
+            # a steady source whose record is below the prior starts probing at the longest
+            # interval: its record already says what early probes would (each costs a
+            # failed draft's rows and, for a head, reading the whole prompt)
+            interval = (self.max_probe_every if start < self.prior_acceptance
+                        else self.probe_every)
             # the seed is decayed like any observation, so evidence soon outweighs it
-            est = _SourceEstimate(self.start_acceptance(name) * self.prior_weight,
-                                  self.prior_weight, self.probe_every)
+            est = _SourceEstimate(start * self.prior_weight, self.prior_weight, interval)
             self._sources[name] = est
         return est
 

@@ -257,7 +257,8 @@ def test_a_steady_source_with_a_poor_record_starts_each_generation_turned_down()
     start = c.start_acceptance("head")
     assert start < c.prior_acceptance
     assert ks[0] == 0 and sum(ks) < sum(first)
-    assert any(ks)  # probes go on
+    assert any(ks)  # probes go on, at the longest interval
+    assert ks.index(next(k for k in ks if k)) == c.max_probe_every - 1
     # the same record on a source that is not steady starts at the prior, as before
     d = seeded()
     for _ in range(4):
