@@ -18,7 +18,7 @@ from nodes.engine import Engine, GenerationParams
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import Candidate
-from tests.engine.conftest import hf_greedy
+from tests.engine.conftest import hf_greedy, needs_kernel
 from tests.engine.eagle_heads import head_config, head_tensors, write_head
 
 LAYERS = (0, 1, 1)  # the tiny verifier has 2 layers
@@ -243,6 +243,27 @@ def test_the_training_unroll_equals_inference(tiny_torch, foreign_head):
                 h = head.step(cache, tokens[0, m + d : m + d + 1], h[None],
                               torch.tensor([m - 1 + d]))[0]
                 torch.testing.assert_close(h, outs[d][0, m - 1 + d])
+
+
+@needs_kernel
+def test_the_training_unroll_runs_on_a_weight_only_int8_head(tiny_torch, foreign_head):
+    """Evaluating a head as it drafts on a CPU (int8 weights, `fc` included) goes through the
+    same unroll: its first step equals the quantized head's own committed-entry forward."""
+    from nodes.drafters.eagle.quantize import quantize_head
+    from nodes.drafters.eagle.train import unroll
+    from nodes.backends.w8 import W8Linear
+
+    head, _ = load_head(foreign_head, VerifierShape.of(tiny_torch))
+    head = quantize_head(head)
+    assert isinstance(head.fc, W8Linear)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 49152, (1, 10), generator=g)
+    feats = torch.randn(1, 10, 3, 64, generator=g)
+    with torch.inference_mode():
+        outs = unroll(head, tokens, feats, 2)
+        cache = HeadCache(2, 16, torch.float32, "cpu")
+        h = head.step(cache, tokens[0, 1:9], feats[0, :8], torch.arange(8))
+    torch.testing.assert_close(h, outs[0][0, :8], rtol=1e-4, atol=1e-4)
 
 
 def test_an_mlx_verifier_is_refused_clearly(tiny_mlx, foreign_head):

@@ -80,7 +80,9 @@ def unroll(head: Eagle3Head, tokens: torch.Tensor, features: torch.Tensor,
     n = tokens.shape[1] - 1
     toks = tokens[:, 1:]
     pos = torch.arange(n, device=tokens.device)
-    feature = head.fc(features[:, :n].flatten(-2).to(head.fc.weight.dtype))
+    # the head's float dtype from its norm: a quantized `fc` (int8 weights, for evaluating
+    # a CPU head) has no float `weight` to read it from
+    feature = head.fc(features[:, :n].flatten(-2).to(head.norm.weight.dtype))
     rep = cfg.num_attention_heads // cfg.num_key_value_heads
     scale = cfg.dim_head ** -0.5
     keys: list[torch.Tensor] = []
