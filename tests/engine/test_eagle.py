@@ -249,9 +249,9 @@ def test_the_training_unroll_equals_inference(tiny_torch, foreign_head):
 def test_the_training_unroll_runs_on_a_weight_only_int8_head(tiny_torch, foreign_head):
     """Evaluating a head as it drafts on a CPU (int8 weights, `fc` included) goes through the
     same unroll: its first step equals the quantized head's own committed-entry forward."""
+    from nodes.backends.w8 import W8Linear
     from nodes.drafters.eagle.quantize import quantize_head
     from nodes.drafters.eagle.train import unroll
-    from nodes.backends.w8 import W8Linear
 
     head, _ = load_head(foreign_head, VerifierShape.of(tiny_torch))
     head = quantize_head(head)
