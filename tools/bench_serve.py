@@ -1,6 +1,10 @@
 """`specbus bench serve`: time to first token and tok/s through the gateway vs the bus client.
 
-A local cluster of real processes (1 or 2 SmolLM2 verifiers, one gateway). The same completion
+A local cluster of real processes (1 or 2 SmolLM2 verifiers, one gateway); with several
+`--drafter` values, one such cluster per drafter, all started first, every level run on each
+in turn (`--rounds` times, the order rotated), and each drafter's tok/s over the first's given
+per round with the median and the worst: ratios measured interleaved, as
+docs/benchmarks.md asks, not across separate runs. The same completion
 requests run at each concurrency, first straight through the cluster client (round-robin over
 the verifiers), then through the gateway's HTTP API (streaming); TTFT is the time from sending
 to the first token (bus: first `token_chunk`; HTTP: first chunk with text), tok/s is all
@@ -55,7 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 8, the node's default; 1: one generation at a time)")
     parser.add_argument("--drafter", default="none",
                         help="the verifiers' own drafter (e.g. ngram: speculative rows; "
-                             "default none: plain decoding)")
+                             "default none: plain decoding); comma-separated values start one "
+                             "cluster each, all at once, and run every level on each in turn "
+                             "(interleaved: `none,eagle` gives eagle / none per round)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times each level runs on each cluster, the clusters' order "
+                             "rotated each round (default 1)")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--prompts", choices=PROMPT_SETS, default="completion",
                         help="completion: short completion prompts (default); mixed / grounded "
@@ -172,65 +181,111 @@ def run(args: argparse.Namespace) -> int:
         print("specbus bench serve: verifiers 1..8, concurrency 1..64, max tokens 1..512, "
               "requests >= 1", file=sys.stderr)
         return 2
+    drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]
+    if not drafters or len(set(drafters)) != len(drafters) or not 1 <= args.rounds <= 20:
+        print("specbus bench serve: --drafter takes distinct names; --rounds 1..20",
+              file=sys.stderr)
+        return 2
     cores = sorted(os.sched_getaffinity(0))
     rows = []
     for n in counts:
         for batch in batches:
-            rows += _bench_cluster(n, levels, args, cores, batch)
-    summary = _summary(rows)
+            rows += _bench_interleaved(n, batch, drafters, levels, args, cores)
+    summary = _summary(rows, drafters)
     print(render(rows, summary, cores))
     if args.json is not None:
         args.json.write_text(json.dumps({"cores": len(cores), "args": {
             "verifiers": counts, "concurrency": levels, "requests": args.requests,
-            "max_tokens": args.max_tokens, "max_batch": batches}, "rows": rows,
+            "max_tokens": args.max_tokens, "max_batch": batches, "drafters": drafters,
+            "rounds": args.rounds, "prompts": args.prompts}, "rows": rows,
             "summary": summary}, indent=2) + "\n")
     return 0
 
 
-def _bench_cluster(n: int, levels: list[int], args: argparse.Namespace,
-                   cores: list[int], max_batch: int = 1) -> list[dict]:
-    """One cluster of `n` verifiers (verifier k pinned to core k, 1 torch thread each,
-    stepping up to `max_batch` generations together) and a gateway on the last core; every
-    level through the bus client, then through the gateway."""
-    from nodes.cluster_client import ClusterClient
-    from tools.local_cluster import LocalCluster
+def _bench_interleaved(n: int, batch: int, drafters: list[str], levels: list[int],
+                       args: argparse.Namespace, cores: list[int]) -> list[dict]:
+    """One cluster per drafter, all started before the first level; each level then runs on
+    every cluster in turn, `--rounds` times, the order rotated each round, so a ratio between
+    drafters compares runs taken minutes apart at most, not whole benchmark runs apart (which
+    differ by ~5 % here). The clusters' verifiers share their cores; only one serves at a
+    time."""
+    from contextlib import ExitStack
 
-    log_dir = Path(tempfile.mkdtemp(prefix="specbus-bench-serve-"))
-    prompts = _prompts(args.prompts)
     rows = []
-    with LocalCluster(log_dir=log_dir, mdns=False) as c:
-        print(f"starting {n} verifier(s) and a gateway (logs: {log_dir})", file=sys.stderr)
-        for k in range(n):
-            c.start_node(f"v{k + 1}", "--role", "verifier", "--threads", "1",
-                         "--cpus", str(cores[k % len(cores)]), "--max-batch", str(max_batch),
-                         "--drafter", args.drafter, seed=bool(k))
-        max_inflight = str(max(levels))  # the gateway must not answer 429 at the top level
-        gw = c.start_node("gw", "--role", "gateway", "--http", "127.0.0.1:0", "--cpus",
-                          str(cores[-1]), "--gateway-max-inflight", max_inflight, seed=True)
-        url = gw.ready["http"]
-        with ClusterClient(c.cluster, peers=tuple(x.stream for x in c.nodes),
-                           mdns=False) as cc:
-            cc.wait_for(lambda ms: sum("verifier" in m.card.roles for m in ms) >= n, 60)
-            verifiers = cc.verifiers()
-            _wait_gateway(url, n)
-            for i in range(2 * n):  # warm-up: connections, tokenizer, caches
-                _via_bus(cc, verifiers, i, 4, prompts)
-                _via_http(url, i, 4, prompts)
-            for conc in levels:
-                requests = max(args.requests, conc)
-                for path, fn in (
-                        ("bus", lambda i: _via_bus(cc, verifiers, i, args.max_tokens,
-                                                   prompts)),
-                        ("gateway", lambda i: _via_http(url, i, args.max_tokens, prompts))):
-                    row = {"path": path, "concurrency": conc, "verifiers": n,
-                           "max_batch": max_batch, "drafter": args.drafter, "prompts": args.prompts,
-                           **_level(fn, conc, requests, gw.proc.pid)}
-                    rows.append(row)
-                    print(f"{path:8} c={conc:<3} verifiers={n} batch={max_batch} ttft p50 "
-                          f"{_ms(row['ttft_p50_ms'])} ms  p99 {_ms(row['ttft_p99_ms'])} ms  "
-                          f"{row['tok_s']:6.2f} tok/s  failed {row['failed']}", file=sys.stderr,
-                          flush=True)
+    with ExitStack() as stack:
+        clusters = [stack.enter_context(_Cluster(n, batch, d, args, cores)) for d in drafters]
+        for conc in levels:
+            for r in range(args.rounds):
+                for cluster in clusters[r % len(clusters):] + clusters[:r % len(clusters)]:
+                    rows += cluster.level(conc, r)
     return rows
+
+
+class _Cluster:
+    """A cluster of `n` verifiers (verifier k pinned to core k, 1 torch thread each, stepping
+    up to `max_batch` generations together, drafting with `drafter`) and a gateway on the last
+    core, warmed up; `level` runs one concurrency level through the bus client, then through
+    the gateway."""
+
+    def __init__(self, n: int, max_batch: int, drafter: str, args: argparse.Namespace,
+                 cores: list[int]) -> None:
+        self.n, self.max_batch, self.drafter, self.args = n, max_batch, drafter, args
+        self.cores = cores
+        self.prompts = _prompts(args.prompts)
+
+    def __enter__(self) -> _Cluster:
+        from contextlib import ExitStack
+
+        from nodes.cluster_client import ClusterClient
+        from tools.local_cluster import LocalCluster
+
+        n, args, cores = self.n, self.args, self.cores
+        log_dir = Path(tempfile.mkdtemp(prefix="specbus-bench-serve-"))
+        with ExitStack() as stack:
+            c = stack.enter_context(LocalCluster(log_dir=log_dir, mdns=False))
+            print(f"starting {n} verifier(s) drafting with {self.drafter} and a gateway "
+                  f"(logs: {log_dir})", file=sys.stderr)
+            for k in range(n):
+                c.start_node(f"v{k + 1}", "--role", "verifier", "--threads", "1",
+                             "--cpus", str(cores[k % len(cores)]), "--max-batch",
+                             str(self.max_batch), "--drafter", self.drafter, seed=bool(k))
+            top = str(max(int(x) for x in args.concurrency.split(",") if x.strip()))
+            # the gateway must not answer 429 at the top level
+            self.gw = c.start_node("gw", "--role", "gateway", "--http", "127.0.0.1:0", "--cpus",
+                                   str(cores[-1]), "--gateway-max-inflight", top, seed=True)
+            self.url = self.gw.ready["http"]
+            self.cc = stack.enter_context(ClusterClient(
+                c.cluster, peers=tuple(x.stream for x in c.nodes), mdns=False))
+            self.cc.wait_for(lambda ms: sum("verifier" in m.card.roles for m in ms) >= n, 60)
+            self.verifiers = self.cc.verifiers()
+            _wait_gateway(self.url, n)
+            for i in range(2 * n):  # warm-up: connections, tokenizer, caches
+                _via_bus(self.cc, self.verifiers, i, 4, self.prompts)
+                _via_http(self.url, i, 4, self.prompts)
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def level(self, conc: int, round_: int = 0) -> list[dict]:
+        args = self.args
+        requests = max(args.requests, conc)
+        rows = []
+        for path, fn in (
+                ("bus", lambda i: _via_bus(self.cc, self.verifiers, i, args.max_tokens,
+                                           self.prompts)),
+                ("gateway", lambda i: _via_http(self.url, i, args.max_tokens, self.prompts))):
+            row = {"path": path, "concurrency": conc, "verifiers": self.n,
+                   "max_batch": self.max_batch, "drafter": self.drafter, "round": round_,
+                   "prompts": args.prompts, **_level(fn, conc, requests, self.gw.proc.pid)}
+            rows.append(row)
+            print(f"{path:8} c={conc:<3} verifiers={self.n} batch={self.max_batch} "
+                  f"drafter={self.drafter} round={round_} ttft p50 "
+                  f"{_ms(row['ttft_p50_ms'])} ms  p99 {_ms(row['ttft_p99_ms'])} ms  "
+                  f"{row['tok_s']:6.2f} tok/s  failed {row['failed']}", file=sys.stderr,
+                  flush=True)
+        return rows
 
 
 def _wait_gateway(url: str, n: int, timeout: float = 60.0) -> None:
@@ -251,14 +306,46 @@ def _ms(v: float | None) -> str:
     return f"{v:7.1f}" if v is not None else "      -"
 
 
-def _row(rows: list[dict], path: str, conc: int, n: int, batch: int = 1) -> dict | None:
+def _row(rows: list[dict], path: str, conc: int, n: int, batch: int | None = None,
+         drafter: str | None = None) -> dict | None:
+    """The first round's row (of the first cluster's drafter and batch size unless given)."""
+    if not rows:
+        return None
+    drafter = drafter if drafter is not None else rows[0].get("drafter")
+    batch = batch if batch is not None else rows[0].get("max_batch", 1)
     return next((r for r in rows if (r["path"], r["concurrency"], r["verifiers"],
-                                     r.get("max_batch", 1)) == (path, conc, n, batch)), None)
+                                     r.get("max_batch", 1), r.get("drafter"))
+                 == (path, conc, n, batch, drafter)), None)
 
 
-def _summary(rows: list[dict]) -> dict:
+def drafter_ratios(rows: list[dict], drafters: list[str]) -> dict:
+    """Each later drafter's aggregate tok/s over the first's, per round (taken back to back),
+    with their median and worst: {drafter: {"path c=N v=.. b=..": {...}}}."""
+    out: dict = {}
+    base = drafters[0]
+    for other in drafters[1:]:
+        table: dict = {}
+        for r in rows:
+            if r.get("drafter") != other:
+                continue
+            same = next((b for b in rows if b.get("drafter") == base and all(
+                b.get(k) == r.get(k) for k in ("path", "concurrency", "verifiers", "max_batch",
+                                                "round"))), None)
+            if same is None or not same["tok_s"]:
+                continue
+            key = (f"{r['path']} c={r['concurrency']} v={r['verifiers']} "
+                   f"b={r.get('max_batch', 1)}")
+            table.setdefault(key, []).append(round(r["tok_s"] / same["tok_s"], 3))
+        out[other] = {key: {"ratios": xs, "median": round(statistics.median(xs), 3),
+                            "worst": min(xs)} for key, xs in table.items()}
+    return out
+
+
+def _summary(rows: list[dict], drafters: list[str] | None = None) -> dict:
     """The issue's targets, from the rows that exist."""
     out: dict = {}
+    if drafters and len(drafters) > 1:
+        out["vs_" + drafters[0]] = drafter_ratios(rows, drafters)
     bus, gw = _row(rows, "bus", 1, 1), _row(rows, "gateway", 1, 1)
     if bus and gw and bus["ttft_p50_ms"] is not None and gw["ttft_p50_ms"] is not None:
         out["gateway_ttft_p50_added_ms"] = round(gw["ttft_p50_ms"] - bus["ttft_p50_ms"], 1)
@@ -283,17 +370,27 @@ TARGETS = {"gateway_ttft_p50_added_ms": ("<= 5 ms", lambda v: v <= 5),
 
 
 def render(rows: list[dict], summary: dict, cores: list[int]) -> str:
-    head = (f"{'verifiers':>9} {'batch':>5} {'path':8} {'conc':>4} {'reqs':>4} "
+    head = (f"{'drafter':>10} {'rnd':>3} {'verifiers':>9} {'batch':>5} {'path':8} {'conc':>4} "
+            f"{'reqs':>4} "
             f"{'ttft p50 ms':>11} "
             f"{'ttft p99 ms':>11} {'tok/s':>7} {'req tok/s':>9} {'failed':>6} {'gw cpu s':>8}")
     lines = ["", "specbus bench serve: time to first token and aggregate tok/s", head,
              "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['verifiers']:>9} {r.get('max_batch', 1):>5} {r['path']:8} "
+        lines.append(f"{str(r.get('drafter', '-'))[:10]:>10} {r.get('round', 0):>3} "
+                     f"{r['verifiers']:>9} {r.get('max_batch', 1):>5} {r['path']:8} "
                      f"{r['concurrency']:>4} "
                      f"{r['requests']:>4} {_ms(r['ttft_p50_ms']):>11} {_ms(r['ttft_p99_ms']):>11}"
                      f" {r['tok_s']:>7.2f} {r.get('request_tok_s_p50') or 0:>9.2f}"
                      f" {r['failed']:>6} {r['gateway_cpu_s']:>8.2f}")
+    for key, per in summary.items():
+        if not key.startswith("vs_"):
+            continue
+        for other, table in per.items():
+            lines += ["", f"{other} over {key[3:]}, aggregate tok/s, per round (interleaved):"]
+            for level, got in table.items():
+                lines.append(f"  {level:28} {' '.join(f'{x:.2f}' for x in got['ratios']):24} "
+                             f"median {got['median']:.2f}  worst {got['worst']:.2f}")
     lines += ["", "targets (issues 10, 24):"]
     for key, (want, ok) in TARGETS.items():
         if key in summary:
