@@ -355,7 +355,7 @@ def _summary(rows: list[dict], drafters: list[str] | None = None) -> dict:
         if one and two and one["tok_s"]:
             out[f"scaling_2v_c4_{path}"] = round(two["tok_s"] / one["tok_s"], 2)
         top = max((r.get("max_batch", 1) for r in rows), default=1)
-        one, many = _row(rows, path, 8, 1), _row(rows, path, 8, 1, top)
+        one, many = _row(rows, path, 8, 1, 1), _row(rows, path, 8, 1, top)
         if top > 1 and one and many and one["tok_s"]:  # issue 24: batched plain vs one at a time
             out[f"batched_c8_{path}"] = round(many["tok_s"] / one["tok_s"], 2)
     return out
