@@ -198,8 +198,6 @@ def leaf_candidates(toks: Sequence[int], parents: Sequence[int], score: Sequence
 class ModelTreeSource(DraftSource):
     """A model session as a tree source; a chain where the backend has no tree forward."""
 
-    steady = True  # a model's agreement with the verifier is the pair's, not the prompt's
-
     def __init__(self, session: ModelSession, told: int, width: int, name: str) -> None:
         self.session, self.told, self.width, self.name = session, told, width, name
 

@@ -317,9 +317,6 @@ class Engine:
             stats=stats if stats is not None else Stats(),
             slots=slots,
         )
-        for slot in slots:
-            if slot.source.steady:
-                seq.cost.mark_steady(slot.name)
         self._capture_for(seq)
         return seq
 

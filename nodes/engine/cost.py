@@ -39,13 +39,7 @@ drafter that is the model's own copy) is asked for its large budget from the fir
 while the new prompt's first blocks soon outweigh the seed (one wrong long draft halves it).
 A source with a poor record starts at the prior, as every source did before: a prompt it
 helps with (one that copies its input) is not held back by the ones before, and one it does
-not help with turns it down within a few steps, as before. Except a *steady* source (a model
-drafting for the verifier: `DraftSource.steady`), whose agreement is the model pair's rather
-than the prompt's: once its record has `_MIN_RECORD` trials it starts there even below the
-prior. Why: a head right 0.2-0.37 of the time, started at the prior's 0.5 on every request,
-drafted (and lost) the first blocks of each one, and on a verifier serving many short
-requests those first blocks are most of what it does (`bench serve` with the head: 0.95x
-plain at concurrency 1). Such a source also starts probing at the longest interval.
+not help with turns it down within a few steps, as before.
 """
 
 from __future__ import annotations
@@ -57,8 +51,6 @@ _DECAY = 0.7  # weight of history per block: acceptance comes in phases (copying
 #: the same for a source's long-run estimate, kept across generations (~10 blocks of memory)
 _LONG_DECAY = 0.9
 _EMA = 0.3
-#: trials (decayed) a steady source's record needs before it replaces the prior
-_MIN_RECORD = 4.0
 #: the source key of callers that do not name one (a single drafter)
 POOLED = ""
 
@@ -113,8 +105,6 @@ class CostModel:
     #: source -> [accepted, trials] over every generation (decayed): a new generation's
     #: starting point; a dict so forks share it
     _longrun: dict[str, list[float]] = field(default_factory=dict)
-    #: sources whose record binds below the prior (`mark_steady`); shared by forks
-    _steady: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.start_generation()
@@ -139,39 +129,25 @@ class CostModel:
         other._draft = self._draft
         other._delivered = self._delivered
         other._longrun = self._longrun
-        other._steady = self._steady
         return other
-
-    def mark_steady(self, name: str) -> None:
-        """`name`'s acceptance is the drafter's, not the prompt's (`DraftSource.steady`): a
-        new generation starts from its record, even below the prior (`start_acceptance`)."""
-        self._steady.add(name)
 
     # ---- estimates --------------------------------------------------------------------------
     def _source(self, name: str) -> _SourceEstimate:
         est = self._sources.get(name)
         if est is None:
-            start = self.start_acceptance(name)
-            # a steady source whose record is below the prior starts probing at the longest
-            # interval: its record already says what early probes would (each costs a
-            # failed draft's rows and, for a head, reading the whole prompt)
-            interval = (self.max_probe_every if start < self.prior_acceptance
-                        else self.probe_every)
             # the seed is decayed like any observation, so evidence soon outweighs it
-            est = _SourceEstimate(start * self.prior_weight, self.prior_weight, interval)
+            est = _SourceEstimate(self.start_acceptance(name) * self.prior_weight,
+                                  self.prior_weight, self.probe_every)
             self._sources[name] = est
         return est
 
     def start_acceptance(self, name: str = POOLED) -> float:
         """Where `name`'s acceptance starts a generation: its long-run estimate over earlier
         generations, never below the prior (a poor record must not hold back a prompt the
-        source helps with: it is turned down within a few steps where it does not), except
-        for a steady source with a record of at least `_MIN_RECORD` trials: its record."""
+        source helps with: it is turned down within a few steps where it does not)."""
         rec = self._longrun.get(name)
         if rec is None or rec[1] <= 0:
             return self.prior_acceptance
-        if name in self._steady and rec[1] >= _MIN_RECORD:
-            return rec[0] / rec[1]
         return max(self.prior_acceptance, rec[0] / rec[1])
 
     def acceptance_of(self, name: str = POOLED) -> float:

@@ -48,11 +48,6 @@ class DraftSource(ABC):
     #: verifier layers whose hidden states this source reads (EAGLE-3 heads); the engine then
     #: captures them in the verify forwards and hands the committed ones over in `Feedback`
     hidden_layers: tuple[int, ...] | None = None
-    #: whether this source's acceptance is a property of the drafter, steady across prompts (a
-    #: model drafting for the verifier: a head, a quantized copy), rather than of the prompt (a
-    #: lookup drafter, right only where the output quotes). A steady source starts each
-    #: generation from its long-run record even below the prior (`CostModel.start_acceptance`).
-    steady: bool = False
 
     @abstractmethod
     def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:

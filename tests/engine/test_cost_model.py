@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
@@ -237,33 +235,6 @@ def test_a_source_that_never_helps_is_still_asked_for_little():
         ks = one_generation(c, "bad", lambda k: 0, steps=40)
     assert c.start_acceptance("bad") == c.prior_acceptance
     assert ks == fresh and sum(ks) <= 40  # a few small tries and rare probes
-
-
-def test_a_steady_source_with_a_poor_record_starts_each_generation_turned_down():
-    """A model drafter (a head) right a quarter of the time: after a few generations its
-    record, not the prior, is where a new one starts, so it no longer drafts (and loses) the
-    first blocks of every request; it is still probed."""
-    c = seeded()
-    c.mark_steady("head")
-    turns = itertools.cycle((0, 0, 1))  # 1 accepted in 4 trials
-
-    def quarter(k):
-        return min(k, next(turns))
-
-    first = one_generation(c, "head", quarter, steps=40)
-    assert first[0] > 0  # no record yet: the prior, which drafts
-    for _ in range(3):
-        ks = one_generation(c, "head", quarter, steps=40)
-    start = c.start_acceptance("head")
-    assert start < c.prior_acceptance
-    assert ks[0] == 0 and sum(ks) < sum(first)
-    assert any(ks)  # probes go on, at the longest interval
-    assert ks.index(next(k for k in ks if k)) == c.max_probe_every - 1
-    # the same record on a source that is not steady starts at the prior, as before
-    d = seeded()
-    for _ in range(4):
-        one_generation(d, "lookup", quarter, steps=40)
-    assert d.start_acceptance("lookup") == d.prior_acceptance
 
 
 def test_the_new_prompt_soon_outweighs_a_good_record():

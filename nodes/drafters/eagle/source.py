@@ -49,8 +49,6 @@ class EagleSource(DraftSource):
     """One generation's head state: its KV cache, the committed tokens and the verifier
     features not yet read."""
 
-    steady = True  # how often the head agrees is the head's, not the prompt's
-
     def __init__(self, head: Eagle3Head, layers: tuple[int, ...], prompt: Sequence[int],
                  params: SamplingParams, width: int, name: str) -> None:
         self.head, self.hidden_layers, self.params = head, tuple(layers), params
