@@ -3,8 +3,8 @@
 A local cluster of real processes (1 or 2 SmolLM2 verifiers, one gateway); with several
 `--drafter` values, one such cluster per drafter, all started first, every level run on each
 in turn (`--rounds` times, the order rotated), and each drafter's tok/s over the first's given
-per round with the median and the worst: ratios measured interleaved, as
-docs/benchmarks.md asks, not across separate runs. The same completion
+per round with the median and the worst: ratios measured in one run, interleaved, not across
+separate runs (which differ by about 5 % on a 2-core machine). The same completion
 requests run at each concurrency, first straight through the cluster client (round-robin over
 the verifiers), then through the gateway's HTTP API (streaming); TTFT is the time from sending
 to the first token (bus: first `token_chunk`; HTTP: first chunk with text), tok/s is all
