@@ -213,7 +213,8 @@ def _bench_interleaved(n: int, batch: int, drafters: list[str], levels: list[int
 
     rows = []
     with ExitStack() as stack:
-        clusters = [stack.enter_context(_Cluster(n, batch, d, args, cores)) for d in drafters]
+        clusters = [stack.enter_context(_Cluster(n, batch, d, args, cores, max(levels)))
+                    for d in drafters]
         for conc in levels:
             for r in range(args.rounds):
                 for cluster in clusters[r % len(clusters):] + clusters[:r % len(clusters)]:
@@ -228,9 +229,9 @@ class _Cluster:
     the gateway."""
 
     def __init__(self, n: int, max_batch: int, drafter: str, args: argparse.Namespace,
-                 cores: list[int]) -> None:
+                 cores: list[int], top_level: int) -> None:
         self.n, self.max_batch, self.drafter, self.args = n, max_batch, drafter, args
-        self.cores = cores
+        self.cores, self.top_level = cores, top_level
         self.prompts = _prompts(args.prompts)
 
     def __enter__(self) -> _Cluster:
@@ -239,7 +240,7 @@ class _Cluster:
         from nodes.cluster_client import ClusterClient
         from tools.local_cluster import LocalCluster
 
-        n, args, cores = self.n, self.args, self.cores
+        n, cores = self.n, self.cores
         log_dir = Path(tempfile.mkdtemp(prefix="specbus-bench-serve-"))
         with ExitStack() as stack:
             c = stack.enter_context(LocalCluster(log_dir=log_dir, mdns=False))
@@ -249,10 +250,10 @@ class _Cluster:
                 c.start_node(f"v{k + 1}", "--role", "verifier", "--threads", "1",
                              "--cpus", str(cores[k % len(cores)]), "--max-batch",
                              str(self.max_batch), "--drafter", self.drafter, seed=bool(k))
-            top = str(max(int(x) for x in args.concurrency.split(",") if x.strip()))
             # the gateway must not answer 429 at the top level
             self.gw = c.start_node("gw", "--role", "gateway", "--http", "127.0.0.1:0", "--cpus",
-                                   str(cores[-1]), "--gateway-max-inflight", top, seed=True)
+                                   str(cores[-1]), "--gateway-max-inflight",
+                                   str(self.top_level), seed=True)
             self.url = self.gw.ready["http"]
             self.cc = stack.enter_context(ClusterClient(
                 c.cluster, peers=tuple(x.stream for x in c.nodes), mdns=False))
