@@ -1,6 +1,6 @@
 """Batched verifier forward on the real model: per-step time against the batch size, with
-and without drafts, the batched forward against one sequence at a time (`batch_invariant`),
-and what the batch cache's copies cost (stacking every past in, appending new rows back).
+and without drafts, the batched (ragged) forward against one sequence at a time
+(`batch_invariant`), and whether its logits equal each sequence's solo logits bit for bit.
 
     taskset -c 0 .venv/bin/python tools/bench_batch.py [--reps 7] [--past 200]
 
@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from nodes.backends import torch_batch  # noqa: E402
 from nodes.backends.torch_backend import TorchBackend  # noqa: E402
 from tools.prompts import PROMPTS  # noqa: E402
 
@@ -44,14 +43,15 @@ def _time(fn, reps):
     return statistics.median(times)
 
 
-def _measure(backend, caches, rows: int, past: int, reps: int) -> tuple[float, ...]:
-    """Median seconds of: one batched step of `rows` chained tokens per sequence, the same
-    one sequence at a time, stacking the pasts into a batch cache, appending rows back."""
+def _measure(backend, caches, rows: int, past: int, reps: int) -> tuple[float, float, bool]:
+    """Median seconds of one batched step of `rows` chained tokens per sequence and of the
+    same one sequence at a time; whether the two gave the same logits bit for bit."""
     feeds = [([7 + j for j in range(rows)], list(range(-1, rows - 1)))] * len(caches)
+    got: dict[bool, list] = {}
 
     def step(invariant: bool) -> None:
         backend.batch_invariant = invariant
-        backend.forward_batch(caches, feeds)
+        got[invariant] = backend.forward_batch(caches, feeds)
         for c in caches:
             backend.crop(c, past)
 
@@ -59,18 +59,8 @@ def _measure(backend, caches, rows: int, past: int, reps: int) -> tuple[float, .
     batched = _time(lambda: step(False), reps)
     alone = _time(lambda: step(True), reps)
     backend.batch_invariant = False
-    pasts = [past] * len(caches)
-    stack = _time(lambda: torch_batch._stacked_cache(backend, caches, pasts, past), reps)
-    run = torch_batch._stacked_cache(backend, caches, pasts, past)
-
-    def append() -> None:
-        for layer, run_layer in zip(torch_batch._layers(caches), run.layers, strict=True):
-            for b, own in enumerate(layer):
-                own.update(run_layer.keys[b:b + 1, :, :rows], run_layer.values[b:b + 1, :, :rows])
-        for c in caches:
-            backend.crop(c, past)
-
-    return batched, alone, stack, _time(append, reps)
+    exact = all((a == b).all() for a, b in zip(got[False], got[True], strict=True))
+    return batched, alone, exact
 
 
 def main() -> None:
@@ -82,15 +72,14 @@ def main() -> None:
     torch.set_num_threads(1)
     backend = TorchBackend.load(None)
     prompts = [backend.tokenizer.encode(t, chat=True) for _, t in PROMPTS]
-    print("| B | rows/seq | batched ms | one-at-a-time ms | speed-up | stack ms | append ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| B | rows/seq | batched ms | one-at-a-time ms | speed-up | logits as alone |")
+    print("|---|---|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
         caches = _caches(backend, [prompts[i % len(prompts)] for i in range(batch)], args.past)
         for rows in (1, 4):
-            batched, alone, stack, append = _measure(backend, caches, rows, args.past,
-                                                     args.reps)
+            batched, alone, exact = _measure(backend, caches, rows, args.past, args.reps)
             print(f"| {batch} | {rows} | {batched * 1e3:.1f} | {alone * 1e3:.1f} | "
-                  f"{alone / batched:.2f}x | {stack * 1e3:.1f} | {append * 1e3:.1f} |",
+                  f"{alone / batched:.2f}x | {'bit for bit' if exact else 'differ'} |",
                   flush=True)
     cfg = backend.model.config
     kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)

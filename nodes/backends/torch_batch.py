@@ -1,33 +1,34 @@
-"""One transformers forward over several sequences, each with its own `DynamicCache` and tree.
+"""One transformers forward over several sequences, each with its own `DynamicCache` and tree,
+packed ragged.
 
-Each sequence keeps its own cache between steps (crop, compact and hidden-state capture stay
-per sequence, as when it runs alone). A batched step builds a throwaway batch cache in one of
-two layouts:
+Every fed row of every sequence goes through the linear layers as one packed row
+(`input_ids` [1, total]): a sequence's 5-node tree beside seven one-token steps is 12 rows, not
+8 x 5 padded ones. Attention runs per sequence (`_ragged_attention`, registered with
+transformers as the attention implementation `specbus_ragged` and switched on only for this
+call): sequence b's queries meet only its own cache, read in place, and its own tree's visible
+nodes. So nothing is copied into a throwaway batch cache, no row meets another sequence's past
+(masked or not), and a batch costs what its rows and each sequence's own attention cost.
 
-- **padded** (one sequence per batch row; plain batched decoding, feeds of similar sizes):
-  past K/V left-padded to the longest past (`past_max`) and stacked per layer; the fed tokens
-  right-padded to the longest feed (`n_max`); a 4-D additive float mask
-  [B, 1, n_max, past_max + n_max]: row b's real node i sees its own past (the last `past_b`
-  columns of the padded past) and its tree's visible nodes; pad columns are `finfo.min`, and a
-  pad node sees only itself (a finite row, never NaN);
-- **packed** (every sequence in one batch row): the pasts concatenated, the fed tokens
-  concatenated, a block-diagonal mask [1, 1, N, P + N] (each sequence's rows see its own past
-  and its own visible nodes). Used when feeds differ in size (a prompt chunk beside one-token
-  steps, one sequence's 16-node tree beside plain steps), where padding every row to the
-  longest feed would multiply the linear layers' work: `_packed_pays` compares both layouts'
-  estimated work (rows through the linear layers, plus query-key pairs through attention,
-  which packing raises: every row meets every sequence's past, masked). With it, a batch's
-  cost follows the total rows fed, what the engine's cost model learns it by.
+Why not the two layouts this replaced (padded: pasts left-padded and stacked per step, feeds
+padded to the longest; packed: pasts concatenated, a block-diagonal mask over all of them):
+both copied every sequence's past into the batch cache and again out of it each step, the
+padded one multiplied a draft's rows by the batch size, the packed one made every row attend
+over every sequence's past. Measured on SmolLM2 (docs/engine.md, "Batching"): a plain step of 8
+sequences 15-20 % faster, one with two trees in it ~20 % faster; and with the few-row kernel
+each row's logits are bit for bit its solo logits (the attention is the solo call's, per
+sequence; the kernel's sum per row does not depend on the other rows).
 
-In both, per-row `position_ids = past_b + depth` (RoPE is applied to the new keys only, so
-where the past sits in the batch cache does not move anyone's positions).
+How the per-sequence K/V reach the attention: the model is called with a stand-in
+`past_key_values` (`_Ragged`) whose `update` appends each sequence's new K/V rows to its own
+cache (the concatenation `DynamicLayer.update` does alone) and keeps the full K/V per sequence
+for that layer's attention, which gets the stand-in through the call's kwargs. RoPE comes from
+per-row `position_ids = past_b + depth`. The 4-D placeholder mask makes transformers skip its
+own mask building (it returns a 4-D mask as given); each sequence's mask is built here: none
+for a one-token step, causal for a chain over an empty cache, else its past plus its tree's
+visibility.
 
 A feed with a true `last_only` attribute (the engine's prompt chunks) gets only its last row's
 logits computed and returned ([1, vocab]): the LM head is most of a long prompt's cost.
-
-After the model call, each sequence's real new K/V rows are appended to its own cache (the same
-concatenation `DynamicLayer.update` does alone) and its logits rows are returned. The stacking
-copies every sequence's past once per step: docs/engine.md, "Batching", has its cost.
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from nodes.backends.base import tree_layout
+
+#: the attention implementation name a ragged call switches the model's config to
+RAGGED = "specbus_ragged"
+_registered = False
 
 
 def forward(backend: Any, caches: Sequence[Any],
@@ -46,120 +52,42 @@ def forward(backend: Any, caches: Sequence[Any],
     """Append `feeds[b] = (token_ids, parents)` to `caches[b]` in one model call; return each
     sequence's logits float32 [n_b, vocab] ([1, vocab] for a `last_only` feed; see the module
     docstring)."""
+    _register()
+    device = backend.device
     sizes = [len(ids) for ids, _ in feeds]
     pasts = [backend.cache_length(c) for c in caches]
     last = [bool(getattr(f, "last_only", False)) for f in feeds]
-    if _packed_pays(backend, sizes, pasts):
-        return _packed(backend, caches, feeds, sizes, pasts, last)
-    return _padded(backend, caches, feeds, sizes, pasts, last)
-
-
-def _packed_pays(backend: Any, sizes: list[int], pasts: list[int]) -> bool:
-    """Whether one packed row costs less work than padded rows: rows through the linear
-    layers, plus query-key pairs through attention weighted by their share of a row's
-    multiply-adds (4 * hidden per pair per layer against 2 * the layer's weights per row)."""
-    cfg = backend.model.config
-    hidden, inter = int(cfg.hidden_size), int(cfg.intermediate_size)
-    heads = int(cfg.num_attention_heads)
-    kv = int(getattr(cfg, "num_key_value_heads", None) or heads) * (hidden // heads)
-    pair = 4 * hidden / (2 * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter))
-    batch, n_max, past_max = len(sizes), max(sizes), max(pasts)
-    total, past_total = sum(sizes), sum(pasts)
-    padded = batch * n_max * (1 + pair * (past_max + n_max))
-    packed = total * (1 + pair * (past_total + total))
-    return packed < padded
-
-
-def _padded(backend: Any, caches: Sequence[Any], feeds: Sequence[Any], sizes: list[int],
-            pasts: list[int], last: list[bool]) -> list[np.ndarray]:
-    device, dtype = backend.device, backend.model.dtype
-    batch, n_max, past_max = len(caches), max(sizes), max(pasts)
-    ids = torch.zeros((batch, n_max), dtype=torch.long)
-    pos = torch.zeros((batch, n_max), dtype=torch.long)
-    allowed = torch.zeros((batch, 1, n_max, past_max + n_max), dtype=torch.bool)
-    for b, ((tokens, parents), n, past) in enumerate(zip(feeds, sizes, pasts, strict=True)):
-        depth, visible = tree_layout(parents)
-        ids[b, :n] = torch.tensor(list(tokens), dtype=torch.long)
-        pos[b, :n] = torch.from_numpy(past + depth)
-        pos[b, n:] = past
-        allowed[b, 0, :n, past_max - past:past_max] = True
-        allowed[b, 0, :n, past_max:past_max + n] = torch.from_numpy(visible)
-        pad = torch.arange(n, n_max)
-        allowed[b, 0, pad, past_max + pad] = True
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    run_cache = _stacked_cache(backend, caches, pasts, past_max)
-    kwargs: dict[str, Any] = {}
-    wanted = [[n - 1] if only else list(range(n)) for n, only in zip(sizes, last, strict=True)]
-    keep = sorted({i for rows in wanted for i in rows})
-    if len(keep) < n_max:  # some feeds want only their last row: skip the others' LM head
-        kwargs["logits_to_keep"] = torch.tensor(keep, dtype=torch.long, device=device)
-    out = backend._run_rows(run_cache, [(c, slice(0, n)) for c, n in zip(caches, sizes,
-                                                                          strict=True)],
-                            input_ids=ids.to(device), attention_mask=mask.to(device),
-                            position_ids=pos.to(device), **kwargs)
-    for layer, run_layer in zip(_layers(caches), run_cache.layers, strict=True):
-        keys, values = run_layer.keys, run_layer.values
-        for b, (own, n) in enumerate(zip(layer, sizes, strict=True)):
-            own.update(keys[b:b + 1, :, past_max:past_max + n],
-                       values[b:b + 1, :, past_max:past_max + n])
-    logits = out.logits.float().cpu().numpy()
-    if "logits_to_keep" not in kwargs:
-        return [logits[b, :n] for b, n in enumerate(sizes)]
-    where = {i: j for j, i in enumerate(keep)}
-    return [logits[b, [where[i] for i in rows]] for b, rows in enumerate(wanted)]
-
-
-class _Packed:
-    """The stand-in cache `_run_rows` sees for the packed row: it asks for the union of the
-    capturing caches' layers, and the captured states are then split per sequence."""
-
-    def __init__(self, layers: tuple[int, ...] | None) -> None:
-        self.specbus_capture = layers
-        self.specbus_hidden = None
-
-
-def _packed(backend: Any, caches: Sequence[Any], feeds: Sequence[Any], sizes: list[int],
-            pasts: list[int], last: list[bool]) -> list[np.ndarray]:
-    device, dtype = backend.device, backend.model.dtype
-    total, past_total = sum(sizes), sum(pasts)
     offs = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-    poffs = np.concatenate([[0], np.cumsum(pasts)]).astype(int)
-    ids = torch.zeros((1, total), dtype=torch.long)
-    pos = torch.zeros((1, total), dtype=torch.long)
-    allowed = torch.zeros((1, 1, total, past_total + total), dtype=torch.bool)
+    ids = torch.empty((1, int(offs[-1])), dtype=torch.long)
+    pos = torch.empty_like(ids)
+    masks: list[Any] = []
     for b, ((tokens, parents), n, past) in enumerate(zip(feeds, sizes, pasts, strict=True)):
         depth, visible = tree_layout(parents)
-        at, pat = offs[b], poffs[b]
-        ids[0, at:at + n] = torch.tensor(list(tokens), dtype=torch.long)
-        pos[0, at:at + n] = torch.from_numpy(past + depth)
-        allowed[0, 0, at:at + n, pat:pat + past] = True
-        allowed[0, 0, at:at + n, past_total + at:past_total + at + n] = torch.from_numpy(visible)
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    run_cache = backend.new_cache()
-    for layer, run_layer in zip(_layers(caches), run_cache.layers, strict=True):
-        own = [c for c, past in zip(layer, pasts, strict=True) if past]
-        if own:
-            keys = torch.cat([c.keys for c in own], dim=-2)
-            values = torch.cat([c.values for c in own], dim=-2)
-            run_layer.lazy_initialization(keys, values)
-            run_layer.keys, run_layer.values = keys, values
+        ids[0, offs[b]:offs[b] + n] = torch.tensor(list(tokens), dtype=torch.long)
+        pos[0, offs[b]:offs[b] + n] = torch.from_numpy(past + depth)
+        masks.append(_mask(past, visible, device))
+    ragged = _Ragged(caches, offs, masks)
+    capture = [getattr(c, "specbus_capture", None) for c in caches]
+    union = tuple(sorted({i for layers in capture if layers for i in layers})) or None
+    ragged.specbus_capture, ragged.specbus_hidden = union, None
     wanted = [[offs[b] + n - 1] if only else list(range(offs[b], offs[b] + n))
               for b, (n, only) in enumerate(zip(sizes, last, strict=True))]
     keep = [i for rows in wanted for i in rows]
-    capture = [getattr(c, "specbus_capture", None) for c in caches]
-    union = tuple(sorted({i for layers in capture if layers for i in layers})) or None
-    stand_in = _Packed(union)
-    out = backend._run_rows(run_cache, [(stand_in, slice(0, total))],
-                            input_ids=ids.to(device), attention_mask=mask.to(device),
-                            position_ids=pos.to(device),
-                            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device))
-    for layer, run_layer in zip(_layers(caches), run_cache.layers, strict=True):
-        keys, values = run_layer.keys, run_layer.values
-        for b, own in enumerate(layer):
-            at = past_total + offs[b]
-            own.update(keys[:, :, at:at + sizes[b]], values[:, :, at:at + sizes[b]])
+    kwargs: dict[str, Any] = {}
+    if len(keep) < len(pos[0]):  # some feeds want only their last row: skip the others' head
+        kwargs["logits_to_keep"] = torch.tensor(keep, dtype=torch.long, device=device)
+    config = backend.model.config
+    before = config._attn_implementation
+    config._attn_implementation = RAGGED
+    try:
+        out = backend._run_rows(ragged, [(ragged, slice(None))], input_ids=ids.to(device),
+                                position_ids=pos.to(device),
+                                attention_mask=torch.zeros((1, 1, 1, 1), device=device),
+                                specbus_ragged=ragged, **kwargs)
+    finally:
+        config._attn_implementation = before
     if union is not None:
-        hidden = stand_in.specbus_hidden  # [total, len(union), hidden]
+        hidden = ragged.specbus_hidden  # [total, len(union), hidden]
         for b, (cache, layers) in enumerate(zip(caches, capture, strict=True)):
             if layers:
                 cols = [union.index(i) for i in layers]
@@ -172,27 +100,67 @@ def _packed(backend: Any, caches: Sequence[Any], feeds: Sequence[Any], sizes: li
     return got
 
 
-def _layers(caches: Sequence[Any]) -> list[list[Any]]:
-    """Per decoder layer, that layer of every sequence's cache."""
-    return [list(group) for group in zip(*(c.layers for c in caches), strict=True)]
+def _mask(past: int, visible: np.ndarray, device: Any) -> Any:
+    """Sequence b's attention mask over [its past ; its fed rows] (True: may attend): None for
+    one row (it sees everything cached), "causal" for a chain over an empty cache (SDPA's own,
+    upper-left aligned, is then right), else a boolean [n, past + n]."""
+    n = len(visible)
+    if n == 1:
+        return None
+    if past == 0 and bool(np.array_equal(visible, np.tril(np.ones((n, n), dtype=bool)))):
+        return "causal"
+    mask = torch.ones((n, past + n), dtype=torch.bool)
+    mask[:, past:] = torch.from_numpy(np.ascontiguousarray(visible))
+    return mask.to(device)
 
 
-def _stacked_cache(backend: Any, caches: Sequence[Any], pasts: list[int], past_max: int) -> Any:
-    """A batch `DynamicCache` holding every sequence's past K/V, left-padded with zeros."""
-    run = backend.new_cache()
-    for layer, run_layer in zip(_layers(caches), run.layers, strict=True):
-        keys = values = None
-        for b, (own, past) in enumerate(zip(layer, pasts, strict=True)):
-            if not past:
-                continue
-            if keys is None:
-                keys = own.keys.new_zeros((len(caches), own.keys.shape[1], past_max,
-                                           own.keys.shape[-1]))
-                values = own.values.new_zeros((len(caches), own.values.shape[1], past_max,
-                                               own.values.shape[-1]))
-            keys[b, :, past_max - past:] = own.keys[0]
-            values[b, :, past_max - past:] = own.values[0]
-        if keys is not None:
-            run_layer.lazy_initialization(keys, values)
-            run_layer.keys, run_layer.values = keys, values
-    return run
+class _Ragged:
+    """The `past_key_values` a ragged call hands the model: each layer's `update` appends every
+    sequence's new K/V rows to its own cache and keeps their full K/V for that layer's
+    attention (`_ragged_attention`). Also the stand-in cache `_run_rows` sees (the union of
+    the capturing caches' layers; `forward` splits the captured states per sequence)."""
+
+    def __init__(self, caches: Sequence[Any], offs: np.ndarray, masks: list[Any]) -> None:
+        self.caches, self.offs, self.masks = caches, offs, masks
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.specbus_capture: tuple[int, ...] | None = None
+        self.specbus_hidden: Any = None
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        offs = self.offs
+        self.kv = [cache.update(keys[:, :, offs[b]:offs[b + 1]],
+                                values[:, :, offs[b]:offs[b + 1]], layer_idx)
+                   for b, cache in enumerate(self.caches)]
+        return keys, values  # unused: the attention reads `self.kv`
+
+
+def _ragged_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
+                      scaling: float | None = None, specbus_ragged: _Ragged | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Per-sequence scaled dot-product attention of the packed queries [1, heads, total, d]
+    over each sequence's own K/V; returns [1, total, heads, d] as transformers' attention
+    functions do."""
+    if specbus_ragged is None:
+        raise RuntimeError(f"the {RAGGED!r} attention runs only inside torch_batch.forward")
+    ragged, offs = specbus_ragged, specbus_ragged.offs
+    gqa = query.shape[1] != ragged.kv[0][0].shape[1]
+    outs = []
+    for b, ((k, v), mask) in enumerate(zip(ragged.kv, ragged.masks, strict=True)):
+        q = query[:, :, offs[b]:offs[b + 1]]
+        causal = isinstance(mask, str)
+        outs.append(F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if causal else mask, is_causal=causal, scale=scaling,
+            enable_gqa=gqa))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    """Make `specbus_ragged` a transformers attention implementation (once per process)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(RAGGED, _ragged_attention)
+        _registered = True

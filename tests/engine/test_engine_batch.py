@@ -20,7 +20,7 @@ from nodes.engine import Engine, GenerationParams, Stats
 from nodes.engine.cost import CostModel
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import Candidate
-from tests.engine.conftest import hf_greedy
+from tests.engine.conftest import hf_greedy, needs_kernel
 
 LAYERS = (0, 1)
 
@@ -284,16 +284,12 @@ def test_without_a_batched_forward_prefills_run_alone(tiny_torch, prompt_ids):
     assert sum(1 for kind, _ in counting.calls if kind == "prefill") == len(prompts)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("capture", [False, True])
-def test_a_prompt_chunk_in_the_batched_forward_matches_alone(tiny_torch, prompt_ids,
-                                                             monkeypatch, packed, capture):
-    """Prompt rows (only the last row's logits) beside trees, in both layouts: each row as
-    alone, within float tolerance; caches and captured hidden states too."""
-    from nodes.backends import torch_batch
+def test_a_prompt_chunk_in_the_batched_forward_matches_alone(tiny_torch, prompt_ids, capture):
+    """Prompt rows (only the last row's logits) beside trees: each row as alone, within float
+    tolerance; caches and captured hidden states too."""
     from nodes.engine.core import _PromptRows
 
-    monkeypatch.setattr(torch_batch, "_packed_pays", lambda *a: packed)
     b = tiny_torch
     prompts, feeds = _prompts(prompt_ids)[:3], _feeds(prompt_ids)[1:3]
     chunk = (prompt_ids * 2)[:17]
@@ -318,12 +314,39 @@ def test_a_prompt_chunk_in_the_batched_forward_matches_alone(tiny_torch, prompt_
     _assert_like_solo(b, got, solo, got_caches, solo_caches, solo_hidden, capture)
 
 
-def test_a_long_chunk_beside_one_token_steps_is_packed(tiny_torch):
-    """Padding one-token rows to a chunk's length would multiply the linear layers' work."""
+def test_the_batch_feeds_its_rows_packed_ragged(tiny_torch, prompt_ids, monkeypatch):
+    """One model row per fed token: a tree and a prompt chunk beside one-token steps are not
+    padded to the longest feed (which would multiply the linear layers' work); and attention
+    is per sequence, each over its own past and fed rows only (no row meets another
+    sequence's past, masked or not)."""
     from nodes.backends import torch_batch
+    from nodes.engine.core import _PromptRows
 
-    assert torch_batch._packed_pays(tiny_torch, [1, 1, 1, 64], [40, 40, 40, 0])
-    assert not torch_batch._packed_pays(tiny_torch, [1, 1, 1, 1], [40, 40, 40, 40])
+    b = tiny_torch
+    caches = [*_primed(b, _prompts(prompt_ids)[:3]), b.new_cache()]
+    feeds = [*_feeds(prompt_ids)[:3], _PromptRows((prompt_ids * 2)[:17])]
+    pasts = [b.cache_length(c) for c in caches]
+    rows, keys = [], []
+    hook = b.model.model.layers[0].register_forward_pre_hook(
+        lambda _m, args, kwargs: rows.append(tuple((args[0] if args else
+                                                    kwargs["hidden_states"]).shape[:2])),
+        with_kwargs=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        keys.append((q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(torch_batch.F, "scaled_dot_product_attention", spy)
+    try:
+        b.forward_batch(caches, feeds)
+    finally:
+        hook.remove()
+    sizes = [len(f[0]) for f in feeds]
+    assert rows == [(1, sum(sizes))]
+    per_layer = [(n, past + n) for n, past in zip(sizes, pasts, strict=True)]
+    assert keys == per_layer * b.model.config.num_hidden_layers
+    assert b.model.config._attn_implementation != "specbus_ragged"  # switched back
 
 
 class Hidden(DraftSource):
@@ -592,3 +615,36 @@ def _step_live(engine, live, out):
     for i in order:
         if live[i].finish_reason is not None:
             live.pop(i).close()
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_a_ragged_step_within_the_kernels_rows_gives_each_sequence_its_solo_logits(
+        smol, smol_prompts):
+    """Per-sequence attention plus the few-row kernel (each row's sums independent of the
+    others, up to `few_rows.MAX_ROWS` rows): a batched step of 8 sequences (plain steps, a
+    chain, a tree; 16 rows) gets, bit for bit, the logits and K/V each sequence gets alone."""
+    from nodes.backends import few_rows
+
+    prompts = smol_prompts[:8]
+    feeds = [([p[-1]], [-1]) for p in prompts]
+    feeds[1] = ([prompts[1][-1], 11, 12, 13], [-1, 0, 1, 2])
+    feeds[5] = ([prompts[5][-1], 5, 6, 7, 8], [-1, 0, 0, 1, 2])
+    assert sum(len(f[0]) for f in feeds) <= few_rows.MAX_ROWS
+
+    def primed():
+        caches = []
+        for ids in prompts:
+            cache = smol.new_cache()
+            smol.forward(cache, ids[:-1])
+            caches.append(cache)
+        return caches
+
+    alone_caches, batch_caches = primed(), primed()
+    alone = [smol.forward_batch([c], [f])[0] for c, f in zip(alone_caches, feeds, strict=True)]
+    batched = smol.forward_batch(batch_caches, feeds)
+    for i, (a, b) in enumerate(zip(alone, batched, strict=True)):
+        assert np.array_equal(a, b), f"sequence {i}"
+    for a, b in zip(alone_caches, batch_caches, strict=True):
+        assert all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+                   for x, y in zip(a.layers, b.layers, strict=True))
