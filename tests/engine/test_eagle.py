@@ -272,3 +272,41 @@ def test_an_mlx_verifier_is_refused_clearly(tiny_mlx, foreign_head):
         make_drafter(f"eagle:{foreign_head}", tiny_mlx)
     with pytest.raises(BadRequestError, match="cannot capture hidden states"):
         tiny_mlx.capture_hidden(tiny_mlx.new_cache(), LAYERS)
+
+
+def test_after_a_long_unread_stretch_the_head_reads_only_the_latest_entries(tiny_torch,
+                                                                          foreign_head):
+    """A prompt (or a gap while the head was turned down) longer than `CATCH_UP_WINDOW`: the
+    source feeds the head only the last window of entries, at their true positions, and
+    drafts from there; later commits are appended after them."""
+    from nodes.drafters.eagle.source import CATCH_UP_WINDOW, EagleSource
+    from nodes.engine.sampling import SamplingParams
+    from nodes.engine.sources import Feedback
+
+    head = _double_head(foreign_head, tiny_torch)
+    g = torch.Generator().manual_seed(1)
+    m = CATCH_UP_WINDOW + 36
+    tokens = [int(t) for t in torch.randint(0, 49152, (m + 1,), generator=g)]
+    feats = torch.randn(m, 3, 64, generator=g, dtype=torch.float64)
+    source = EagleSource(head, LAYERS, tokens, SamplingParams(), 3, "eagle")
+    source.feedback(Feedback((), 0, 0, 0, hidden=feats))
+    with torch.inference_mode():
+        cands = source.propose(tokens, 6)
+        assert source.cache.length == CATCH_UP_WINDOW  # the draft entries cropped away
+        ref = HeadCache(2, 16, torch.float64, "cpu")
+        start = m - CATCH_UP_WINDOW
+        last = head.step(ref, torch.tensor(tokens[start + 1:]), feats[start:],
+                         torch.arange(start, m))[-1]
+        assert torch.equal(source.last, last)
+        to_draft = {int(t): d for d, t in enumerate(head.target_ids().tolist())}
+        h = last
+        for depth, (tok, conf) in enumerate(zip(cands[0].tokens, cands[0].conf, strict=True), 1):
+            q = torch.softmax(head.logits(h[None])[0], -1)
+            assert abs(float(q[to_draft[int(tok)]]) - conf) < 1e-6
+            h = head.step(ref, torch.tensor([int(tok)]), h[None],
+                          torch.tensor([m - 1 + depth]))[0]  # the true positions
+        more = [int(t) for t in torch.randint(0, 49152, (3,), generator=g)]
+        source.feedback(Feedback(more, 0, 0, 0, hidden=torch.randn(3, 3, 64,
+                                                                   dtype=torch.float64)))
+        source.propose(tokens + more, 2)
+        assert source.cache.length == CATCH_UP_WINDOW + 3 and source.fed == m + 3

@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 
 #: nodes per tree level (and children offered per node)
 TREE_WIDTH = 4
+#: the most committed entries one catch-up feeds the head: after a long stretch unread (the
+#: prompt, before the first draft; a gap while the cost model turned the head down) it reads
+#: only the latest ones, since its cost grows with the stretch (its layer over 200 positions
+#: took 70 ms on one CPU core, more than a verify step) and a draft leans on the recent ones
+CATCH_UP_WINDOW = 64
 #: the head trained for the embedded model, shipped as package data (when present)
 SHIPPED_HEAD = Path(__file__).with_name("smollm2_head")
 
@@ -56,7 +61,8 @@ class EagleSource(DraftSource):
         self.tokens = [int(t) for t in prompt]
         self.pending: list[torch.Tensor] = []  # verifier features [k, 3, H] not yet fed
         self.known = 0  # committed positions whose features arrived
-        self.fed = 0  # committed entries in the head cache
+        self.fed = 0  # committed positions the head has read up to (some skipped: a window)
+        self.held = 0  # committed entries in the head cache (fewer than `fed` after a gap)
         self.last: torch.Tensor | None = None  # pre-norm output of the last fed entry
         p = next(head.parameters())
         self.cache = HeadCache(head.cfg.num_key_value_heads, head.cfg.dim_head, p.dtype,
@@ -78,10 +84,10 @@ class EagleSource(DraftSource):
         with torch.inference_mode():
             if self.params.greedy and self.width > 1:
                 cands = draft_tree(self.head, self.cache, self.last, self.tokens[-1], budget,
-                                   self.width)
+                                   self.width, position=self.fed)
             else:
                 cands = [self._chain(budget)[0]]
-        self.cache.crop(self.fed)
+        self.cache.crop(self.held)
         return cands
 
     def propose_chain(self, committed: Sequence[int], budget: int, width: int
@@ -97,27 +103,30 @@ class EagleSource(DraftSource):
             return None
         with torch.inference_mode():
             out = self._chain(budget, width)
-        self.cache.crop(self.fed)
+        self.cache.crop(self.held)
         return out
 
     def _catch_up(self) -> bool:
-        """Feed the committed entries the head has not read, in one forward."""
+        """Feed the committed entries the head has not read, in one forward: the last
+        `CATCH_UP_WINDOW` of them when more are waiting (positions stay true: the head's
+        attention then skips the gap, as a draft's quality barely depends on it, while the
+        output never does)."""
         if self.known != len(self.tokens) - 1:
             log.debug("%s: features for %d of %d positions; not drafting", self.name,
                       self.known, len(self.tokens) - 1)
             return False
         if self.pending:
             with torch.inference_mode():
-                feats = torch.cat(self.pending).to(self.cache.k.device, self.cache.k.dtype)
+                feats = torch.cat(self.pending)[-CATCH_UP_WINDOW:]
+                feats = feats.to(self.cache.k.device, self.cache.k.dtype)
                 self.pending = []
-                n = len(feats)
-                start = self.known - n
-                self.cache.crop(start)
+                start = self.known - len(feats)
+                self.cache.crop(self.held)
                 dev = self.cache.k.device
                 tokens = torch.tensor(self.tokens[start + 1 : self.known + 1], device=dev)
                 out = self.head.step(self.cache, tokens, feats,
                                      torch.arange(start, self.known, device=dev))
-                self.last, self.fed = out[-1], self.known
+                self.last, self.fed, self.held = out[-1], self.known, self.cache.length
         return self.last is not None
 
     def _chain(self, budget: int, width: int = 1):

@@ -22,13 +22,15 @@ from nodes.engine.tree import Candidate
 
 
 def draft_tree(head: Eagle3Head, cache: HeadCache, last: torch.Tensor, pending: int,
-               budget: int, width: int) -> list[Candidate]:
+               budget: int, width: int, position: int | None = None) -> list[Candidate]:
     """Up to `budget` nodes below the pending token as root-to-leaf candidates (verifier
     ids, with the head's probability of each token), likeliest leaf first.
 
     `last` is the head's pre-norm output at its last committed entry (it predicts the
-    pending token's children); the cache holds exactly the committed entries."""
+    pending token's children); the cache holds exactly the committed entries, the last at
+    position `position - 1` (default: one entry per position, `cache.length`)."""
     base = cache.length
+    position = base if position is None else position
     target = head.target_ids()
     toks, parents, score, conf = [pending], [-1], [0.0], [1.0]
     slot = [-1]  # cache entry of each node (-1: the root, the last committed entry)
@@ -57,12 +59,13 @@ def draft_tree(head: Eagle3Head, cache: HeadCache, last: torch.Tensor, pending: 
         if not added or len(toks) - 1 >= budget:
             break
         frontier = added
-        logits = _feed_level(head, cache, base, frontier, toks, parents, slot, hidden)
+        logits = _feed_level(head, cache, base, position, frontier, toks, parents, slot,
+                             hidden)
     return leaf_candidates(toks, parents, score, conf)
 
 
-def _feed_level(head: Eagle3Head, cache: HeadCache, base: int, level: list[int],
-                toks: list[int], parents: list[int], slot: list[int],
+def _feed_level(head: Eagle3Head, cache: HeadCache, base: int, position: int,
+                level: list[int], toks: list[int], parents: list[int], slot: list[int],
                 hidden: dict[int, torch.Tensor]) -> torch.Tensor:
     """Feed one level's nodes (each after its parent's output) and return their logits."""
     held = cache.length
@@ -79,7 +82,7 @@ def _feed_level(head: Eagle3Head, cache: HeadCache, base: int, level: list[int],
         depth.append(d)
     tokens = torch.tensor([toks[i] for i in level], dtype=torch.long, device=cache.k.device)
     feats = torch.stack([hidden[parents[i]] for i in level])
-    positions = torch.tensor([base - 1 + d for d in depth], device=cache.k.device)
+    positions = torch.tensor([position - 1 + d for d in depth], device=cache.k.device)
     out = head.step(cache, tokens, feats, positions, visible)
     for row, node in enumerate(level):
         slot[node] = held + row
