@@ -318,6 +318,31 @@ def test_an_in_process_drafter_drafts_less_as_the_batch_grows():
     assert c.fit_draft_to_batch(5, "cheap", 8) == 5
 
 
+def test_in_a_batch_a_new_generation_starts_from_the_sources_record_not_the_prior():
+    """Alone, a source with a poor record starts a generation at the prior (a prompt it helps
+    with must not be held back); in a batch, where every sequence waits while it drafts, its
+    record stands in for the prior until the generation's own evidence outweighs it."""
+    c = pinned_batch(cpu_batch)
+    c.record_draft(2, 0.006, "head")  # 3 ms a token on the verifier's time
+    for _ in range(20):  # earlier generations: right 0.2 of the time
+        for accepted in (0, 0, 0, 1):
+            c.record_acceptance(4, accepted, "head")
+    fresh = c.fork()  # a new generation
+    assert fresh.acceptance_of("head") == pytest.approx(fresh.prior_acceptance)
+    assert fresh.batch_acceptance("head") < 0.3
+    assert fresh.fit_draft_to_batch(3, "head", 1) == 3  # alone: as before
+    assert fresh.fit_draft_to_batch(3, "head", 8) == 0
+    unknown = c.fork()  # the same costs, no record: the prior decides, and it drafts
+    unknown.record_draft(2, 0.006, "other")
+    assert unknown.batch_acceptance("other") == pytest.approx(unknown.prior_acceptance)
+    assert unknown.fit_draft_to_batch(3, "other", 8) > 0
+    for _ in range(6):  # this prompt it gets right: its own evidence takes over
+        fresh.record_acceptance(3, 3, "head")
+    assert fresh.batch_acceptance("head") == pytest.approx(fresh.acceptance_of("head"),
+                                                           abs=0.05)
+    assert fresh.fit_draft_to_batch(3, "head", 8) > 0
+
+
 def test_at_low_load_the_batch_keeps_every_planned_draft():
     c = pinned_batch(cpu_batch)
     keep = c.fit_batch([CHAIN, CHAIN], fixed_rows=2, tokens=2)
