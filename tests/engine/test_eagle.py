@@ -277,19 +277,21 @@ def test_an_mlx_verifier_is_refused_clearly(tiny_mlx, foreign_head):
 def test_after_a_long_unread_stretch_the_head_reads_only_the_latest_entries(tiny_torch,
                                                                           foreign_head):
     """A prompt (or a gap while the head was turned down) longer than `CATCH_UP_WINDOW`: the
-    source feeds the head only the last window of entries, at their true positions, and
-    drafts from there; later commits are appended after them."""
+    source keeps and feeds the head only the last window of entries, at their true positions,
+    and drafts from there; later commits are appended after them."""
     from nodes.drafters.eagle.source import CATCH_UP_WINDOW, EagleSource
     from nodes.engine.sampling import SamplingParams
     from nodes.engine.sources import Feedback
 
     head = _double_head(foreign_head, tiny_torch)
     g = torch.Generator().manual_seed(1)
-    m = CATCH_UP_WINDOW + 36
+    m = 2 * CATCH_UP_WINDOW + 36
     tokens = [int(t) for t in torch.randint(0, 49152, (m + 1,), generator=g)]
     feats = torch.randn(m, 3, 64, generator=g, dtype=torch.float64)
     source = EagleSource(head, LAYERS, tokens, SamplingParams(), 3, "eagle")
-    source.feedback(Feedback((), 0, 0, 0, hidden=feats))
+    for at in range(0, m, 10):  # commits arriving while the head is not asked
+        source.feedback(Feedback((), 0, 0, 0, hidden=feats[at:at + 10]))
+        assert sum(map(len, source.pending)) <= 2 * CATCH_UP_WINDOW  # bounded meanwhile
     with torch.inference_mode():
         cands = source.propose(tokens, 6)
         assert source.cache.length == CATCH_UP_WINDOW  # the draft entries cropped away

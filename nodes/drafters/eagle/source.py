@@ -75,6 +75,10 @@ class EagleSource(DraftSource):
         if fb.hidden is not None and len(fb.hidden):
             self.pending.append(fb.hidden)
             self.known += len(fb.hidden)
+            if len(self.pending) > 1 and sum(map(len, self.pending)) > 2 * CATCH_UP_WINDOW:
+                # only the last window is ever read (`_catch_up`): a head turned down through
+                # a long generation keeps no more than that
+                self.pending = [torch.cat(self.pending)[-CATCH_UP_WINDOW:]]
 
     def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
         if len(committed) != len(self.tokens):
