@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession, draft_paths
+from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession, draft_paths, match_class
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import DraftSource
@@ -58,15 +58,23 @@ class NgramSession(DraftSession):
                     del self.index[n][key]
         del toks[max(length, 0) :]
 
-    def draft(self, k: int) -> tuple[np.ndarray, None]:
+    def longest_match(self) -> tuple[int, list[int]]:
+        """The longest suffix of the text (at most max_n) that occurred before, and the end
+        positions of its earlier occurrences (oldest first); (0, []) when none did."""
         toks = self.tokens
-        if k <= 0:
-            return EMPTY_DRAFT, None
         for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
             ends = self.index[n].get(tuple(toks[len(toks) - n :]))
             if ends:
-                return np.asarray(toks[ends[-1] : ends[-1] + k], dtype=np.int32), None
-        return EMPTY_DRAFT, None
+                return n, ends
+        return 0, []
+
+    def draft(self, k: int) -> tuple[np.ndarray, None]:
+        if k <= 0:
+            return EMPTY_DRAFT, None
+        n, ends = self.longest_match()
+        if not n:
+            return EMPTY_DRAFT, None
+        return np.asarray(self.tokens[ends[-1] : ends[-1] + k], dtype=np.int32), None
 
     def draft_ahead(self, k: int, width: int = 1) -> list[Candidate]:
         """The chain `draft` gives and, for width > 1, the other continuations (up to `width`
@@ -119,10 +127,18 @@ class NgramSource(DraftSource):
         self.told = told
 
     def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
-        self.session.extend(committed[self.told :])
-        self.told = len(committed)
+        self._sync(committed)
         return [Candidate(np.asarray(c, dtype=np.int64)) for c in
                 self.session.continuations(budget)]
+
+    def draft_class(self, committed: Sequence[int]) -> str | None:
+        """The length of the match the next draft continues (`match_class`)."""
+        self._sync(committed)
+        return match_class(self.session.longest_match()[0])
+
+    def _sync(self, committed: Sequence[int]) -> None:
+        self.session.extend(committed[self.told :])
+        self.told = len(committed)
 
 
 class NgramDrafter(Drafter):

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession, draft_paths
+from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession, draft_paths, match_class
 from nodes.drafters.suffix_index import MAX_MATCH, START, GlobalIndex, LocalIndex, Match
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
@@ -200,11 +200,17 @@ class SuffixSession(DraftSession):
         self.closed = False
         #: the prompt's keyed hash (`GlobalIndex.prompt_digest`): finds an earlier answer to it
         self.prompt_hash = drafter.index.prompt_digest(prompt_ids) if prompt_ids else None
+        #: the tip's matches (`_matches`) and the global index's clock when they were taken;
+        #: kept until the text or the index changes (an eviction moves positions)
+        self._memo: tuple[int, Match, Match] | None = None
 
     def extend(self, delta: Sequence[int]) -> None:
+        if len(delta):
+            self._memo = None
         self.local.extend(delta)
 
     def truncate(self, length: int) -> None:
+        self._memo = None
         self.local.truncate(max(length, 0))
         if len(self.local.tokens) < self.prompt_len:  # the prompt itself changed
             self.prompt_hash = None
@@ -219,18 +225,45 @@ class SuffixSession(DraftSession):
         keep = max(plen - (MAX_MATCH - out - 1), 0)
         return [*toks[keep:plen], START, *toks[plen:]]
 
+    def _repeat(self, k: int) -> tuple[list[int], list[float]] | None:
+        """An earlier answer to this prompt that the output so far follows: its next k."""
+        index = self.drafter.index
+        if self.prompt_hash is None or not index.by_prompt:
+            return None
+        return index.repeat(self.prompt_hash, self.local.tokens[self.prompt_len :], k)
+
+    def _matches(self) -> tuple[Match, Match]:
+        """The tip's longest matches in the session's text and in the global index."""
+        index = self.drafter.index
+        clock = index.clock  # read first: an add during the lookup makes the memo stale
+        if self._memo is None or self._memo[0] != clock:
+            local = self.local.match(self.local.tokens)
+            glob = index.lookup(self._global_context()) if index.docs else Match(0, [], [])
+            self._memo = (clock, local, glob)
+        return self._memo[1], self._memo[2]
+
+    def draft_class(self) -> str | None:
+        """`DraftSource.draft_class`: "repeat" for an earlier answer's continuation, else
+        where the longer match is (g: the global index, l: this text) and its length class."""
+        if not self.local.tokens:
+            return None
+        if self._repeat(1) is not None:
+            return "repeat"
+        local, glob = self._matches()
+        m = max(local.length, glob.length)
+        cls = match_class(m)
+        return None if cls is None else ("g" if glob.length == m else "l") + cls
+
     def plan(self, k: int, width: int) -> TreeDraft:
         """The draft tree for up to k chain tokens: from the index whose match is longer
         (both, counted together, on a tie)."""
         if k <= 0 or not self.local.tokens:
             return TreeDraft([], [], [])
         index = self.drafter.index
-        if self.prompt_hash is not None and index.by_prompt:
-            again = index.repeat(self.prompt_hash, self.local.tokens[self.prompt_len :], k)
-            if again is not None:  # the same prompt answered before: its continuation
-                return TreeDraft(*again, [])
-        local = self.local.match(self.local.tokens)
-        glob = index.lookup(self._global_context()) if index.docs else Match(0, [], [])
+        again = self._repeat(k)
+        if again is not None:  # the same prompt answered before: its continuation
+            return TreeDraft(*again, [])
+        local, glob = self._matches()
         m = max(local.length, glob.length)
         if m == 0:
             return TreeDraft([], [], [])
@@ -332,6 +365,10 @@ class SuffixSource(DraftSource):
             out.append(Candidate(np.asarray(tree.chain[:at] + toks, dtype=np.int64),
                                  conf=np.asarray(tree.conf[:at] + conf, dtype=np.float64)))
         return out
+
+    def draft_class(self, committed: Sequence[int]) -> str | None:
+        self._sync(committed)
+        return self.session.draft_class()
 
     def _sync(self, committed: Sequence[int]) -> None:
         if len(committed) > self.told:

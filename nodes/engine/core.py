@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nodes.engine.cost import CostModel
+from nodes.engine.cost import CostModel, class_key
 from nodes.engine.errors import BadRequestError
 from nodes.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs, token_logprobs
 from nodes.engine.sampling import (
@@ -164,6 +164,12 @@ class _Slot:
     tag: int = -1  # this step's source index in the tree's owner sets
     budget: int = 0  # draft tokens asked of it this step
     columns: list[int] | None = None  # its hidden layers' places in the captured tensor
+    #: the cost model's name for this step's drafts: `name`, or `name#class` when the source
+    #: says what kind of draft it makes next (`DraftSource.draft_class`)
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.name
 
 
 @dataclass
@@ -536,8 +542,8 @@ class Engine:
             log.debug("step at %d: fed %d (%s), accepted %d, verify %.1f ms; %s",
                       len(seq.committed), len(tree), "chain" if tree.is_chain() else "tree",
                       len(path), dt * 1000, ", ".join(
-                          f"{s.name} k={s.budget} offered {s.offered} "
-                          f"a={seq.cost.acceptance_of(s.name):.2f}" for s in seq.slots))
+                          f"{s.key} k={s.budget} offered {s.offered} "
+                          f"a={seq.cost.acceptance_of(s.key):.2f}" for s in seq.slots))
         if tree.drafted:
             stats.spec_blocks += 1
             stats.drafted += tree.drafted
@@ -576,9 +582,15 @@ class Engine:
         probes: set[int] = set()
         for i, slot in enumerate(list(seq.slots)):
             slot.asked, slot.offered, slot.tag, slot.budget = False, 0, i, 0
-            budget = seq.cost.choose_k(slot.name) if adaptive else self.fixed_k
+            try:
+                label = slot.source.draft_class(committed) if adaptive else None
+            except Exception as exc:  # noqa: BLE001 - same policy as propose
+                _drop_source(seq, slot, "failed", exc)
+                continue
+            slot.key = class_key(slot.name, label)
+            budget = seq.cost.choose_k(slot.key) if adaptive else self.fixed_k
             if adaptive and sharing > 1:
-                budget = seq.cost.fit_draft_to_batch(budget, slot.name, sharing)
+                budget = seq.cost.fit_draft_to_batch(budget, slot.key, sharing)
             budget = slot.budget = max(0, min(budget, cap))
             t0 = time.perf_counter()
             try:
@@ -593,8 +605,8 @@ class Engine:
             cands = [c for c in (self._clean(c, budget) for c in cands) if len(c.tokens)]
             seq.stats.draft_s += dt
             if adaptive:
-                seq.cost.record_draft(sum(len(c.tokens) for c in cands), dt, slot.name)
-                if seq.cost.probing(slot.name):
+                seq.cost.record_draft(sum(len(c.tokens) for c in cands), dt, slot.key)
+                if seq.cost.probing(slot.key):
                     probes.add(i)
             found += [(i, c) for c in cands]
         if adaptive and not found:
@@ -602,7 +614,7 @@ class Engine:
         elif adaptive:
             found = self._top_up(seq, committed, found)
         if adaptive:  # the source most likely to be right goes first (and wins ties)
-            rank = {s.tag: seq.cost.acceptance_of(s.name) for s in seq.slots}
+            rank = {s.tag: seq.cost.acceptance_of(s.key) for s in seq.slots}
             found.sort(key=lambda pair: -rank[pair[0]])
         if found and not self.tree:
             found = found[:1]  # single-path verification: the best source's first candidate
@@ -611,7 +623,7 @@ class Engine:
         seq.plan_values = seq.plan_forced = None
         if adaptive and tree.drafted and seq.params.sampling.greedy:
             # greedy only: which proposals survive must not depend on sampled draft tokens
-            values = tree.node_values({s.tag: seq.cost.acceptance_of(s.name) for s in seq.slots})
+            values = tree.node_values({s.tag: seq.cost.acceptance_of(s.key) for s in seq.slots})
             forced = [bool(probes & owners) for owners in tree.owners]
             keep = seq.cost.select(values, forced)
             tree = tree.subtree(keep)
@@ -621,7 +633,7 @@ class Engine:
         for slot in seq.slots:
             slot.offered = tree.offered_by(slot.tag)
             if adaptive and slot.budget > 0 and not slot.offered:
-                seq.cost.record_unheard(slot.name)
+                seq.cost.record_unheard(slot.key)
         if tree.drafted or found:
             seq.stats.k_hist[tree.drafted] = seq.stats.k_hist.get(tree.drafted, 0) + 1
         return tree
@@ -636,12 +648,12 @@ class Engine:
         it, so without a wait its drafts never arrive in time to be judged and its estimate
         (the prior, at first) never moves. Probes back off while they fail, so a useless
         source costs a bounded wait every 8-32 steps."""
-        ranked = sorted(seq.slots, key=lambda s: -seq.cost.acceptance_of(s.name))
+        ranked = sorted(seq.slots, key=lambda s: -seq.cost.acceptance_of(s.key))
         for slot in ranked:
             k = min(slot.budget, cap)
             wait = slot.source.expected_wait() if k > 0 else None
-            if wait is None or not (seq.cost.wait_pays(slot.name, k, wait)
-                                    or seq.cost.probing(slot.name)):
+            if wait is None or not (seq.cost.wait_pays(slot.key, k, wait)
+                                    or seq.cost.probing(slot.key)):
                 continue
             return self._wait_then_propose(seq, slot, committed, k, wait) or []
         return []
@@ -662,7 +674,7 @@ class Engine:
         seq.stats.waits += 1
         out = [(slot.tag, c) for c in (self._clean(c, k) for c in cands) if len(c.tokens)]
         if self.fixed_k is None:
-            seq.cost.record_delivered(slot.name, max((len(c.tokens) for _, c in out), default=0),
+            seq.cost.record_delivered(slot.key, max((len(c.tokens) for _, c in out), default=0),
                                       k)
         if log.isEnabledFor(logging.DEBUG):  # no formatting on the wait path unless asked
             log.debug("waited %.1f ms (announced %.1f) for %s: %s", waited * 1000,
@@ -681,12 +693,12 @@ class Engine:
         longest: dict[int, int] = {}
         for tag, cand in found:
             longest[tag] = max(longest.get(tag, 0), len(cand.tokens))
-        for slot in sorted(seq.slots, key=lambda s: -seq.cost.acceptance_of(s.name)):
+        for slot in sorted(seq.slots, key=lambda s: -seq.cost.acceptance_of(s.key)):
             have, k = longest.get(slot.tag, 0), slot.budget
             if k <= have:
                 continue
             wait = slot.source.expected_wait()
-            if wait is None or not seq.cost.top_up_pays(slot.name, have, k, wait):
+            if wait is None or not seq.cost.top_up_pays(slot.key, have, k, wait):
                 continue
             fresh = self._wait_then_propose(seq, slot, committed, k, wait)
             if fresh is None:  # the source failed and was dropped
@@ -760,7 +772,7 @@ class Engine:
                 else hidden[:, slot.columns],
             )
             if fb.offered and self.fixed_k is None:
-                seq.cost.record_acceptance(tree.depth_of(slot.tag), fb.accepted, slot.name)
+                seq.cost.record_acceptance(tree.depth_of(slot.tag), fb.accepted, slot.key)
             try:
                 slot.source.feedback(fb)
             except Exception as exc:  # noqa: BLE001 - same policy as propose

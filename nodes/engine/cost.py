@@ -53,6 +53,14 @@ _LONG_DECAY = 0.9
 _EMA = 0.3
 #: the source key of callers that do not name one (a single drafter)
 POOLED = ""
+#: joins a source's name and a draft class (`class_key`)
+_CLASS_SEP = "#"
+
+
+def class_key(name: str, label: str | None) -> str:
+    """The estimate key of `name`'s drafts of class `label` (`DraftSource.draft_class`);
+    `name` itself when the source names no class."""
+    return name if label is None else f"{name}{_CLASS_SEP}{label}"
 
 
 def ema(old: float | None, new: float) -> float:
@@ -71,6 +79,8 @@ class _SourceEstimate:
     #: with every observation): `batch_acceptance` swaps the seed for the source's record
     seed: float = 0.0
     seed_weight: float = 0.0
+    #: observations recorded this generation
+    observed: int = 0
     plain_streak: int = 0
     #: steps in a row it was asked for drafts and had none in the verified tree
     unheard: int = 0
@@ -139,8 +149,15 @@ class CostModel:
     def _source(self, name: str) -> _SourceEstimate:
         est = self._sources.get(name)
         if est is None:
-            # the seed is decayed like any observation, so evidence soon outweighs it
-            start = self.start_acceptance(name)
+            # the seed is decayed like any observation, so evidence soon outweighs it. A
+            # draft class first met in this generation starts from what its source has been
+            # worth in this generation so far, where it has been observed: the phase (an
+            # answer copying its prompt, or not) is the generation's, the class's record is
+            # an average over both
+            base = self._sources.get(name.partition(_CLASS_SEP)[0]) if _CLASS_SEP in name \
+                else None
+            start = base.acceptance if base is not None and base.observed \
+                else self.start_acceptance(name)
             est = _SourceEstimate(start * self.prior_weight, self.prior_weight,
                                   self.probe_every, seed=start, seed_weight=self.prior_weight)
             self._sources[name] = est
@@ -432,9 +449,12 @@ class CostModel:
             backoff = min(2 * est.probe_interval, self.max_probe_every)
             est.probe_interval = self.probe_every if accepted else backoff
         trials = accepted + (1 if accepted < drafted else 0)
-        est.seed_weight *= _DECAY
-        est.acc = _DECAY * est.acc + accepted
-        est.trials = _DECAY * est.trials + trials
+        classed = [self._source(name.partition(_CLASS_SEP)[0])] if _CLASS_SEP in name else []
+        for e in (est, *classed):  # a class's drafts count for its source's phase too
+            e.observed += 1
+            e.seed_weight *= _DECAY
+            e.acc = _DECAY * e.acc + accepted
+            e.trials = _DECAY * e.trials + trials
         rec = self._longrun.setdefault(name, [0.0, 0.0])
         rec[0] = _LONG_DECAY * rec[0] + accepted
         rec[1] = _LONG_DECAY * rec[1] + trials

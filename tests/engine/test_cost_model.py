@@ -405,3 +405,26 @@ def test_a_source_that_never_helps_is_probed_with_the_probe_length():
             c.record_acceptance(k, 0, "useless")
     probes = [k for k in asked[40:] if k]  # past the first tries at the prior: probes only
     assert probes and set(probes) == {c.probe_length()}
+
+
+def test_a_draft_class_starts_from_its_sources_phase_in_this_generation():
+    from nodes.engine.cost import class_key
+
+    c = CostModel(max_k=16)
+    short, long_ = class_key("ngram", "m1"), class_key("ngram", "m9")
+    assert class_key("ngram", None) == "ngram"
+    # nothing seen yet this generation: a class starts from the prior
+    assert c.acceptance_of(short) == c.prior_acceptance
+    for _ in range(6):  # long matches right in full: the answer copies its prompt
+        c.record_acceptance(8, 8, long_)
+    assert c.acceptance_of(long_) > 0.9
+    # the source's phase moved with its class, and a class met now starts from it
+    assert c.acceptance_of("ngram") > 0.9
+    assert c.acceptance_of(class_key("ngram", "m2")) > 0.9
+    # a class's own evidence then rules it: short matches wrong, long ones unaffected
+    for _ in range(4):
+        c.record_acceptance(2, 0, short)
+    assert c.acceptance_of(short) < 0.5 and c.acceptance_of(long_) > 0.9
+    # each class keeps its own record across generations
+    c.start_generation()
+    assert c.acceptance_of(long_) > 0.9 and c.acceptance_of(short) == c.prior_acceptance

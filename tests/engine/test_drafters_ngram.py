@@ -76,3 +76,21 @@ def test_draft_ahead_sends_the_other_continuations_as_branches():
     assert out.conf is None  # n-grams have no probabilities
     assert out.branches == (Branch(0, (3, 9, 1, 2)),)
     assert Ahead(s.draft_ahead(4, width=1)).branches == ()
+
+
+def test_match_classes_double_in_width():
+    from nodes.drafters.base import match_class
+
+    assert [match_class(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 40)] == [
+        None, "m1", "m2", "m3", "m3", "m5", "m5", "m9", "m9"]
+
+
+def test_the_source_names_the_length_of_the_match_it_would_continue():
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    source = NgramDrafter().open_source(prompt, SP)
+    assert source.draft_class(prompt) is None  # no earlier occurrence of any suffix
+    assert source.draft_class(prompt + [9]) is None
+    assert source.draft_class(prompt + [9, 5]) == "m1"  # [5] occurred
+    assert source.draft_class(prompt + [9, 5, 6, 7]) == "m3"  # [5, 6, 7]
+    # the class is that of the draft it then proposes: the continuation of [5, 6, 7]
+    assert source.propose(prompt + [9, 5, 6, 7], 2)[0].tokens.tolist() == [9, 5]

@@ -442,3 +442,48 @@ def test_short_drafts_are_topped_up_by_a_wait_only_when_it_pays(tiny_torch, prom
         assert src.waits == stats.blocks - 1 and stats.blocks <= 4
     else:  # never worth waiting for more of what is always wrong
         assert src.waits <= 2 and stats.blocks >= N // 2
+
+
+class Classed(DraftSource):
+    """A lookup drafter in miniature: every third step its draft continues a long match and
+    is right, the other steps a one-token match and wrong; it says which before drafting."""
+
+    name = "lookup"
+
+    def __init__(self, reference, vocab):
+        self.reference, self.vocab, self.steps = reference, vocab, 0
+        self.asked = {"m5": [], "m1": []}  # per class: the budget asked, step by step
+
+    def _cls(self):
+        return "m5" if self.steps % 3 == 0 else "m1"
+
+    def draft_class(self, committed):
+        return self._cls()
+
+    def propose(self, committed, budget):
+        cls = self._cls()
+        self.steps += 1
+        self.asked[cls].append(budget)
+        truth = self.reference[len(committed) : len(committed) + budget]
+        toks = truth if cls == "m5" else [(t + 1) % self.vocab for t in truth]
+        return [Candidate(np.asarray(toks))] if toks else []
+
+
+def test_a_source_is_judged_per_draft_class(tiny_torch, prompt_ids, reference):
+    """Its long matches keep their budget although most of its drafts (the short matches)
+    are wrong, and the short ones are turned down although its long ones are right: one
+    estimate for both would draft the junk on the strength of the long matches."""
+    long_ref = hf_greedy(tiny_torch, prompt_ids, 3 * N, eos_id=49151)
+    engine = Engine(tiny_torch)
+    engine.cost = PinnedCost(max_k=4)
+    source = Classed(prompt_ids + long_ref, tiny_torch.vocab_size)
+    params = GenerationParams(max_tokens=3 * N, eos_token_ids=EOS_NONE)
+    out, _ = run(engine, prompt_ids, params, sources=[source])
+    assert out == long_ref[: 3 * N]
+    good, junk = source.asked["m5"][1:], source.asked["m1"]
+    # long matches: drafted in full every time (but where the answer's end caps the budget)
+    assert len(good) >= 5 and sum(1 for k in good if k >= 3) >= len(good) - 2
+    assert len(junk) >= 10 and sum(1 for k in junk[4:] if k) <= 2  # short: off, but probes
+    # the records are kept per class too: the next generation starts each from its own
+    assert engine.cost.start_acceptance("lookup#m5") > 0.9
+    assert engine.cost.start_acceptance("lookup") == engine.cost.prior_acceptance

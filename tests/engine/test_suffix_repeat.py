@@ -143,3 +143,17 @@ def test_the_cost_model_gives_a_repeat_its_budget_at_once(tiny_torch, prompt_ids
         assert out == first == reference
         blocks.append(s.blocks)
     assert blocks[1] == blocks[2] == 3 and blocks[0] > 3, blocks
+
+
+def test_the_source_names_a_repeat_an_indexed_match_and_a_local_one_apart():
+    drafter = SuffixDrafter()
+    filed(drafter)
+    again = drafter.open_source(PROMPT, None)
+    assert again.draft_class(PROMPT) == "repeat"
+    assert again.draft_class(PROMPT + ANSWER[:3]) == "repeat"
+    assert again.draft_class(PROMPT + ANSWER[:3] + [7]) is None  # left the answer, no match
+    other = drafter.open_source([21, 22, 23], None)
+    # the end of another prompt's answer: matched in the global index (3 tokens + more)
+    assert other.draft_class([21, 22, 23] + ANSWER[10:14]).startswith("gm")
+    local = SuffixDrafter().open_source([5, 6, 7, 8, 9], None)
+    assert local.draft_class([5, 6, 7, 8, 9, 1, 5, 6]) == "lm2"  # [5, 6] in its own text
