@@ -590,7 +590,8 @@ class Engine:
             slot.key = class_key(slot.name, label)
             budget = seq.cost.choose_k(slot.key) if adaptive else self.fixed_k
             if adaptive and sharing > 1:
-                budget = seq.cost.fit_draft_to_batch(budget, slot.key, sharing)
+                budget = seq.cost.fit_draft_to_batch(budget, slot.name, sharing,
+                                                     key=slot.key)
             budget = slot.budget = max(0, min(budget, cap))
             t0 = time.perf_counter()
             try:
@@ -605,7 +606,7 @@ class Engine:
             cands = [c for c in (self._clean(c, budget) for c in cands) if len(c.tokens)]
             seq.stats.draft_s += dt
             if adaptive:
-                seq.cost.record_draft(sum(len(c.tokens) for c in cands), dt, slot.key)
+                seq.cost.record_draft(sum(len(c.tokens) for c in cands), dt, slot.name)
                 if seq.cost.probing(slot.key):
                     probes.add(i)
             found += [(i, c) for c in cands]

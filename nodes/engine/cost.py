@@ -291,7 +291,8 @@ class CostModel:
         est.probing = False
         return 0
 
-    def fit_draft_to_batch(self, k: int, name: str, sequences: int) -> int:
+    def fit_draft_to_batch(self, k: int, name: str, sequences: int,
+                           key: str | None = None) -> int:
         """At most k tokens of `name`'s drafts, cut to what pays when `sequences` share the
         step, for a source that drafts on the verifier's own time (`draft_cost` > 0; a remote
         source's drafts are free here and `fit_batch` weighs their rows).
@@ -303,15 +304,18 @@ class CostModel:
         `fit_batch`'s to weigh, after drafting). At B = 1 the solo choice stands; at B = 8 on
         a CPU an int8 drafter (16 ms a token) stops drafting, since a plain batched step
         already commits a token per ~21 ms (measured: in-process int8 drafts at c >= 4 cut
-        `bench serve` to 0.6x batched plain), while an n-gram drafter (microseconds) keeps k."""
+        `bench serve` to 0.6x batched plain), while an n-gram drafter (microseconds) keeps k.
+        `key`: the draft's class key (`class_key`) its acceptance is judged by, where not
+        `name` (the drafting cost is the source's)."""
         d = self.draft_cost(name)
         if sequences <= 1 or d <= 0 or k <= 0:
             return k
+        key = key or name
         share = self.batch_cost(sequences) / sequences
-        a = self.batch_acceptance(name)
+        a = self.batch_acceptance(key)
         best_j, best = 0, 1.0 / share * self.margin  # a draft must beat plain by the margin
         for j in range(1, k + 1):
-            rate = self.expected_tokens(j, name, a) / (share + d * j)
+            rate = self.expected_tokens(j, key, a) / (share + d * j)
             if rate > best:
                 best_j, best = j, rate
         return best_j
