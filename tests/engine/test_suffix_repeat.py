@@ -157,3 +157,16 @@ def test_the_source_names_a_repeat_an_indexed_match_and_a_local_one_apart():
     assert other.draft_class([21, 22, 23] + ANSWER[10:14]).startswith("gm")
     local = SuffixDrafter().open_source([5, 6, 7, 8, 9], None)
     assert local.draft_class([5, 6, 7, 8, 9, 1, 5, 6]) == "lm2"  # [5, 6] in its own text
+
+
+def test_a_document_indexed_between_two_drafts_at_one_tip_is_drafted_from():
+    # the session's matches are kept between its class and its draft, but not past a change
+    # of the global index (an eviction there moves positions)
+    drafter = SuffixDrafter()
+    s = drafter.open([31, 32, 33], None)
+    s.extend(ANSWER[:6])
+    assert s.draft_class() is None and s.plan(8, 1).chain == []  # nothing anywhere
+    filed(drafter, prompt=[41, 42], answer=ANSWER)  # another session's answer, same tip
+    assert s.draft_class().startswith("gm")
+    chain = s.plan(8, 1).chain  # sized by the match (SuffixDecoding's factor 1)
+    assert len(chain) >= 4 and chain == ANSWER[6 : 6 + len(chain)]
