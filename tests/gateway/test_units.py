@@ -156,6 +156,17 @@ def test_only_alive_verifiers_with_a_model_count():
     assert [v.node_id for v in found] == ["v", "g"]
 
 
+def test_a_model_with_no_alive_verifier_is_served_by_its_suspect_ones():
+    # heartbeats late (a gossip flood, a loaded box): a suspect is tried, not refused; a
+    # model with an alive verifier keeps to it; dead and departed ones never count
+    found = verifiers_of([member("a", ("verifier",), State.SUSPECT, model="m1"),
+                          member("b", ("verifier",), State.ALIVE, model="m1"),
+                          member("c", ("verifier",), State.SUSPECT, model="m2"),
+                          member("d", ("verifier",), State.DEAD, model="m3"),
+                          member("e", ("verifier",), State.LEFT, model="m3")])
+    assert [v.node_id for v in found] == ["b", "c"]
+
+
 # -- metrics -----------------------------------------------------------------------------------
 def test_prometheus_text_has_the_figures():
     from prometheus_client.parser import text_string_to_metric_families
