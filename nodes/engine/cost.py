@@ -63,6 +63,12 @@ def class_key(name: str, label: str | None) -> str:
     return name if label is None else f"{name}{_CLASS_SEP}{label}"
 
 
+def _source_of(key: str) -> str | None:
+    """The source name of a class key (`class_key`); None for a plain source name."""
+    name, sep, _ = key.partition(_CLASS_SEP)
+    return name if sep else None
+
+
 def ema(old: float | None, new: float) -> float:
     """The running estimates' update: the first observation as is, then an EMA."""
     return new if old is None else (1 - _EMA) * old + _EMA * new
@@ -154,8 +160,8 @@ class CostModel:
             # worth in this generation so far, where it has been observed: the phase (an
             # answer copying its prompt, or not) is the generation's, the class's record is
             # an average over both
-            base = self._sources.get(name.partition(_CLASS_SEP)[0]) if _CLASS_SEP in name \
-                else None
+            source = _source_of(name)
+            base = None if source is None else self._sources.get(source)
             start = base.acceptance if base is not None and base.observed \
                 else self.start_acceptance(name)
             est = _SourceEstimate(start * self.prior_weight, self.prior_weight,
@@ -453,7 +459,8 @@ class CostModel:
             backoff = min(2 * est.probe_interval, self.max_probe_every)
             est.probe_interval = self.probe_every if accepted else backoff
         trials = accepted + (1 if accepted < drafted else 0)
-        classed = [self._source(name.partition(_CLASS_SEP)[0])] if _CLASS_SEP in name else []
+        source = _source_of(name)
+        classed = [] if source is None else [self._source(source)]
         for e in (est, *classed):  # a class's drafts count for its source's phase too
             e.observed += 1
             e.seed_weight *= _DECAY
