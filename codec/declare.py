@@ -97,9 +97,10 @@ def flag(*, default: Any = MISSING) -> Any:
 
 
 def strings(max_items: int, *, chars: tuple[int, int] | None = None, blank: bool = True,
-            default: Any = MISSING) -> Any:
+            default: Any = MISSING, omit_empty: bool = False) -> Any:
     """A list of at most `max_items` strings (a tuple in memory); each of `chars` = (lo, hi)
-    characters when given, not blank when `blank=False`. Errors name the entry (`stop[2]`)."""
+    characters when given, not blank when `blank=False`; left off the wire when empty with
+    `omit_empty`. Errors name the entry (`stop[2]`)."""
 
     def check(name: str, v: Any) -> tuple[str, ...]:
         if not isinstance(v, list | tuple) or len(v) > max_items:
@@ -110,7 +111,8 @@ def strings(max_items: int, *, chars: tuple[int, int] | None = None, blank: bool
                 raise BadRequest(f"{name}[{i}]", f"must have {chars[0]}..{chars[1]} characters")
         return tuple(v)
 
-    return _field(Wire(HEADER, check, STRS, encode=list), default, MISSING)
+    return _field(Wire(HEADER, check, STRS, encode=list, omit_empty=omit_empty), default,
+                  MISSING)
 
 
 def mapping(*, omit_empty: bool = False) -> Any:

@@ -37,6 +37,7 @@ MAX_PROPOSERS = 64
 MAX_LEASE_S = 300.0
 MAX_HORIZON = 256  # tokens a proposer may draft past the last commit it knows
 MAX_ALTERNATIVES = 128  # alternative tokens one draft chunk may carry beside its chain
+MAX_CLASS_CHARS = 16  # a draft class label (`DraftChunk.classes`): "m5", "repeat", "gm9"
 MAX_COMMITTED = 2**31 - 1
 MAX_HIDDEN_WIDTH = 1 << 16  # values per hidden-state row (3 layers x a 16k-wide model fit)
 MAX_TOP_LOGPROBS = 20  # alternatives per token with their log probabilities (OpenAI's cap)
@@ -197,7 +198,8 @@ class DraftChunk(wire.Struct):
     `tokens` continue the committed prefix of length `base` (the last commit the proposer
     knows): first the tokens it assumed (its own earlier drafts, not yet confirmed), then new
     ones; the verifier uses what extends its committed prefix. Optional alternatives make it a
-    tree; conf and alt_conf are the drafter's probability of each token.
+    tree; conf and alt_conf are the drafter's probability of each token, classes the kind of
+    draft each chain token came from.
     """
 
     session: str = wire.session(required=False)
@@ -213,9 +215,18 @@ class DraftChunk(wire.Struct):
     #: neither (drafters without probabilities, like n-grams, send neither)
     conf: np.ndarray | None = wire.probabilities(default=None)
     alt_conf: np.ndarray | None = wire.probabilities(default=None)
+    #: per chain token, the drafter's class of the draft it came from (its
+    #: `DraftSession.draft_class` when it drafted it, e.g. the length of the match a lookup
+    #: continued; "" for none): the verifier keeps a remote source's acceptance per class as
+    #: it does its own sources'. Empty: the drafter names no classes.
+    classes: tuple[str, ...] = wire.strings(MAX_HORIZON, chars=(0, MAX_CLASS_CHARS),
+                                            default=(), omit_empty=True)
 
     def _cross_check(self) -> None:
         n, m = len(self.tokens), len(self.alt_tokens)
+        if self.classes and len(self.classes) != n:
+            raise BadRequest("classes", f"must be {n} labels (one per chain token) or none, "
+                                        f"got {len(self.classes)}")
         parents = self.alt_parents
         if len(parents) != m:
             raise BadRequest("alt_parents", f"must be {m} integer parent indices (one per "

@@ -99,6 +99,13 @@ class DraftSession(ABC):
         ids, _probs = self.draft(k)
         return draft_paths(np.asarray(ids).reshape(-1))
 
+    def draft_class(self) -> str | None:
+        """What kind of draft `draft` would make next from everything committed so far
+        (`DraftSource.draft_class`: a short label, told for next to nothing); None: the
+        session cannot tell (this default). A proposer sends it with each drafted token so
+        the verifier judges remote drafts per class as it judges its own."""
+        return None
+
     def truncate(self, length: int) -> None:
         """Forget every token past the first `length` (prompt + extended), so a proposer that
         drafted ahead on assumed tokens can roll back. Sessions that cannot raise
@@ -157,6 +164,11 @@ class SessionSource(DraftSource):
             return []
         ids, probs = self.session.draft(budget)
         return [Candidate(ids, probs)]
+
+    def draft_class(self, committed: Sequence[int]) -> str | None:
+        self.session.extend(list(committed[self.told :]))
+        self.told = len(committed)
+        return self.session.draft_class()
 
     def close(self) -> None:
         self.session.close()

@@ -68,6 +68,10 @@ class NgramSession(DraftSession):
                 return n, ends
         return 0, []
 
+    def draft_class(self) -> str | None:
+        """The length of the match the next draft continues (`match_class`)."""
+        return match_class(self.longest_match()[0])
+
     def draft(self, k: int) -> tuple[np.ndarray, None]:
         if k <= 0:
             return EMPTY_DRAFT, None
@@ -132,9 +136,8 @@ class NgramSource(DraftSource):
                 self.session.continuations(budget)]
 
     def draft_class(self, committed: Sequence[int]) -> str | None:
-        """The length of the match the next draft continues (`match_class`)."""
         self._sync(committed)
-        return match_class(self.session.longest_match()[0])
+        return self.session.draft_class()
 
     def _sync(self, committed: Sequence[int]) -> None:
         self.session.extend(committed[self.told :])

@@ -74,6 +74,8 @@ class _Session:
     assumed: list[int] = field(default_factory=list)  # drafted past `tokens`, fed as if committed
     #: the drafter's probability of each assumed token (NaN: it gave none)
     assumed_conf: list[float] = field(default_factory=list)
+    #: the drafter's class of the draft each assumed token came from ("" for none)
+    assumed_class: list[str] = field(default_factory=list)
     #: alternatives drafted with the assumed tokens: (position, tokens, conf or None), where
     #: position is the committed length the branch continues (its first token is an
     #: alternative to the token at that position)
@@ -330,13 +332,14 @@ class ProposerRole:
         if n == len(new):
             s.assumed = s.assumed[n:]  # the drafter holds these already
             s.assumed_conf = s.assumed_conf[n:]
+            s.assumed_class = s.assumed_class[n:]
             # an alternative to a token now committed is moot
             s.branches = [b for b in s.branches if b[0] >= s.committed]
         else:
             self.stats.rollbacks += 1
             self._rollback(s, s.committed - len(new) + n)
             s.draft.extend(new[n:])
-            s.assumed, s.assumed_conf, s.branches = [], [], []
+            s.assumed, s.assumed_conf, s.assumed_class, s.branches = [], [], [], []
         log.debug("session %s: commit to %d (+%d), %d of them drafted here, %d drafted ahead kept",
                   s.sid, s.committed, len(new), n, len(s.assumed))
         s.exhausted = False
@@ -369,6 +372,7 @@ class ProposerRole:
         ids: list[int] = []
         if k > 0:
             t0 = time.perf_counter()
+            label = s.draft.draft_class() or ""  # told before drafting, as in process
             # drafts travel as point masses, also under sampling (lossless whatever we do;
             # docs/protocol.md "Why q is not sent"): model drafters propose q's mode
             cands = s.draft.draft_ahead(k, self.tree_width)
@@ -382,6 +386,7 @@ class ProposerRole:
                 conf = (chain.conf[: len(ids)] if chain.conf is not None
                         else [math.nan] * len(ids))
                 s.assumed_conf.extend(float(c) for c in conf)
+                s.assumed_class.extend([label] * len(ids))
                 s.draft.extend(ids)
                 s.assumed.extend(ids)
                 self.stats.draft_tokens += len(ids)
@@ -461,4 +466,5 @@ def _chunk(s: _Session) -> DraftChunk:
         s.sid, s.committed, np.asarray(s.assumed, dtype=np.int32), s.chunks,
         np.asarray(alt_tokens, dtype=np.int32), np.asarray(alt_parents, dtype=np.int32),
         np.asarray(s.assumed_conf, dtype=np.float32) if conf_ok else None,
-        np.asarray(alt_conf, dtype=np.float32) if conf_ok else None)
+        np.asarray(alt_conf, dtype=np.float32) if conf_ok else None,
+        tuple(s.assumed_class) if any(s.assumed_class) else ())

@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 
 #: round trips a link's estimate is the smallest of (see ProposerLink.observe_rtt)
 RTT_WINDOW = 16
+#: distinct draft classes taken from one proposer (ProposerLink.label): the engine's cost model
+#: keeps an estimate per class, so a proposer inventing labels must not grow it without bound
+MAX_CLASSES = 16
 #: error codes after which a proposer cannot help this session any more
 _FATAL_CODES = frozenset(
     {UnknownSessionError.code, OutOfSyncError.code, TokenizerMismatchError.code})
@@ -114,6 +117,8 @@ class ProposerLink:
     garbage_seen: int = 0  # the client's undecodable replies already counted
     #: verifier layers whose hidden states the proposer reads (its card says; an EAGLE-3 head)
     hidden_layers: tuple[int, ...] | None = None
+    #: the draft classes this proposer named so far (at most MAX_CLASSES are taken)
+    classes: set[str] = field(default_factory=set, repr=False)
     _rtts: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW),
                                      repr=False)
 
@@ -142,6 +147,17 @@ class ProposerLink:
         reads never inflate it, and an old low one ages out of the window."""
         self._rtts.append(rtt)
         self.net_s = min(self._rtts)
+
+    def label(self, name: str) -> str | None:
+        """The draft class `name` a chunk gave, or None: none given, or a class beyond the
+        first MAX_CLASSES this proposer named (judged with its unclassed drafts)."""
+        if not name:
+            return None
+        if name not in self.classes:
+            if len(self.classes) >= MAX_CLASSES:
+                return None
+            self.classes.add(name)
+        return name
 
     def observe_fresh(self, took: float) -> None:
         """A commit's answer came `took` after the push (read by a waiting poll)."""
@@ -234,6 +250,22 @@ class ProposerSource(DraftSource):
         cands = self._candidates(committed, budget)
         self.proposed = len(cands[0].tokens) if cands else 0
         return cands
+
+    def draft_class(self, committed: Sequence[int]) -> str | None:
+        """The class the proposer gave the freshest chunk's first token past `committed`
+        (`DraftChunk.classes`; the drafter's `DraftSession.draft_class` when it drafted it),
+        if that chunk's chain extends `committed`."""
+        if self.dropped:
+            return None
+        self._drain()
+        c = self.best
+        if c is None or not c.classes:
+            return None
+        known = len(committed) - c.base
+        if not 0 <= known < len(c.tokens) or not np.array_equal(
+                c.tokens[:known], np.asarray(committed[c.base :], dtype=np.int64)):
+            return None
+        return self.link.label(c.classes[known])
 
     def feedback(self, fb: Feedback) -> None:
         now = time.monotonic()

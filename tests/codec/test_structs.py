@@ -179,6 +179,27 @@ def test_a_draft_chunk_tree_round_trips_and_a_chain_stays_one_tensor():
     assert len(msg.tensors) == 3 and parse(msg).conf is None
 
 
+def test_draft_classes_round_trip_one_per_chain_token_or_none():
+    classed = DraftChunk("s", 7, np.array([5, 6, 7], np.int32), classes=("m5", "m5", ""))
+    assert parse(wire(classed.to_message())).classes == ("m5", "m5", "")
+    assert parse(wire(DraftChunk("s", 7, np.array([5], np.int32)).to_message())).classes == ()
+    # an older proposer's chunk (no field at all) decodes as "no classes"
+    msg = wire(DraftChunk("s", 7, np.array([5], np.int32)).to_message())
+    msg.fields.pop("classes", None)
+    assert parse(msg).classes == ()
+
+
+@pytest.mark.parametrize("classes, why", [
+    (("m5",), "must be 3 labels"),  # one per chain token
+    (("m5", "m5", "x" * 17), "characters"),
+    (("m5", "m5", 5), "string"),
+])
+def test_bad_draft_classes_name_the_field(classes, why):
+    with pytest.raises(BadRequest) as info:
+        DraftChunk("s", 7, np.array([5, 6, 7], np.int32), classes=classes)
+    assert info.value.field.startswith("classes") and why in str(info.value)
+
+
 @pytest.mark.parametrize("kw, field", [
     ({"alt_parents": np.array([-1, 5], np.int32)}, "alt_parents"),  # 5: itself (n + 1 = 4)
     ({"alt_parents": np.array([-2, 0], np.int32)}, "alt_parents"),

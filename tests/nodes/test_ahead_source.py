@@ -335,3 +335,30 @@ def test_a_generation_dropping_a_proposer_keeps_it_for_its_batch_mates(host, scr
         b.close()
     finally:
         link.close()
+
+
+def test_a_chunks_classes_name_the_draft_past_the_prefix_and_are_bounded(
+        make_source, scripted):
+    """The class of the first token past the committed prefix is the step's class; a chunk
+    that does not extend the prefix names none; a proposer naming more classes than
+    MAX_CLASSES gets the rest judged unclassed (the cost model's estimates stay bounded)."""
+    from codec.structs import DraftChunk
+    from nodes.roles.remote_draft import MAX_CLASSES
+
+    src, req = make_source()
+    assert src.draft_class(PROMPT) is None  # nothing came yet
+    scripted.tree(req, DraftChunk("s1", 4, np.array([5, 6, 7]), 1,
+                                  classes=("m1", "", "m5")))
+    read_until(src, lambda: src.link.chunks == 1)
+    assert src.draft_class(PROMPT) == "m1"
+    assert src.draft_class(PROMPT + [5]) is None  # "": the drafter named none there
+    assert src.draft_class(PROMPT + [5, 6]) == "m5"
+    assert src.draft_class(PROMPT + [5, 6, 7]) is None  # nothing drafted past it
+    assert src.draft_class(PROMPT + [9]) is None  # the chunk does not extend the prefix
+    labels = tuple(f"c{i}" for i in range(MAX_CLASSES + 4))
+    scripted.tree(req, DraftChunk("s1", 4, np.arange(10, 10 + len(labels)), 2,
+                                  classes=labels))
+    read_until(src, lambda: src.link.chunks == 2)
+    seen = [src.draft_class(PROMPT + list(range(10, 10 + i))) for i in range(len(labels))]
+    assert len({s for s in seen if s is not None} | {"m1", "m5"}) == MAX_CLASSES
+    assert seen[-1] is None and len(src.link.classes) == MAX_CLASSES

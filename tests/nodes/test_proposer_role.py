@@ -1,6 +1,7 @@
 """The proposer role over a real ROUTER (protocol 2): streamed drafts ahead, rollback on a
 disagreeing commit, idempotent commits, leases, bad input."""
 
+import time
 
 import numpy as np
 import pytest
@@ -245,3 +246,49 @@ def test_a_commit_confirming_drafts_is_answered_before_drafting_more(host):
         assert chunk_at(call, n + 2).tensors[0].tolist() == [5, 6, 7]  # then on, a token a time
     finally:
         role.close()
+
+
+def test_each_drafted_token_carries_the_class_of_the_draft_it_came_from(host, proposer):
+    """The ngram drafter names the length of the match each draft continued (`match_class`);
+    the chunk carries it per token, and a commit keeps the classes of what it left assumed."""
+    from codec.structs import DraftChunk
+
+    prompt = np.array([1, 2, 3, 9, 2, 3], np.int32)  # the tip "2 3" occurred once before
+    n = len(prompt)
+    call = open_stream(host, prompt=prompt, horizon=6)
+    chunk = DraftChunk.from_message(chunk_at(call, n))
+    while len(chunk.tokens) < 6:
+        chunk = DraftChunk.from_message(chunk_at(call, n))
+    # "2 3" -> 9 2 3 (a 2-token match); then "3 9 2 3"... matched 5 tokens -> 9 2 3 again
+    assert chunk.tokens.tolist() == [9, 2, 3, 9, 2, 3]
+    assert chunk.classes == ("m2", "m2", "m2", "m5", "m5", "m5")
+    commit(host, "s1", n + 2, [9, 2])
+    later = DraftChunk.from_message(chunk_at(call, n + 2))
+    assert later.tokens.tolist()[:4] == [3, 9, 2, 3]
+    assert later.classes[:4] == ("m2", "m5", "m5", "m5")
+
+
+def test_the_verifier_reads_a_real_proposers_classes(host, proposer):
+    """End to end over the bus: a verifier's source for a real ngram proposer names the class
+    of the draft past each committed prefix, and none where no chunk extends it."""
+    from nodes.engine.sampling import SamplingParams
+    from nodes.roles.remote_draft import DraftPolicy, ProposerLink, ProposerSource
+
+    policy = DraftPolicy()
+    link = ProposerLink("p1", host.server.endpoint, "ngram")
+    client = link.direct(host.factory, "verifier", policy.max_queued)
+    prompt = [1, 2, 3, 9, 2, 3]
+    src = ProposerSource(link, client, prompt, SamplingParams(), session_id="s1",
+                         vocab_size=100, fingerprint="", max_draft=8, policy=policy)
+    try:
+        deadline = time.monotonic() + 10
+        while src.best is None or len(src.best.tokens) < 6:  # bounded: a hang fails
+            assert time.monotonic() < deadline, "no chunk of 6 tokens came"
+            src._drain(0.05)
+        assert src.draft_class(prompt) == "m2"
+        assert src.draft_class(prompt + [9, 2, 3]) == "m5"
+        assert src.draft_class(prompt + [9, 4]) is None  # the chunk does not extend it
+        assert link.classes == {"m2", "m5"}
+    finally:
+        src.close()
+        link.close()
