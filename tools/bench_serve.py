@@ -13,6 +13,8 @@ the verifiers their own drafter (speculative rows), `--max-batch 1,8` compares o
 at a time with batches of 8. `--prompts mixed` sends the decode benchmark's chat prompts
 (tools/prompts.py: four input-grounded, two open-ended, in turn) through the chat endpoints
 instead of the short completion prompts, where speculation has something to draft from.
+`--prefill-chunk 0,256` runs each drafter's cluster with each verifier `--prefill-chunk`,
+interleaved like drafters (the clusters are named `none`, `none/pc256`, ...).
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default none: plain decoding); comma-separated values start one "
                              "cluster each, all at once, and run every level on each in turn "
                              "(interleaved: `none,eagle` gives eagle / none per round)")
+    parser.add_argument("--prefill-chunk", default="0",
+                        help="comma-separated verifier --prefill-chunk values (default 0: whole "
+                             "prompts); several start one cluster each per drafter, interleaved "
+                             "like drafters (named DRAFTER/pcN)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="times each level runs on each cluster, the clusters' order "
                              "rotated each round (default 1)")
@@ -171,8 +177,13 @@ def run(args: argparse.Namespace) -> int:
         counts = [int(x) for x in args.verifiers.split(",") if x.strip()]
         levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
         batches = [int(x) for x in args.max_batch.split(",") if x.strip()]
+        chunks = [int(x) for x in args.prefill_chunk.split(",") if x.strip()]
     except ValueError:
-        print("specbus bench serve: --verifiers, --concurrency and --max-batch take integers",
+        print("specbus bench serve: --verifiers, --concurrency, --max-batch and "
+              "--prefill-chunk take integers", file=sys.stderr)
+        return 2
+    if not chunks or min(chunks) < 0 or len(set(chunks)) != len(chunks):
+        print("specbus bench serve: --prefill-chunk takes distinct integers >= 0",
               file=sys.stderr)
         return 2
     if (not counts or not levels or not batches or min(counts + levels + batches) < 1
@@ -187,34 +198,41 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     cores = sorted(os.sched_getaffinity(0))
+    variants = [(d, pc) for pc in chunks for d in drafters]
     rows = []
     for n in counts:
         for batch in batches:
-            rows += _bench_interleaved(n, batch, drafters, levels, args, cores)
-    summary = _summary(rows, drafters)
+            rows += _bench_interleaved(n, batch, variants, levels, args, cores)
+    summary = _summary(rows, [variant_name(d, pc) for d, pc in variants])
     print(render(rows, summary, cores))
     if args.json is not None:
         args.json.write_text(json.dumps({"cores": len(cores), "args": {
             "verifiers": counts, "concurrency": levels, "requests": args.requests,
             "max_tokens": args.max_tokens, "max_batch": batches, "drafters": drafters,
+            "prefill_chunk": chunks,
             "rounds": args.rounds, "prompts": args.prompts}, "rows": rows,
             "summary": summary}, indent=2) + "\n")
     return 0
 
 
-def _bench_interleaved(n: int, batch: int, drafters: list[str], levels: list[int],
+def variant_name(drafter: str, prefill_chunk: int) -> str:
+    """A cluster's name in rows and ratios: its drafter, and its prefill chunk when set."""
+    return drafter if not prefill_chunk else f"{drafter}/pc{prefill_chunk}"
+
+
+def _bench_interleaved(n: int, batch: int, variants: list[tuple[str, int]], levels: list[int],
                        args: argparse.Namespace, cores: list[int]) -> list[dict]:
-    """One cluster per drafter, all started before the first level; each level then runs on
-    every cluster in turn, `--rounds` times, the order rotated each round, so a ratio between
-    drafters compares runs taken minutes apart at most, not whole benchmark runs apart (which
-    differ by ~5 % here). The clusters' verifiers share their cores; only one serves at a
-    time."""
+    """One cluster per variant (drafter, prefill chunk), all started before the first level;
+    each level then runs on every cluster in turn, `--rounds` times, the order rotated each
+    round, so a ratio between variants compares runs taken minutes apart at most, not whole
+    benchmark runs apart (which differ by ~5 % here). The clusters' verifiers share their
+    cores; only one serves at a time."""
     from contextlib import ExitStack
 
     rows = []
     with ExitStack() as stack:
-        clusters = [stack.enter_context(_Cluster(n, batch, d, args, cores, max(levels)))
-                    for d in drafters]
+        clusters = [stack.enter_context(_Cluster(n, batch, d, args, cores, max(levels), pc))
+                    for d, pc in variants]
         for conc in levels:
             for r in range(args.rounds):
                 for cluster in clusters[r % len(clusters):] + clusters[:r % len(clusters)]:
@@ -229,8 +247,10 @@ class _Cluster:
     the gateway."""
 
     def __init__(self, n: int, max_batch: int, drafter: str, args: argparse.Namespace,
-                 cores: list[int], top_level: int) -> None:
+                 cores: list[int], top_level: int, prefill_chunk: int = 0) -> None:
         self.n, self.max_batch, self.drafter, self.args = n, max_batch, drafter, args
+        self.prefill_chunk = prefill_chunk
+        self.name = variant_name(drafter, prefill_chunk)
         self.cores, self.top_level = cores, top_level
         self.prompts = _prompts(args.prompts)
 
@@ -244,12 +264,13 @@ class _Cluster:
         log_dir = Path(tempfile.mkdtemp(prefix="specbus-bench-serve-"))
         with ExitStack() as stack:
             c = stack.enter_context(LocalCluster(log_dir=log_dir, mdns=False))
-            print(f"starting {n} verifier(s) drafting with {self.drafter} and a gateway "
-                  f"(logs: {log_dir})", file=sys.stderr)
+            print(f"starting {n} verifier(s) drafting with {self.drafter} (prefill chunk "
+                  f"{self.prefill_chunk}) and a gateway (logs: {log_dir})", file=sys.stderr)
             for k in range(n):
                 c.start_node(f"v{k + 1}", "--role", "verifier", "--threads", "1",
                              "--cpus", str(cores[k % len(cores)]), "--max-batch",
-                             str(self.max_batch), "--drafter", self.drafter, seed=bool(k))
+                             str(self.max_batch), "--drafter", self.drafter,
+                             "--prefill-chunk", str(self.prefill_chunk), seed=bool(k))
             # the gateway must not answer 429 at the top level
             self.gw = c.start_node("gw", "--role", "gateway", "--http", "127.0.0.1:0", "--cpus",
                                    str(cores[-1]), "--gateway-max-inflight",
@@ -278,11 +299,12 @@ class _Cluster:
                                            self.prompts)),
                 ("gateway", lambda i: _via_http(self.url, i, args.max_tokens, self.prompts))):
             row = {"path": path, "concurrency": conc, "verifiers": self.n,
-                   "max_batch": self.max_batch, "drafter": self.drafter, "round": round_,
+                   "max_batch": self.max_batch, "drafter": self.name,
+                   "prefill_chunk": self.prefill_chunk, "round": round_,
                    "prompts": args.prompts, **_level(fn, conc, requests, self.gw.proc.pid)}
             rows.append(row)
             print(f"{path:8} c={conc:<3} verifiers={self.n} batch={self.max_batch} "
-                  f"drafter={self.drafter} round={round_} ttft p50 "
+                  f"drafter={self.name} round={round_} ttft p50 "
                   f"{_ms(row['ttft_p50_ms'])} ms  p99 {_ms(row['ttft_p99_ms'])} ms  "
                   f"{row['tok_s']:6.2f} tok/s  failed {row['failed']}", file=sys.stderr,
                   flush=True)

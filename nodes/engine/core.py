@@ -45,8 +45,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: without `prefill_chunk`, the most prompt rows one batched forward takes from whole prompts
-#: (a longer prompt, or one past the bound, is prefilled in a forward of its own)
+#: (a longer prompt is prefilled in a forward of its own)
 BATCHED_PROMPT_ROWS = 1024
+#: without `prefill_chunk`, the most prompt rows a step feeds from whole prompts beyond its
+#: first (`Engine.prefill_step_rows`): prompts that arrive together start over several steps,
+#: first come first, so the first of 8 chat prompts answers in a quarter of the time all 8
+#: take, at the same aggregate tok/s (docs/benchmarks.md, "Prompts that arrive together")
+PREFILL_STEP_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -241,6 +246,8 @@ class Engine:
         #: None: a prompt is prefilled in one forward; N: in chunks of N positions, at most
         #: one chunk's worth of prompt rows per step (`_prefill`)
         self.prefill_chunk = prefill_chunk
+        #: without chunks, the prompt rows a step feeds beyond its first prompt (the rest wait)
+        self.prefill_step_rows = PREFILL_STEP_ROWS
         self.backend = backend
         self.drafter = drafter
         self.max_draft = max_draft
@@ -378,13 +385,20 @@ class Engine:
                     budget = max(0, budget - size)
         together = len(going) + len(fills) > 1 and self._batches_rows()
         if together and self.prefill_chunk is None and fills:
-            # no chunking: whole prompts join the forward up to a bound on its rows (packed
-            # attention is quadratic in them); the rest go alone, as before batching
-            rows, joined = 0, []
+            # no chunking: whole prompts, first come first, while the step's prompt rows stay
+            # within `prefill_step_rows` (the first always runs); the rest wait for a later
+            # step. A prompt too long to pack (packed attention is quadratic in the rows)
+            # goes in a forward of its own.
+            packed, fed, waiting, joined = 0, 0, False, []
             for i, size in fills:
-                if rows + size <= BATCHED_PROMPT_ROWS:
+                if waiting or (fed and fed + size > self.prefill_step_rows):
+                    waiting = True  # and so does every later one: first come, first served
+                    blocks[i] = self._no_block(seqs[i], 0)
+                    continue
+                fed += size
+                if packed + size <= BATCHED_PROMPT_ROWS:
                     joined.append((i, size))
-                    rows += size
+                    packed += size
                 else:
                     blocks[i] = self._prefill(seqs[i], size)
             fills = joined

@@ -238,6 +238,24 @@ def test_unchunked_prompts_join_up_to_a_bound_on_rows(tiny_torch, prompt_ids, mo
     assert backend.mixed[1] == (16, 1)
 
 
+def test_unchunked_prompts_arriving_together_start_first_come_first_within_a_step_budget(
+        tiny_torch, prompt_ids):
+    """Without chunks a step feeds whole prompts while their rows stay within
+    `prefill_step_rows` (the first always); the rest wait, in order, for later steps. Each
+    output is still its solo output."""
+    prompts = _tiny_prompts(prompt_ids)  # 12 (running), then 5, 9, 30, 2 rows
+    solo = _tiny_solo(tiny_torch, prompts)
+    backend = Counting(tiny_torch)
+    engine = Engine(backend, None)
+    engine.prefill_step_rows = 10
+    out, _, _ = _step_all(engine, prompts, join_at=2)
+    assert [out[i] for i in range(len(prompts))] == solo
+    # step 2: the 5-row prompt (5 + 9 > 10: the 9 waits, and the 2 behind it); step 3: the
+    # 9 (9 + 30 > 10); step 4: the 30, over the budget but first; step 5: the 2
+    assert [rows for rows, _ in backend.mixed[1:6]] == [5, 9, 30, 2, 0]
+    assert all(kind == "batch" for kind, _ in backend.calls[1:])
+
+
 def test_prompt_chunks_join_the_running_batch(tiny_torch, prompt_ids):
     """With chunks, a long prompt's chunks are rows of the running batch's forward, each
     step feeding at most one chunk's worth of prompt rows; outputs unchanged."""

@@ -33,3 +33,15 @@ def test_bad_drafter_lists_and_rounds_are_refused(capsys):
     for argv in (["--drafter", "none,none"], ["--drafter", ","], ["--rounds", "0"]):
         assert bench_serve.run(parser.parse_args(argv)) == 2
     assert "distinct" in capsys.readouterr().err
+
+
+def test_bad_prefill_chunk_lists_are_refused_and_variants_are_named(capsys):
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    for argv in (["--prefill-chunk", "0,0"], ["--prefill-chunk", "-1"],
+                 ["--prefill-chunk", "x"], ["--prefill-chunk", ","]):
+        assert bench_serve.run(parser.parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert "--prefill-chunk takes distinct integers >= 0" in err and "take integers" in err
+    assert bench_serve.variant_name("none", 0) == "none"
+    assert bench_serve.variant_name("ngram", 256) == "ngram/pc256"
