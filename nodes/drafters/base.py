@@ -166,6 +166,9 @@ class SessionSource(DraftSource):
         return [Candidate(ids, probs)]
 
     def draft_class(self, committed: Sequence[int]) -> str | None:
+        if type(self.session).draft_class is DraftSession.draft_class:
+            return None  # names none: its catch-up (a model's forward) stays in `propose`,
+            # where the engine times it as drafting
         self.session.extend(list(committed[self.told :]))
         self.told = len(committed)
         return self.session.draft_class()

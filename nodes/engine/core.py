@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 BATCHED_PROMPT_ROWS = 1024
 #: without `prefill_chunk`, the most prompt rows a step feeds from whole prompts beyond its
 #: first (`Engine.prefill_step_rows`): prompts that arrive together start over several steps,
-#: first come first, so the first of 8 chat prompts answers in a quarter of the time all 8
-#: take, at the same aggregate tok/s (docs/benchmarks.md, "Prompts that arrive together")
+#: first come first, so the median of 8 chat prompts arriving together answers in about half
+#: the time, at the same aggregate tok/s (docs/benchmarks.md, "Prompts that arrive together")
 PREFILL_STEP_ROWS = 256
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from nodes.drafters.ngram import NgramDrafter
 from nodes.engine import SamplingParams
 
@@ -94,3 +96,30 @@ def test_the_source_names_the_length_of_the_match_it_would_continue():
     assert source.draft_class(prompt + [9, 5, 6, 7]) == "m3"  # [5, 6, 7]
     # the class is that of the draft it then proposes: the continuation of [5, 6, 7]
     assert source.propose(prompt + [9, 5, 6, 7], 2)[0].tokens.tolist() == [9, 5]
+
+
+def test_a_generic_session_source_syncs_for_a_class_only_when_its_session_names_classes():
+    """`SessionSource` (a `DraftSession` as an engine source): a session naming classes is
+    told the committed tokens to name one; one naming none (a model drafter) is not, so its
+    catch-up, a forward, stays in `propose`, where the engine times it as drafting."""
+    from nodes.drafters.base import DraftSession, SessionSource
+    from nodes.drafters.ngram import NgramSession
+
+    class Silent(DraftSession):
+        def __init__(self):
+            self.told = []
+
+        def extend(self, delta):
+            self.told.extend(delta)
+
+        def draft(self, k):
+            return np.zeros(0, np.int32), None
+
+    silent = Silent()
+    source = SessionSource(silent, 0)
+    assert source.draft_class([1, 2, 3]) is None and silent.told == []
+    source.propose([1, 2, 3], 2)
+    assert silent.told == [1, 2, 3]
+    ngram = SessionSource(NgramSession([1, 2, 3, 9], 1, 8), 4)
+    assert ngram.draft_class([1, 2, 3, 9, 2, 3]) == "m2"
+    assert ngram.propose([1, 2, 3, 9, 2, 3], 2)[0].tokens.tolist() == [9, 2]
