@@ -166,7 +166,8 @@ class SessionSource(DraftSource):
         return [Candidate(ids, probs)]
 
     def draft_class(self, committed: Sequence[int]) -> str | None:
-        if type(self.session).draft_class is DraftSession.draft_class:
+        if getattr(type(self.session), "draft_class",
+                   DraftSession.draft_class) is DraftSession.draft_class:
             return None  # names none: its catch-up (a model's forward) stays in `propose`,
             # where the engine times it as drafting
         self.session.extend(list(committed[self.told :]))
