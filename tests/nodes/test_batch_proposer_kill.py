@@ -22,10 +22,13 @@ the solo model was sure.
 
 Where the kill landed is checked, not assumed: a sequence still running when the verifier
 learns that the proposer is gone drops it (`dropped` in its `done` stats) and decodes on its
-own. The kill comes at the streams' first multi-token blocks (about 20 tokens in, 100+ still
-to go; here the first `done` came about 10 s after the kill), so all four are in the batch
-then. Measured: 50-85 s a mode (169 s for both on 2 shared cores), most of it the model's load
-and the solo runs.
+own. The stream that completed the barrier had just received its first multi-token block
+(about 20 tokens in, 100+ still to go), and a proposer can have drafted at most its horizon
+(64) past the last commit it saw, so that sequence cannot finish on drafts in hand: it must
+drop the proposer. The others may have got further meanwhile (their prompts start over
+several steps, and an input-grounded one can take 60 tokens a step), and one that finished on
+drafts sent before the kill never learns of it: allowed (a CI run saw it). Measured: 50-85 s a
+mode (169 s for both on 2 shared cores), most of it the model's load and the solo runs.
 """
 
 from __future__ import annotations
@@ -125,6 +128,8 @@ def test_proposer_killed_under_four_batched_sequences_changes_no_output(cluster,
     done: dict[int, object] = {}
     killed = threading.Event()
 
+    trigger: list[int] = []  # the stream whose accepted draft completed the barrier
+
     def kill() -> None:  # by the last stream thread to see the proposer's drafts accepted
         proposer.signal(signal.SIGKILL)
         killed.set()
@@ -144,7 +149,8 @@ def test_proposer_killed_under_four_batched_sequences_changes_no_output(cluster,
                     chunks[i].append(msg.tensors[0].tolist())
                     if not waited and len(chunks[i][-1]) >= 2:
                         waited = True  # the proposer's drafts were accepted for this one
-                        used.wait(300)
+                        if used.wait(300) == n - 1:  # the last to arrive: it set off the kill
+                            trigger.append(i)
                 elif msg.type == "done":
                     done[i] = msg
             if not waited:
@@ -161,6 +167,7 @@ def test_proposer_killed_under_four_batched_sequences_changes_no_output(cluster,
     assert killed.is_set(), {i: [len(c) for c in chunks[i]] for i in range(n)}
     assert proposer.proc.wait(30) is not None
 
+    dropped: dict[int, bool] = {}
     for i in range(n):
         msg = done.get(i)
         assert getattr(msg, "type", None) == "done", f"request {i}: {msg!r}"
@@ -176,8 +183,12 @@ def test_proposer_killed_under_four_batched_sequences_changes_no_output(cluster,
                 print(f"request {i}: left its solo output at a near-tie")
         used_by = stats["proposers"][proposer.node_id]
         assert used_by["drafts"] >= 1 and used_by["accepted"] >= 1, used_by
-        # still running when the verifier learnt the proposer was gone: the kill hit it
-        assert used_by["dropped"], f"request {i}: {used_by}"
+        dropped[i] = used_by["dropped"]
+    # the kill hit the batch: the sequence whose first accepted draft set it off still had
+    # most of its output to make, so the verifier learnt the proposer was gone while it ran
+    assert dropped[trigger[0]], (trigger, dropped)
+    if not all(dropped.values()):  # finished on drafts already in hand: allowed (-rP)
+        print(f"not dropped (done on drafts sent before the kill): {dropped}")
 
     # the four shared steps: sequences carried per step > 1 over these generations
     after = watcher.wait(verifier.node_id,
