@@ -415,7 +415,7 @@ class Engine:
         trees = [self._plan(seqs[i], sharing) for i in going]
         if together:
             self._fit_to_batch([seqs[i] for i in going], trees,
-                               sum(size for _, size in fills))
+                               sum(size for _, size in fills), len(seqs) - len(going))
         bases = [self.backend.cache_length(seqs[i].cache) for i in going]
         feeds: list[Any] = [(t.tokens, t.parents) for t in trees]
         feeds += [_PromptRows(self._prompt_rows(seqs[i], size)) for i, size in fills]
@@ -444,11 +444,13 @@ class Engine:
                 and not getattr(backend, "batch_invariant", False))
 
     def _fit_to_batch(self, seqs: list[SequenceState], trees: list[TokenTree],
-                      prompt_rows: int) -> None:
+                      prompt_rows: int, new: int) -> None:
         """Trim the batch's least valuable draft nodes while their rows cost the batch more
         than they buy (`CostModel.fit_batch`, on the learnt rows -> seconds curve of batched
-        forwards). Only greedy sequences' planned trees with node values are trimmed (a
-        sampling sequence's tree stays as proposed); trimming drafts never changes outputs."""
+        forwards). `prompt_rows` ride along in this forward; `new` sequences (their prompt in
+        it, or waiting for a later step) are delayed by every draft row too. Only greedy
+        sequences' planned trees with node values are trimmed (a sampling sequence's tree
+        stays as proposed); trimming drafts never changes outputs."""
         plans, which = [], []
         for s, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
             values = seq.plan_values
@@ -457,12 +459,14 @@ class Engine:
                 which.append(s)
         if not plans:
             return
-        fixed = prompt_rows + sum(len(t) for s, t in enumerate(trees) if s not in which)
-        keeps = self.cost.fit_batch(plans, fixed_rows=fixed + len(plans), tokens=len(seqs))
+        fixed = sum(len(t) for s, t in enumerate(trees) if s not in which)
+        keeps = self.cost.fit_batch(plans, fixed_rows=fixed + len(plans),
+                                    tokens=len(seqs) + new, prompt_rows=prompt_rows)
         if log.isEnabledFor(logging.DEBUG):
             planned = sum(len(v) - 1 for v, _ in plans)
-            log.debug("batch of %d (%d fixed rows): keeps %d of %d planned draft nodes",
-                      len(seqs), fixed + len(plans), sum(map(len, keeps)), planned)
+            log.debug("batch of %d (+%d new, %d fixed rows, %d prompt rows): keeps %d of %d "
+                      "planned draft nodes", len(seqs), new, fixed + len(plans), prompt_rows,
+                      sum(map(len, keeps)), planned)
         for s, keep in zip(which, keeps, strict=True):
             tree = trees[s]
             if len(keep) == tree.drafted:

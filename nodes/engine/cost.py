@@ -29,7 +29,9 @@ across generations. So is a batched forward's cost as a function of the total ro
 (`batch_cost`, learnt from batched forwards only): each sequence plans its tree as alone, then
 `fit_batch` trims the batch's least valuable draft nodes while the rows they add cost the batch
 more than the tokens they are expected to buy, so under load speculation narrows toward plain
-batched decoding and at low load (rows nearly free) every sequence keeps its own plan.
+batched decoding and at low load (rows nearly free) every sequence keeps its own plan. Prompt
+rows riding along are the prompts' cost, not a reason to draft: drafts are judged against the
+decode step, and the prompts they would delay count like running sequences.
 
 A source's acceptance starts each generation from its record, never below the prior: a
 long-run estimate per source (counts decayed by `_LONG_DECAY` per block, kept across
@@ -387,18 +389,32 @@ class CostModel:
         return sorted(must + rest[:best_n])
 
     def fit_batch(self, plans: Sequence[tuple[Sequence[float], Sequence[bool]]], *,
-                  fixed_rows: int, tokens: int) -> list[list[int]]:
+                  fixed_rows: int, tokens: int, prompt_rows: int = 0) -> list[list[int]]:
         """Draft nodes (1-based, ascending) each planned tree keeps in a batched forward.
 
         `plans[s] = (values, forced)` is one sequence's planned tree as `select` takes it;
-        `fixed_rows` counts every row the forward feeds besides those trees' draft nodes (each
-        sequence's pending token, other sequences' trees, prompt rows) and `tokens` the tokens
-        the batch commits without drafts (one per running sequence). Like `select` for one
+        `fixed_rows` counts every other decode row the forward feeds (each sequence's pending
+        token, other sequences' trees), `prompt_rows` the prompt rows riding along, and
+        `tokens` the sequences whose time the step takes (running ones, each committing a
+        token without drafts, and new ones whose prompt runs or waits). Like `select` for one
         tree: the batch's draft nodes are taken best first (forced ones always; each tree
-        stays prefix-closed) and cut where the batch's expected committed tokens per second,
-        `(tokens + sum of values) / batch_cost(rows)`, is highest. So a draft row is kept only
-        while what it buys beats its marginal cost at this load: all of them when rows are
-        nearly free, none but probes when every row costs a full share."""
+        stays prefix-closed) and cut where `(tokens + sum of values) / cost` is highest. So a
+        draft row is kept only while what it buys beats its marginal cost at this load: all
+        of them when rows are nearly free, none but probes when every row costs a full share.
+
+        The cost is the decode step's (`batch_cost` of the decode rows) plus what the draft
+        rows add where they really sit, on top of the prompt rows. Prompt rows are the prompts'
+        own cost: judged against a step they lengthen, drafts looked nearly free and rode every
+        prefill step, delaying each prompt in it or waiting for it (TTFT under load), for
+        tokens worth a decode step's share."""
+        on_top = fixed_rows + prompt_rows
+
+        def cost(rows: int) -> float:  # rows: decode rows, draft nodes included
+            if not prompt_rows:
+                return self.batch_cost(rows)
+            return (self.batch_cost(fixed_rows) + self.batch_cost(rows + prompt_rows)
+                    - self.batch_cost(on_top))
+
         rows, gain, rest = fixed_rows, float(tokens), []
         keep: list[list[int]] = [[] for _ in plans]
         for s, (values, forced) in enumerate(plans):
@@ -410,10 +426,10 @@ class CostModel:
                 else:
                     rest.append((-values[i], s, i))
         rest.sort()
-        best_n, best_rate = 0, gain / self.batch_cost(rows)
+        best_n, best_rate = 0, gain / cost(rows)
         for n, (neg, _, _) in enumerate(rest, start=1):
             gain -= neg
-            rate = gain / self.batch_cost(rows + n)
+            rate = gain / cost(rows + n)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         for _, s, i in rest[:best_n]:

@@ -358,9 +358,27 @@ def test_at_high_load_the_batch_narrows_to_plain_decoding():
     assert 0 < sum(map(len, keep)) < 24
     assert all(k == list(range(1, len(k) + 1)) for k in keep)
     assert max(map(len, keep)) - min(map(len, keep)) <= 1
-    # prompt rows in the same forward make it long anyway: a likely draft riding along costs
-    # a row's share (8 ms here) for most of a token, well above the step's rate
-    assert c.fit_batch([CHAIN, CHAIN], fixed_rows=2 + 64, tokens=2) == [[1, 2, 3, 4]] * 2
+
+def test_prompt_rows_in_the_forward_do_not_make_drafts_look_free():
+    """A step that also feeds prompts is long anyway, but its draft rows still delay those
+    prompts for tokens worth a decode step's share: judged against the decode step, with the
+    rows' marginal cost where they really sit (on top of the prompt rows), and the new
+    sequences counted like running ones."""
+    c = pinned_batch(cpu_batch)
+    # at low load a likely chain still rides along; past 16 rows a row costs 8 ms, and the
+    # fourth node (0.6 of a token) no longer pays for that at the decode step's rate
+    assert c.fit_batch([CHAIN, CHAIN], fixed_rows=2, tokens=2, prompt_rows=4) == [[1, 2, 3, 4]] * 2
+    assert c.fit_batch([CHAIN, CHAIN], fixed_rows=2, tokens=2 + 1,
+                       prompt_rows=64) == [[1, 2, 3]] * 2
+    # in between it trims as without the prompt (here to 10 of 24 nodes; with it, at 8 ms
+    # a row throughout, to 12), where a 300-row step's own rate would have kept every node
+    assert sum(map(len, c.fit_batch([CHAIN] * 6, fixed_rows=6, tokens=6))) == 10
+    assert c.fit_batch([CHAIN] * 6, fixed_rows=6, tokens=6, prompt_rows=300) == [[1, 2]] * 6
+    assert c.fit_batch([CHAIN] * 6, fixed_rows=6 + 300, tokens=6) == [[1, 2, 3, 4]] * 6
+    # prompts waiting for a later step weigh like running sequences: fewer nodes, down to none
+    kept = [sum(map(len, c.fit_batch([CHAIN] * 2, fixed_rows=2, tokens=2 + w)))
+            for w in range(0, 16, 2)]
+    assert kept == sorted(kept, reverse=True) and kept[0] == 8 and kept[-1] == 0
 
 
 def test_a_batch_keeps_probes_and_the_likelier_sequence_s_drafts():

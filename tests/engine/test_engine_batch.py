@@ -492,6 +492,36 @@ def test_at_high_load_the_batch_narrows_to_plain_decoding(tiny_torch, prompt_ids
     assert sum(map(sum, batched)) == 0  # together, no draft row buys its cost
 
 
+def test_a_prompt_in_the_step_does_not_make_drafts_ride_free(tiny_torch, prompt_ids):
+    """Where every row costs a full share, a step that also feeds a new 30-row prompt is long
+    anyway, but a draft row in it would delay that prompt for tokens worth a decode step's
+    share: the running sequences draft nothing in it, as in the steps without it (judged on
+    the step's own length, every draft rode along). Outputs unchanged."""
+    prompts = _tiny_prompts(prompt_ids)
+    running, joining = prompts[:2], prompts[3]
+    solo = _tiny_solo(tiny_torch, running + [joining])
+    engine = Engine(tiny_torch, None)
+    engine.cost = _Loaded(max_k=engine.max_draft)
+    seqs = [engine.start(p, TINY_PARAMS, sources=[Truth(p + ref)])
+            for p, ref in zip(running, solo[:2], strict=True)]
+    out = [[], [], []]
+    for _ in range(3):  # both prompts, then two decode steps: no draft buys its row
+        for i, b in enumerate(engine.step_batch(seqs)):
+            out[i] += b.token_ids
+            assert b.drafted == 0
+    seqs.append(engine.start(joining, TINY_PARAMS, sources=[]))
+    blocks = engine.step_batch(seqs)
+    assert blocks[2].fed == len(joining) == 30 and len(blocks[2].token_ids) == 1
+    assert [b.drafted for b in blocks[:2]] == [0, 0]
+    for i, b in enumerate(blocks):
+        out[i] += b.token_ids
+    while any(q.finish_reason is None for q in seqs):
+        live = [i for i, q in enumerate(seqs) if q.finish_reason is None]
+        for i, b in zip(live, engine.step_batch([seqs[i] for i in live]), strict=True):
+            out[i] += b.token_ids
+    assert out == solo
+
+
 # ---- the real SmolLM2: whole generations ---------------------------------------------------------
 N = 40
 PROMPTS = [
