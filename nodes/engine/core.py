@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 #: without `prefill_chunk`, the most prompt rows one batched forward takes from whole prompts
 #: (a longer prompt is prefilled in a forward of its own)
 BATCHED_PROMPT_ROWS = 1024
+#: rows a sequence at which `Engine.learn_batch_cost` times batched forwards
+BATCH_COST_ROWS = (1, 4)
 #: without `prefill_chunk`, the most prompt rows a step feeds from whole prompts beyond its
 #: first (`Engine.prefill_step_rows`): prompts that arrive together start over several steps,
 #: first come first, so the median of 8 chat prompts arriving together answers in about half
@@ -442,6 +444,36 @@ class Engine:
         backend = self.backend
         return (type(backend).forward_batch is not Base.forward_batch
                 and not getattr(backend, "batch_invariant", False))
+
+    def learn_batch_cost(self, prompt_ids: Sequence[int], batch: int) -> None:
+        """Give the batch curve (`CostModel.batch_cost`) its first points before any user:
+        `batch` copies of `prompt_ids` in one forward and a one-row step (cold: not timed),
+        then timed batched forwards of `BATCH_COST_ROWS` rows a sequence, on throwaway caches.
+
+        Why: the curve is learnt from decode-only batched steps, so a verifier's first burst
+        (prompts arriving together, then the steps that feed them) was judged on the solo
+        curve, whose slope is the few-row kernel's (about 2 ms a row on SmolLM2 here, against
+        5 in a batch), and drafts rode its prefill steps as if nearly free. Nothing to learn
+        where forwards do not batch rows (MLX, `batch_invariant`) or for `batch` < 2."""
+        if batch < 2 or not prompt_ids or not self._batches_rows():
+            return
+        backend = self.backend
+        caches = [backend.new_cache() for _ in range(batch)]
+        chain = list(range(-1, len(prompt_ids) - 1))
+        backend.forward_batch(caches, [(list(prompt_ids), chain)] * batch)
+        base = backend.cache_length(caches[0])
+        for k, timed in [(1, False)] + [(k, True) for k in BATCH_COST_ROWS]:
+            # (a one-row step takes another path than the prompt's: its first call is cold)
+            feed = ((list(prompt_ids) * k)[:k], list(range(-1, k - 1)))
+            t0 = time.perf_counter()
+            backend.forward_batch(caches, [feed] * batch)
+            if timed:
+                self.cost.record_batch(batch * k, time.perf_counter() - t0)
+            for cache in caches:
+                backend.crop(cache, base)
+        log.info("batch curve from %d throwaway sequences: %s", batch, ", ".join(
+            f"{batch * k} rows {self.cost.batch_cost(batch * k) * 1000:.0f} ms"
+            for k in BATCH_COST_ROWS))
 
     def _fit_to_batch(self, seqs: list[SequenceState], trees: list[TokenTree],
                       prompt_rows: int, new: int) -> None:

@@ -17,6 +17,9 @@ from nodes.engine.errors import BadRequestError
 log = logging.getLogger(__name__)
 
 WARMUP_PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+#: the batch a verifier times at start-up for its batch curve (`Engine.learn_batch_cost`;
+#: larger batches extrapolate from it): about 1 s on SmolLM2 on one CPU core
+LEARN_BATCH = 8
 
 
 @dataclass
@@ -154,6 +157,8 @@ def assemble(spec: RoleSpec) -> Roles:
         roles.card["tok_s"] = round(_measure_plain(engine), 2)
         if spec.batch_invariant:
             backend.batch_invariant = True  # the base Backend runs one at a time anyway
+        engine.learn_batch_cost(backend.tokenizer.encode(WARMUP_PROMPT, chat=False),
+                                min(spec.max_batch, LEARN_BATCH))
         # protocol 2: drafts stream in ahead and are never waited for (but with draft='force')
         roles.verifier = VerifierRole(engine, lease_s=spec.lease_s,
                                       max_context=spec.max_context, max_batch=spec.max_batch)

@@ -522,6 +522,24 @@ def test_a_prompt_in_the_step_does_not_make_drafts_ride_free(tiny_torch, prompt_
     assert out == solo
 
 
+def test_a_fresh_engine_learns_its_batch_curve_from_throwaway_forwards(tiny_torch, prompt_ids,
+                                                                       monkeypatch):
+    """Before any user, a few batched forwards (`learn_batch_cost`) give the batch curve its
+    first points, so the first burst is not judged on the solo curve; they leave nothing
+    behind, and there is nothing to learn alone or where forwards do not batch rows."""
+    solo = _tiny_solo(tiny_torch, [prompt_ids])[0]
+    engine = Engine(tiny_torch, None)
+    assert not engine.cost._batch
+    engine.learn_batch_cost(prompt_ids[:3], 4)  # shorter than the 4-row chains: repeated
+    assert sorted(engine.cost._batch) == [4, 16]
+    assert engine.generate(prompt_ids, TINY_PARAMS).token_ids == solo
+    for batch, invariant in ((1, False), (4, True)):
+        monkeypatch.setattr(tiny_torch, "batch_invariant", invariant, raising=False)
+        fresh = Engine(tiny_torch, None)
+        fresh.learn_batch_cost(prompt_ids, batch)
+        assert not fresh.cost._batch
+
+
 # ---- the real SmolLM2: whole generations ---------------------------------------------------------
 N = 40
 PROMPTS = [
