@@ -104,6 +104,19 @@ class Backend(ABC):
         a framework tensor, feed order) and forget them; None when nothing was captured."""
         return None
 
+    #: whether `copy_prefix` / `settle_cache` work (a verifier's prefix cache needs them)
+    supports_prefix_copy: bool = False
+
+    def copy_prefix(self, src: Any, dst: Any, length: int) -> None:
+        """Append the first `length` positions of cache `src` to the empty cache `dst`, as if
+        `dst` had been fed the same tokens (`src` is left as it was)."""
+        raise NotImplementedError(f"backend {self.name!r} cannot copy cache prefixes")
+
+    def settle_cache(self, cache: Any, length: int) -> int:
+        """Crop `cache` to `length` positions held in no more memory than they need (a crop
+        may leave a view on larger storage) before it is kept; return its bytes."""
+        raise NotImplementedError(f"backend {self.name!r} cannot copy cache prefixes")
+
     @abstractmethod
     def cache_length(self, cache: Any) -> int:
         """Number of positions held in the cache."""

@@ -203,6 +203,31 @@ class TorchBackend(Backend):
                 [layer.values[..., :base, :], layer.values[..., idx, :]], dim=-2
             )
 
+    supports_prefix_copy = True
+
+    def copy_prefix(self, src: Any, dst: Any, length: int) -> None:
+        if not 0 < length <= self.cache_length(src) or self.cache_length(dst):
+            raise ValueError(f"cannot copy {length} positions of a {self.cache_length(src)}-"
+                             f"position cache into one of {self.cache_length(dst)}")
+        for i, layer in enumerate(src.layers):
+            # `update` on an empty layer concatenates onto nothing: a copy, not a view
+            dst.update(layer.keys[..., :length, :], layer.values[..., :length, :], i)
+
+    def settle_cache(self, cache: Any, length: int) -> int:
+        self.crop(cache, length)
+        cache.specbus_hidden = None  # captured states of its last forward: not kept
+        nbytes = 0
+        for layer in cache.layers:
+            if layer.keys is None:
+                continue
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                if t.untyped_storage().nbytes() > t.nbytes or not t.is_contiguous():
+                    t = t.contiguous().clone()
+                    setattr(layer, name, t)
+                nbytes += t.nbytes
+        return nbytes
+
     def cache_length(self, cache: Any) -> int:
         return int(cache.get_seq_length())
 

@@ -41,6 +41,7 @@ from nodes.engine.tree import Candidate, TokenTree
 
 if TYPE_CHECKING:
     from nodes.backends.base import Backend
+    from nodes.engine.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class Stats:
     waits: int = 0  # steps that waited for a source's announced drafts (the cost model's call)
     waited_s: float = 0.0
     k_hist: dict[int, int] = field(default_factory=dict)
+    #: prompt positions taken from the prefix cache instead of prefilled (`PrefixCache`)
+    reused: int = 0
 
     @property
     def acceptance(self) -> float:
@@ -143,6 +146,7 @@ class Stats:
             "tree_blocks": self.tree_blocks,
             "waits": self.waits,
             "waited_s": self.waited_s,
+            "reused": self.reused,
         }
 
 
@@ -196,8 +200,10 @@ class SequenceState:
     finish_reason: str | None = None
     #: verifier layers captured for sources that read hidden states (None: no capture)
     hidden_layers: tuple[int, ...] | None = None
-    #: prompt positions already in the cache while a chunked prefill runs
+    #: prompt positions already in the cache while a chunked prefill runs (or reused)
     prefilled: int = 0
+    #: prompt positions copied from the prefix cache at the start (the rest are prefilled)
+    reused: int = 0
     #: the planned tree's node values and probe flags (greedy, adaptive plans; else None),
     #: what a batch trims its least valuable draft nodes by
     plan_values: list[float] | None = None
@@ -238,6 +244,7 @@ class Engine:
         fixed_k: int | None = None,
         tree: bool = True,
         prefill_chunk: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if drafter is not None:
             drafter.check_compatible(backend.fingerprint)
@@ -256,6 +263,9 @@ class Engine:
         self.fixed_k = fixed_k
         self.tree = tree and getattr(backend, "supports_tree", False)
         self.cost = CostModel(max_k=max_draft)
+        #: earlier sequences' caches a new prompt starts from (None: every prompt prefilled
+        #: whole; `nodes/engine/prefix_cache.py`); shared by engines on the same backend
+        self.prefix_cache = prefix_cache
 
     # ---- public API -------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
@@ -292,7 +302,7 @@ class Engine:
             while seq.finish_reason is None:
                 yield self.step(seq)
         finally:
-            seq.close()
+            self.release(seq, keep=seq.finish_reason is not None)
 
     def start(
         self,
@@ -333,7 +343,34 @@ class Engine:
             slots=slots,
         )
         self._capture_for(seq)
+        self._reuse_prefix(seq)
         return seq
+
+    def release(self, seq: SequenceState, *, keep: bool = True) -> None:
+        """The sequence is done (finished, cancelled or failed): close its sources and, with
+        `keep` (its cache is whole: not after a step that raised), hand its cache to the
+        prefix cache for later prompts that start the same way."""
+        seq.close()
+        if keep and self.prefix_cache is not None and seq.cache is not None:
+            self.prefix_cache.store(seq.committed, seq.cache)
+            seq.cache = None  # the prefix cache's now: never fed again
+
+    def _reuse_prefix(self, seq: SequenceState) -> None:
+        """Start the prompt from a kept cache sharing its longest prefix (`PrefixCache`): the
+        prefill feeds only the rest. Never in `batch_invariant` mode (its promise is bit for
+        bit solo output) nor for a sequence whose sources read hidden states (they need every
+        prompt row's)."""
+        cache = self.prefix_cache
+        if (cache is None or seq.hidden_layers is not None
+                or getattr(self.backend, "batch_invariant", False)):
+            return
+        hit = cache.lookup(seq.prompt)
+        if hit is None:
+            return
+        src, n = hit
+        self.backend.copy_prefix(src, seq.cache, n)
+        seq.prefilled = seq.reused = seq.stats.reused = n
+        log.info("prompt of %d positions: %d reused from the prefix cache", len(seq.prompt), n)
 
     def _capture_for(self, seq: SequenceState) -> None:
         """Opt the sequence's cache into hidden-state capture when a source reads them (the
@@ -521,12 +558,16 @@ class Engine:
         budget only decides whether its next chunk runs now. A sequence whose sources read
         hidden states is prefilled whole (they get every prompt row's states in one piece)."""
         prompt, chunk = seq.prompt, self.prefill_chunk
-        size = len(prompt) if self._whole(seq) else min(chunk, len(prompt) - seq.prefilled)
+        left = len(prompt) - seq.prefilled
+        size = left if chunk is None or self._whole(seq) else min(chunk, left)
         if budget is not None and size > budget and budget < (chunk or 0):
             return 0
         return size
 
     def _whole(self, seq: SequenceState) -> bool:
+        """Whether the prompt goes in whole, from position 0 (not in chunks, nothing reused)."""
+        if seq.reused:
+            return False
         chunk = self.prefill_chunk
         return chunk is None or len(seq.prompt) <= chunk or seq.hidden_layers is not None
 
@@ -553,7 +594,8 @@ class Engine:
         prompt = seq.prompt
         if not self._whole(seq):
             seq.prefilled += size
-            log.info("prefill %d/%d positions", seq.prefilled, len(prompt))
+            if self.prefill_chunk is not None:  # chunks: show progress
+                log.info("prefill %d/%d positions", seq.prefilled, len(prompt))
         seq.stats.verify_s += dt
         if seq.prefilled and seq.prefilled < len(prompt):
             return self._no_block(seq, size)

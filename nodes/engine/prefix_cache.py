@@ -1,0 +1,141 @@
+"""Prompt prefixes kept across requests: a new prompt starts from an earlier sequence's K/V.
+
+Why: a chat client sends the whole conversation again each turn, an agent its system prompt and
+tool schema with every call, a chat template its fixed header with every message; each request
+prefilled all of it from scratch. On SmolLM2 here a prompt position costs about 4 ms of one CPU
+core, so the tenth turn of a 2,000-token conversation waited 8 s for its first token, of which
+all but the last message had been computed before. vLLM (automatic prefix caching), SGLang
+(RadixAttention) and llama-server (`cache_prompt`) keep such prefixes; so does this, per
+verifier engine.
+
+What is kept: when a sequence ends (finished or cancelled between steps), its cache and the
+tokens it holds (prompt + output, up to the cache's length), one entry per sequence. An entry
+that is a prefix of a newer one is dropped (a conversation's turns keep one entry, the
+latest), and a new one that is a prefix of a kept one is not stored. Memory is bounded by
+`budget` bytes: least recently used entries go first, whole.
+
+A lookup takes the longest common prefix of the prompt with any entry (one numpy comparison per
+entry: entries are bounded by the budget to a few hundred at most, microseconds each), at most
+all but the prompt's last position (its logits give the first token), and at least
+`min_reuse` positions (fewer save nothing worth a different cache); the engine copies those
+positions into the new sequence's cache (`Backend.copy_prefix`) and prefills the rest.
+
+Lossless as batched prompt rows are (docs/engine.md, "Prefix reuse"): the reused K/V were
+computed in a forward of other rows, so they can differ from a fresh prefill's in the last bits;
+greedy output changes only where the top two logits tie within that. So the engine never reuses
+in `batch_invariant` mode (bit for bit solo output), nor for a sequence whose sources read hidden
+states (they need every prompt row's states).
+
+One owner: the engine's (verifier compute) thread; not thread-safe. Its counters are written
+there alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+#: fewer reused positions than this are not worth a prompt computed differently from alone
+MIN_REUSE = 8
+
+
+@dataclass
+class _Entry:
+    tokens: np.ndarray  # int64, the positions the cache holds
+    cache: Any
+    nbytes: int
+
+
+@dataclass
+class PrefixStats:
+    """What the owner thread counts (its only writer)."""
+
+    lookups: int = 0
+    hits: int = 0
+    reused: int = 0  # prompt positions taken from entries instead of prefilled
+    stored: int = 0
+    evicted: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"lookups": self.lookups, "hits": self.hits, "reused": self.reused,
+                "stored": self.stored, "evicted": self.evicted}
+
+
+class PrefixCache:
+    """Finished sequences' caches, looked up by longest common prefix (module docstring)."""
+
+    def __init__(self, backend: Any, budget: int, *, min_reuse: int = MIN_REUSE) -> None:
+        if budget < 1:
+            raise ValueError(f"prefix cache budget must be >= 1 byte, got {budget}")
+        if not getattr(backend, "supports_prefix_copy", False):
+            raise ValueError(f"backend {getattr(backend, 'name', '?')!r} cannot copy cache "
+                             "prefixes")
+        self.backend = backend
+        self.budget = int(budget)
+        self.min_reuse = max(1, int(min_reuse))
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._next = 0
+        self.nbytes = 0
+        self.stats = PrefixStats()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, prompt: Sequence[int]) -> tuple[Any, int] | None:
+        """The kept cache sharing the longest prefix with `prompt`, and how many of its
+        positions to reuse (at most all but the prompt's last); None below `min_reuse`."""
+        self.stats.lookups += 1
+        want = np.asarray(prompt, dtype=np.int64)
+        limit = len(want) - 1
+        best_key, best = None, 0
+        for key, entry in self._entries.items():
+            n = min(limit, len(entry.tokens))
+            if n <= best:
+                continue
+            differ = np.flatnonzero(entry.tokens[:n] != want[:n])
+            common = int(differ[0]) if differ.size else n
+            if common > best:
+                best_key, best = key, common
+        if best_key is None or best < self.min_reuse:
+            return None
+        self._entries.move_to_end(best_key)
+        self.stats.hits += 1
+        self.stats.reused += best
+        return self._entries[best_key].cache, best
+
+    def store(self, tokens: Sequence[int], cache: Any) -> None:
+        """Keep `cache`, which holds `tokens` (the caller hands it over: it must not feed it
+        again). Cropped to `tokens` and to storage it needs; not kept when shorter than
+        `min_reuse`, larger than the budget, or a prefix of an entry already kept."""
+        length = min(len(tokens), self.backend.cache_length(cache))
+        if length < self.min_reuse:
+            return
+        new = np.asarray(tokens[:length], dtype=np.int64)
+        for key, entry in list(self._entries.items()):
+            n = min(length, len(entry.tokens))
+            if not np.array_equal(entry.tokens[:n], new[:n]):
+                continue
+            if len(entry.tokens) >= length:
+                self._entries.move_to_end(key)  # it already covers the new one
+                return
+            self._drop(key)  # the new one extends it
+        nbytes = self.backend.settle_cache(cache, length)
+        if nbytes > self.budget:
+            return
+        self._entries[self._next] = _Entry(new, cache, nbytes)
+        self._next += 1
+        self.nbytes += nbytes
+        self.stats.stored += 1
+        while self.nbytes > self.budget:
+            self._drop(next(iter(self._entries)))
+            self.stats.evicted += 1
+
+    def _drop(self, key: int) -> None:
+        self.nbytes -= self._entries.pop(key).nbytes
