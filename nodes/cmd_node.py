@@ -97,6 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="verifier: prefill prompts longer than N positions in chunks of "
                              "N, one chunk per batch step, so a long prompt does not stall "
                              "the running generations (default 0: whole)")
+    parser.add_argument("--prefix-cache-mb", type=int, default=None, metavar="MB",
+                        help="verifier: MiB of finished generations' K/V kept so that a prompt "
+                             "starting the same way (a conversation's next turn, a shared "
+                             "system prompt) prefills only the rest (default 256; 0: off; "
+                             "docs/engine.md, Prefix reuse)")
     parser.add_argument("--session-lease", type=positive_float, default=30.0,
                         help="seconds a proposer keeps a verifier's idle draft session "
                              "(a verifier sets it on the sessions it opens; default 30)")
@@ -332,7 +337,12 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
     """
     if config.observer or not config.roles:
         return None
-    from nodes.roles.assemble import RoleSpec, assemble, return_freed_memory
+    from nodes.roles.assemble import (
+        DEFAULT_PREFIX_CACHE_MB,
+        RoleSpec,
+        assemble,
+        return_freed_memory,
+    )
 
     default = "ngram" if "proposer" in config.roles else "none"
     drafter = _with_suffix_budget(args.drafter or default, args.suffix_budget)
@@ -344,6 +354,8 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
                     max_context=args.max_context,
                     max_batch=args.max_batch, batch_invariant=args.batch_invariant,
                     prefill_chunk=args.prefill_chunk,
+                    prefix_cache_mb=(DEFAULT_PREFIX_CACHE_MB if args.prefix_cache_mb is None
+                                     else args.prefix_cache_mb),
                     share="off" if args.no_share else "prompts" if args.share_prompts
                     else "output", served_name=args.served_name or "")
     roles = assemble(spec)

@@ -312,9 +312,10 @@ def _ids(kind: str) -> tuple[str, int]:
     return f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
 
 
-def _usage(final: Final) -> dict[str, int]:
+def _usage(final: Final) -> dict[str, Any]:
     return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens}
+            "total_tokens": final.prompt_tokens + final.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
 
 
 def _render_logprobs(api: ApiRequest, tok, lp, offset: int = 0) -> dict | None:

@@ -64,6 +64,8 @@ class Final:
     text: str
     specbus: dict[str, Any] = field(default_factory=dict)
     logprobs: ReceivedLogprobs | None = None  # of the completion's tokens, when asked for
+    #: prompt positions the (last) verifier started from its prefix cache
+    cached_tokens: int = 0
 
 
 class StreamFailed(Exception):
@@ -129,7 +131,7 @@ class Generation:
         self.metrics.count_done(verifier, done.prompt_tokens, completion, stats)
         proposers = stats.get("proposers") if isinstance(stats.get("proposers"), dict) else {}
         return Final(FINISH.get(done.finish_reason, "stop"), done.prompt_tokens, completion,
-                     done.text, specbus={
+                     done.text, cached_tokens=_int(stats.get("cached_tokens")), specbus={
                          "acceptance": round(accepted / drafted, 4) if drafted else 0.0,
                          "drafted": drafted, "accepted": accepted, "proposers": proposers,
                          "verifier": verifier, "verifiers": list(done.verifiers),

@@ -182,7 +182,9 @@ class GatewayMetrics:
                  "Sequences those steps carried; stepped / steps is the mean batch size"),
                 ("rows", "rows", "Positions those steps fed; rows / steps per forward"),
                 ("committed", "committed",
-                 "Tokens those steps committed; committed / stepped per forward per sequence")):
+                 "Tokens those steps committed; committed / stepped per forward per sequence"),
+                ("prompt_reused", "reused",
+                 "Prompt positions started from its prefix cache instead of prefilled")):
             samples = []
             for i in names:  # alive ones only: a dead verifier's last report is stale
                 v = (self.telemetry.get(i) or {}).get("verifier")

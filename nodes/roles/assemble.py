@@ -20,6 +20,9 @@ WARMUP_PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fo
 #: the batch a verifier times at start-up for its batch curve (`Engine.learn_batch_cost`;
 #: larger batches extrapolate from it): about 1 s on SmolLM2 on one CPU core
 LEARN_BATCH = 8
+#: a verifier's prefix cache by default: about 5,800 positions of SmolLM2-135M's K/V (46 KB
+#: each), i.e. dozens of chat prompts or a few long conversations
+DEFAULT_PREFIX_CACHE_MB = 256
 
 
 @dataclass
@@ -50,6 +53,9 @@ class RoleSpec:
     batch_invariant: bool = False
     #: a verifier prefills prompts longer than this in chunks of it, one per step (0: whole)
     prefill_chunk: int = 0
+    #: MiB of finished sequences' K/V a verifier keeps for prompts that start the same way
+    #: (`nodes/engine/prefix_cache.py`; 0: off)
+    prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB
 
 
 @dataclass
@@ -88,6 +94,7 @@ class Roles:
                 "tok_s": round(v.stats.last_tok_s, 3), "active": v.active, "queued": v.queued,
                 "max_batch": v.max_batch, "steps": v.stats.steps, "stepped": v.stats.stepped,
                 "rows": v.stats.rows, "committed": v.stats.committed,
+                "reused": v.stats.reused,
                 "acceptance": round(v.stats.last_acceptance, 4),
                 **v.admission.snapshot(),  # rejected_busy, orphans_dropped (I/O thread)
                 "proposers": dict(v.proposer_snapshot),
@@ -113,6 +120,8 @@ def assemble(spec: RoleSpec) -> Roles:
         raise BadRequestError(f"--threads must be >= 0, got {spec.threads}")
     if spec.max_batch < 1:
         raise BadRequestError(f"--max-batch must be >= 1, got {spec.max_batch}")
+    if spec.prefix_cache_mb < 0:
+        raise BadRequestError(f"--prefix-cache-mb must be >= 0, got {spec.prefix_cache_mb}")
     if spec.prefill_chunk < 0:
         raise BadRequestError(f"--prefill-chunk must be >= 0, got {spec.prefill_chunk}")
     if spec.max_context < 0:
@@ -159,6 +168,7 @@ def assemble(spec: RoleSpec) -> Roles:
             backend.batch_invariant = True  # the base Backend runs one at a time anyway
         engine.learn_batch_cost(backend.tokenizer.encode(WARMUP_PROMPT, chat=False),
                                 min(spec.max_batch, LEARN_BATCH))
+        engine.prefix_cache = _prefix_cache(backend, spec)  # after the warm-ups: not theirs
         # protocol 2: drafts stream in ahead and are never waited for (but with draft='force')
         roles.verifier = VerifierRole(engine, lease_s=spec.lease_s,
                                       max_context=spec.max_context, max_batch=spec.max_batch)
@@ -221,6 +231,21 @@ def return_freed_memory() -> None:
     except (OSError, AttributeError, TypeError):
         return
     trim(0)
+
+
+def _prefix_cache(backend: Any, spec: RoleSpec) -> Any:
+    """The verifier's prefix cache, or None: turned off, `--batch-invariant` (it would break
+    that mode's bit-for-bit promise, so the engine would never use it), or a backend that
+    cannot copy cache prefixes (MLX, a sharded verifier)."""
+    if not spec.prefix_cache_mb or spec.batch_invariant:
+        return None
+    if not getattr(backend, "supports_prefix_copy", False):
+        log.info("backend %s keeps no prefix cache (it cannot copy cache prefixes)",
+                 backend.name)
+        return None
+    from nodes.engine.prefix_cache import PrefixCache
+
+    return PrefixCache(backend, spec.prefix_cache_mb << 20)
 
 
 def _make_drafter(name: str, backend, backend_name: str):

@@ -79,6 +79,8 @@ class VerifierStats:
     rows: int = 0  # positions those steps fed (prompts, pending tokens, draft nodes)
     #: tokens those steps committed (committed / stepped: tokens per forward per sequence)
     committed: int = 0
+    #: prompt positions started from the prefix cache instead of prefilled
+    reused: int = 0
 
 
 @dataclass
@@ -325,7 +327,7 @@ class VerifierRole:
             except Exception as exc:  # noqa: BLE001 - the batch's caches are now unknown
                 for job in jobs:
                     self._fail(job.req, exc)
-                    self._end(job)
+                    self._end(job, keep=False)
                 continue
             self.stats.steps += 1
             self.stats.stepped += len(jobs)
@@ -353,6 +355,7 @@ class VerifierRole:
             for source in sources:
                 source.close()
             raise
+        self.stats.reused += seq.reused
         return _Job(req, parsed, prompt_ids, engine, seq, sources, remote, stats,
                     time.perf_counter())
 
@@ -379,13 +382,15 @@ class VerifierRole:
             self._end(job)
             self._done(job, block.finish_reason, text)
 
-    def _end(self, job: _Job) -> None:
-        """Take a job out of the batch: close its sources and sequence, free its slot."""
+    def _end(self, job: _Job, *, keep: bool = True) -> None:
+        """Take a job out of the batch: close its sources and sequence (its cache goes to the
+        prefix cache unless `keep` is False: a step that raised left it unknown), free its
+        slot."""
         if job not in self._jobs:
             return
         self._jobs.remove(job)
         self.active = len(self._jobs)
-        job.seq.close()
+        job.engine.release(job.seq, keep=keep)
         for source in job.sources:
             source.close()
         self.slots.release(job.req.peer)
@@ -405,6 +410,7 @@ class VerifierRole:
             "token_ids": generated,
             "tokens": tok.token_strings(generated),
             "prompt_tokens": len(job.prompt_ids),
+            "cached_tokens": stats.reused,
             "elapsed_s": round(elapsed, 4),
             "tok_per_s": round(len(generated) / elapsed, 3) if elapsed > 0 else 0.0,
             "acceptance": round(stats.acceptance, 4),
@@ -443,7 +449,8 @@ class VerifierRole:
         if self._forced_engine is None:
             e = self.engine
             self._forced_engine = type(e)(e.backend, None, max_draft=e.max_draft,
-                                          fixed_k=e.max_draft, prefill_chunk=e.prefill_chunk)
+                                          fixed_k=e.max_draft, prefill_chunk=e.prefill_chunk,
+                                          prefix_cache=e.prefix_cache)
         return self._forced_engine
 
     def _publish(self) -> None:

@@ -38,6 +38,8 @@ def test_completion_equals_hf_greedy_and_specbus_generate(oai, reference, cluste
     n_prompt = len(reference.tokenizer.encode(PROMPT, chat=False))
     assert r.usage.prompt_tokens == n_prompt
     assert r.usage.total_tokens == n_prompt + r.usage.completion_tokens
+    # the verifier's prefix cache (what it did not prefill), in OpenAI's field
+    assert 0 <= r.usage.prompt_tokens_details.cached_tokens < n_prompt
     assert set(r.model_extra["specbus"]) >= {"acceptance", "proposers", "verifier"}
     # and `specbus generate` (the cluster client) says the same
     v = cluster.nodes[0]

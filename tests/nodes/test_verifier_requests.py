@@ -349,3 +349,29 @@ def test_a_connection_may_fill_the_batch_plus_a_bounded_queue_and_others_go_firs
         gate.set()
         other.close()
         role.close()
+
+
+def test_a_repeated_prompt_starts_from_the_prefix_cache_and_says_so(host, tiny_backend):
+    """The request's `done` stats name the prompt positions the verifier did not prefill
+    (`cached_tokens`, the gateway's `usage.prompt_tokens_details`), and the output is the
+    same."""
+    from nodes.engine.prefix_cache import PrefixCache
+
+    host.membership = FakeMembership()
+    pc = PrefixCache(tiny_backend, 64 << 20)
+    role = VerifierRole(Engine(tiny_backend, None, max_draft=4, prefix_cache=pc),
+                        policy=DraftPolicy(forced_s=5.0))
+    role.attach(host)
+    try:
+        first = generate(host, prompt=PROMPT, chat=False)["stats"]
+        again = generate(host, prompt=PROMPT, chat=False)["stats"]
+        longer = generate(host, prompt=PROMPT + " five", chat=False)["stats"]
+        telemetry = Roles(verifier=role).telemetry()["verifier"]
+    finally:
+        role.close()
+    assert first["cached_tokens"] == 0
+    assert again["cached_tokens"] == first["prompt_tokens"] - 1
+    assert again["token_ids"] == first["token_ids"]
+    # the first answer's tokens are kept too: a prompt continuing it reuses them
+    assert longer["cached_tokens"] >= first["prompt_tokens"] - 1
+    assert telemetry["reused"] == again["cached_tokens"] + longer["cached_tokens"]
