@@ -9,5 +9,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "forward": ("tools.bench_forward", "a verify forward's cost by tokens fed, torch vs few-row"),
     "decode": ("tools.bench_decode", "plain vs speculative decoding, tok/s and acceptance"),
     "serve": ("tools.bench_serve", "TTFT and tok/s through the gateway vs the bus client"),
+    "prefix": ("tools.bench_prefix", "a conversation's TTFT per turn, prefix cache on vs off"),
     "shard": ("tools.bench_shard", "a verifier sharded into 1-3 pipeline stages: RSS, tok/s"),
 }

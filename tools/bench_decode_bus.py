@@ -55,8 +55,10 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
     with LocalCluster(log_dir=log_dir, mdns=False) as c:
         print(f"starting cluster (logs: {log_dir}); verifier on core 0 (1 torch thread), "
               "each delay's proposers on core 1, one delay at a time", file=sys.stderr)
+        # no prefix cache: every row runs the same prompts on this verifier, and a later
+        # row would get its prompt's prefill for free
         verifier = c.start_node("v-ngram", "--role", "verifier", "--drafter", "ngram",
-                                *VERIFIER_CORE)
+                                "--prefix-cache-mb", "0", *VERIFIER_CORE)
         hf = _HfRows(args)
         for d in DELAYS_MS:
             results = _run_phase(args, c, verifier, d, prompts, n, hf if d == 0 else None)

@@ -64,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default none: plain decoding); comma-separated values start one "
                              "cluster each, all at once, and run every level on each in turn "
                              "(interleaved: `none,eagle` gives eagle / none per round)")
+    parser.add_argument("--prefix-cache-mb", type=int, default=0, metavar="MB",
+                        help="the verifiers' --prefix-cache-mb (default 0: off; this benchmark "
+                             "sends the same prompts again and again, so with a prefix cache "
+                             "every request after the first would skip its prefill: "
+                             "`specbus bench prefix` measures the cache on conversations)")
     parser.add_argument("--prefill-chunk", default="0",
                         help="comma-separated verifier --prefill-chunk values (default 0: whole "
                              "prompts); several start one cluster each per drafter, interleaved "
@@ -182,6 +187,9 @@ def run(args: argparse.Namespace) -> int:
         print("specbus bench serve: --verifiers, --concurrency, --max-batch and "
               "--prefill-chunk take integers", file=sys.stderr)
         return 2
+    if args.prefix_cache_mb < 0:
+        print("specbus bench serve: --prefix-cache-mb takes an integer >= 0", file=sys.stderr)
+        return 2
     if not chunks or min(chunks) < 0 or len(set(chunks)) != len(chunks):
         print("specbus bench serve: --prefill-chunk takes distinct integers >= 0",
               file=sys.stderr)
@@ -270,7 +278,8 @@ class _Cluster:
                 c.start_node(f"v{k + 1}", "--role", "verifier", "--threads", "1",
                              "--cpus", str(cores[k % len(cores)]), "--max-batch",
                              str(self.max_batch), "--drafter", self.drafter,
-                             "--prefill-chunk", str(self.prefill_chunk), seed=bool(k))
+                             "--prefill-chunk", str(self.prefill_chunk),
+                             "--prefix-cache-mb", str(self.args.prefix_cache_mb), seed=bool(k))
             # the gateway must not answer 429 at the top level
             self.gw = c.start_node("gw", "--role", "gateway", "--http", "127.0.0.1:0", "--cpus",
                                    str(cores[-1]), "--gateway-max-inflight",

@@ -45,7 +45,8 @@ def _start(c, n: int, threads: str, model: str | None):
     common = ("--role", "verifier", "--threads", threads, *LOOP,
               *(("--model", model) if model else ()))
     if n == 1:
-        v = c.start_node("whole", *common, seed=True)
+        # no prefix cache (a sharded verifier has none; runs repeat their prompts)
+        v = c.start_node("whole", *common, "--prefix-cache-mb", "0", seed=True)
         return [v], v.node_id, [None]
     group = f"bench{n}"
     procs = [c.spawn(f"{group}-{i}", *common, "--shards", str(n), "--shard-group", group,

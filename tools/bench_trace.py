@@ -240,8 +240,10 @@ class Cluster:
         self.published = 0  # generations the sharing verifiers ran (each one publishes)
 
     def _spawn_verifier(self, name: str, seed: bool = False):
+        # no prefix cache: every row replays the same requests on these verifiers
         return self.c.spawn(name, "--role", "verifier", "--cpus", str(CORE_VERIFIER),
-                            "--threads", "1", *self.model, seed=seed)
+                            "--threads", "1", "--prefix-cache-mb", "0", *self.model,
+                            seed=seed)
 
     def _spawn_proposer(self, name: str):
         return self.c.spawn(name, "--role", "proposer", "--drafter", self.spec,

@@ -49,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
     with LocalCluster(log_dir=log_dir) as cluster:
         try:
             say(f"starting cluster {cluster.cluster!r} on 127.0.0.1 (logs: {log_dir})")
+            # no prefix cache: plain and speculative runs send the same prompts, and the
+            # later one would get its prompt's prefill for free
             v = cluster.start_node("verifier", "--role", "verifier", "--drafter", "none",
-                                   "--cpus", verifier_core, "--threads", "1")
+                                   "--cpus", verifier_core, "--threads", "1",
+                                   "--prefix-cache-mb", "0")
             say(f"  verifier   {v.node_id}  ready (core {verifier_core}, 1 torch thread)")
             for d in drafters:
                 p = cluster.start_node(f"proposer-{d}", "--role", "proposer", "--drafter", d,
