@@ -25,10 +25,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from discovery.table import Member, State
+from nodes.cluster_client.affinity import SLACK, PrefixAffinity
 
 MAX_REPORTED = 256  # verifiers whose telemetry is kept (a peer cannot grow it without bound)
 HOLD_S = 1.0  # a verifier that answered `busy` gets nothing more from a queueing client this long
@@ -159,6 +160,8 @@ class Balancer:
         #: ends or HOLD_S passes
         self.held: dict[str, tuple[float, int]] = {}
         self.refused = 0  # generations refused because the line was full or waited too long
+        #: which verifier holds which recent generation's tokens (conversations go back there)
+        self.affinity = PrefixAffinity()
         self._lock = threading.Lock()
 
     def load(self, v: VerifierInfo) -> float:
@@ -208,10 +211,13 @@ class Balancer:
             return min(free, key=lambda v: (self.load(v), -v.tok_s, v.node_id))
 
     def take(self, candidates: list[VerifierInfo], exclude: Iterable[str] = frozenset(),
-             ticket: Ticket | None = None, now: float | None = None) -> VerifierInfo | None:
+             ticket: Ticket | None = None, now: float | None = None,
+             prompt_ids: Sequence[int] | None = None) -> VerifierInfo | None:
         """Pick a verifier and take its slot in one step (threads cannot both take the last
         one), or wait: `ticket` joins (or keeps its place in) the line and None is returned.
-        A verifier that a generation ahead in the line could use is left to it. Raises
+        With `prompt_ids`, the verifier holding their longest prefix is preferred within
+        `SLACK` of the least load (affinity.py). A verifier that a generation ahead in the
+        line could use is left to it. Raises
         LookupError when no candidate is left, NoCapacity when every one is full and the line
         is full (or `ticket` is None: no waiting)."""
         exclude = set(exclude)
@@ -225,7 +231,7 @@ class Balancer:
             claimed = frozenset().union(*(t.wanted for t in ahead))
             free = [v for v in usable if self.has_room(v, now) and v.node_id not in claimed]
             if free:
-                v = min(free, key=lambda v: (self.load(v), -v.tok_s, v.node_id))
+                v = self._choose(free, prompt_ids)
                 self.inflight[v.node_id] = self.inflight.get(v.node_id, 0) + 1
                 self._leave(ticket)
                 return v
@@ -274,6 +280,11 @@ class Balancer:
                 self.inflight.pop(v.node_id, None)
         self._wake()
 
+    def served(self, token_ids: Sequence[int], node_id: str) -> None:
+        """A generation's prompt + output ids, produced on `node_id` (which now holds them)."""
+        with self._lock:
+            self.affinity.served(token_ids, node_id)
+
     def report(self, node_id: str, active: int, queued: int) -> None:
         with self._lock:
             self.reported[node_id] = max(0, active) + max(0, queued)
@@ -282,6 +293,18 @@ class Balancer:
                 self.reported.popitem(last=False)
 
     # -- lock held ------------------------------------------------------------------------------
+    def _choose(self, free: list[VerifierInfo], prompt_ids: Sequence[int] | None
+                ) -> VerifierInfo:
+        """The least loaded of `free`, unless the one holding the prompt's prefix has at most
+        `SLACK` more load."""
+        best = min(free, key=lambda v: (self.load(v), -v.tok_s, v.node_id))
+        holder = None if prompt_ids is None else self.affinity.holder(prompt_ids)
+        for v in free:
+            if v.node_id == holder and self.load(v) <= self.load(best) + SLACK:
+                self.affinity.routed += 1
+                return v
+        return best
+
     def _leave(self, ticket: Ticket | None) -> bool:
         if ticket is not None and ticket in self.line:
             self.line.remove(ticket)

@@ -4,8 +4,10 @@
 next; the sync face (sync.py: the CLI, the benches) and the async face (aio.py: the gateway)
 only send its messages, wait for replies and hand them in. So both faces have one policy:
 
-- choice: the least loaded verifier of the model with room (choice.Balancer); one that answers
-  `busy` before any output is left for another;
+- choice: the least loaded verifier of the model with room (choice.Balancer), or, with the
+  prompt's ids known, the one that served a generation the prompt continues, load allowing
+  (affinity.py: its prefix cache holds the conversation); one that answers `busy` before any
+  output is left for another;
 - liveness: a serving verifier is lost only when `verifier_gone` says so (dead or left in
   membership AND the connection closed), or when it is silent mid-stream for `stall_s` while
   another verifier could take over (alone, a slow verifier beats an error); `idle_s` without a
@@ -311,7 +313,9 @@ class Failover:
         if ticket is None and self.balancer.queue:
             ticket = Ticket(now + self.balancer.queue_wait_s, self._wake)
         try:
-            v = self.balancer.take(candidates, self.tried, ticket, now)
+            # a first attempt goes where the prompt's beginning already is, load allowing
+            v = self.balancer.take(candidates, self.tried, ticket, now,
+                                   None if self.used else self.prompt_ids)
         except NoCapacity as exc:
             self.ticket = None
             raise ClusterError(f"the cluster is busy ({exc})", BUSY, detail=str(exc),
@@ -391,6 +395,8 @@ class Failover:
             prompt = len(self.prompt_ids)
         elif not isinstance(prompt, int) or isinstance(prompt, bool) or prompt < 0:
             prompt = 0
+        if self.prompt_ids is not None and self.used:
+            self.balancer.served((*self.prompt_ids, *self.ids), self.used[-1])
         lp = self.logprobs
         if lp is not None and self.asm.stopped and self.tokenizer is not None:
             lp = lp.cut_to(self.tokenizer, self.asm.text)

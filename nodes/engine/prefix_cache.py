@@ -14,8 +14,8 @@ that is a prefix of a newer one is dropped (a conversation's turns keep one entr
 latest), and a new one that is a prefix of a kept one is not stored. Memory is bounded by
 `budget` bytes: least recently used entries go first, whole.
 
-A lookup takes the longest common prefix of the prompt with any entry (one numpy comparison per
-entry: entries are bounded by the budget to a few hundred at most, microseconds each), at most
+A lookup takes the longest common prefix of the prompt with any entry (`nodes/prefixes.py`:
+entries are bounded by the budget to a few hundred at most, microseconds each), at most
 all but the prompt's last position (its logits give the first token), and at least
 `min_reuse` positions (fewer save nothing worth a different cache); the engine copies those
 positions into the new sequence's cache (`Backend.copy_prefix`) and prefills the rest.
@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from nodes.prefixes import as_ids, common_prefix, longest
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +94,9 @@ class PrefixCache:
         """The kept cache sharing the longest prefix with `prompt`, and how many of its
         positions to reuse (at most all but the prompt's last); None below `min_reuse`."""
         self.stats.lookups += 1
-        want = np.asarray(prompt, dtype=np.int64)
-        limit = len(want) - 1
-        best_key, best = None, 0
-        for key, entry in self._entries.items():
-            n = min(limit, len(entry.tokens))
-            if n <= best:
-                continue
-            differ = np.flatnonzero(entry.tokens[:n] != want[:n])
-            common = int(differ[0]) if differ.size else n
-            if common > best:
-                best_key, best = key, common
+        want = as_ids(prompt)
+        best_key, best = longest(((k, e.tokens) for k, e in self._entries.items()), want,
+                                 len(want) - 1)
         if best_key is None or best < self.min_reuse:
             return None
         self._entries.move_to_end(best_key)
@@ -117,10 +111,10 @@ class PrefixCache:
         length = min(len(tokens), self.backend.cache_length(cache))
         if length < self.min_reuse:
             return
-        new = np.asarray(tokens[:length], dtype=np.int64)
+        new = as_ids(tokens[:length])
         for key, entry in list(self._entries.items()):
             n = min(length, len(entry.tokens))
-            if not np.array_equal(entry.tokens[:n], new[:n]):
+            if common_prefix(entry.tokens, new) < n:
                 continue
             if len(entry.tokens) >= length:
                 self._entries.move_to_end(key)  # it already covers the new one

@@ -87,7 +87,8 @@ class GatewayApp:
     async def prometheus(self, request: web.Request) -> web.Response:
         self.metrics.count_request(_endpoint(request), 200)
         b = self.balancer
-        body = self.metrics.render(self.verifiers(), dict(b.inflight), b.waiting, b.refused)
+        body = self.metrics.render(self.verifiers(), dict(b.inflight), b.waiting, b.refused,
+                                   b.affinity.routed)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     # -- generation endpoints -------------------------------------------------------------------

@@ -104,17 +104,17 @@ class GatewayMetrics:
 
     # -- rendering ------------------------------------------------------------------------------
     def render(self, verifiers: list, inflight: dict[str, int], queued: int = 0,
-               queue_refused: int = 0) -> bytes:
+               queue_refused: int = 0, prefix_routed: int = 0) -> bytes:
         """The Prometheus text exposition of every figure, through `prometheus_client` (its
         format, escaping and content type, `CONTENT_TYPE`); built from this object's state
         at scrape time, on the asyncio thread that owns it."""
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Snapshot(list(self._families(verifiers, inflight, queued,
-                                                        queue_refused))))
+                                                        queue_refused, prefix_routed))))
         return generate_latest(registry)
 
     def _families(self, verifiers: list, inflight: dict[str, int], queued: int = 0,
-                  queue_refused: int = 0):
+                  queue_refused: int = 0, prefix_routed: int = 0):
         def family(name: str, kind: str, help_: str, labels: tuple[str, ...],
                    samples: list[tuple[tuple[str, ...], float]]):
             cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
@@ -141,6 +141,9 @@ class GatewayMetrics:
         yield family("specbus_gateway_queue_refused_total", "counter",
                      "Requests answered 429 because the gateway's queue was full or their "
                      "wait in it ran out", (), [((), queue_refused)])
+        yield family("specbus_gateway_prefix_routed_total", "counter",
+                     "Generations sent to the verifier that served the conversation they "
+                     "continue (its prefix cache holds it)", (), [((), prefix_routed)])
         drafted = sum(v["drafted"] for v in self.per_verifier.values())
         accepted = sum(v["accepted"] for v in self.per_verifier.values())
         yield family("specbus_gateway_acceptance", "gauge",

@@ -77,6 +77,23 @@ def test_chat_non_stream_and_stream(oai, reference):
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
+def test_a_conversations_next_turn_goes_back_to_its_verifier_and_skips_its_prefill(oai,
+                                                                                  reference):
+    """The gateway sends a turn to the verifier that served the conversation so far (the
+    cluster client's prefix affinity), whose prefix cache holds it: `cached_tokens` covers the
+    whole first turn, and the answer is still HF greedy's."""
+    turn1 = [{"role": "user", "content": "List four kinds of trees that grow in cold places."}]
+    first = oai.chat.completions.create(model=MODEL, messages=turn1, max_tokens=24,
+                                        temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "Which of them keeps its leaves in winter?"}]
+    second = oai.chat.completions.create(model=MODEL, messages=turn2, max_tokens=24,
+                                         temperature=0)
+    assert second.choices[0].message.content == reference.chat(turn2, 24)
+    assert second.model_extra["specbus"]["verifier"] == first.model_extra["specbus"]["verifier"]
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
 def _hf_logprobs(reference, prompt_ids: list[int], max_new: int):
     """HF greedy ids and the log-softmax of one forward over prompt + output."""
     import torch

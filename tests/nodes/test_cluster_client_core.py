@@ -357,3 +357,52 @@ def test_a_verifier_busy_with_other_clients_is_waited_for_not_refused():
     core2.reply(att, ErrorReply("busy", "queue full").to_message(), now=10)
     core2.end(att)
     assert core2.begin(now=10.1).verifier.node_id == "b"
+
+
+def _turn(view, balancer, prompt_ids, *out_ids):
+    """One whole generation of `prompt_ids`; the verifier that served it."""
+    core = core_for(view, balancer, prompt_ids=prompt_ids)
+    att = core.begin(now=0)
+    core.reply(att, chunk(0, *out_ids), now=1)
+    events = core.reply(att, done(None), now=2)
+    core.end(att)
+    assert isinstance(events[-1], Final)
+    return att.verifier.node_id
+
+
+def test_a_conversations_next_turn_goes_back_to_the_verifier_holding_it_load_allowing():
+    """A verifier's prefix cache holds the conversations it served (affinity.py): the next
+    turn goes there unless it carries more than SLACK sequences above the least loaded."""
+    from nodes.cluster_client.affinity import MIN_TOKENS, SLACK
+
+    balancer = Balancer()
+    first = tuple(range(10, 10 + MIN_TOKENS + 8))
+    assert _turn(View(verifier("a", load=1), verifier("b")), balancer, first, 1, 2) == "b"
+    turn2 = (*first, 1, 2, 9, 9)  # the conversation so far, then a new message
+    # b is busier than a, but within the slack: back to b
+    assert _turn(View(verifier("a"), verifier("b", load=SLACK)), balancer, turn2, 3) == "b"
+    assert balancer.affinity.routed == 1
+    # a prompt that continues nothing goes to the least loaded
+    other = tuple(range(100, 100 + MIN_TOKENS + 8))
+    assert _turn(View(verifier("a"), verifier("b", load=SLACK)), balancer, other, 1) == "a"
+    # a third turn: its holder is past the slack now, so the least loaded serves it
+    turn3 = (*turn2, 3, 9, 9)
+    assert _turn(View(verifier("a"), verifier("b", load=SLACK + 1)), balancer, turn3, 4) == "a"
+    # ...and holds it from then on (one entry per conversation: the latest extends the others)
+    assert _turn(View(verifier("a", load=1), verifier("b")), balancer,
+                 (*turn3, 4, 9), 5) == "a"
+    assert len(balancer.affinity) == 2  # the conversation and `other`
+
+
+def test_a_short_shared_beginning_or_a_full_holder_does_not_pull_a_turn():
+    from nodes.cluster_client.affinity import MIN_TOKENS
+
+    balancer = Balancer(max_inflight=1)
+    header = tuple(range(10, 10 + MIN_TOKENS - 2))  # a chat template's header, say
+    assert _turn(View(verifier("a", load=1), verifier("b")), balancer, (*header, 1), 1) == "b"
+    assert _turn(View(verifier("a"), verifier("b", load=1)), balancer, (*header, 2), 1) == "a"
+    long = tuple(range(200, 200 + MIN_TOKENS + 8))
+    assert _turn(View(verifier("a", load=1), verifier("b")), balancer, long, 1) == "b"
+    view = View(verifier("a", load=1), verifier("b"))
+    balancer.acquire(view.alive[1])  # b is at this client's limit
+    assert _turn(view, balancer, (*long, 1, 7), 2) == "a"

@@ -140,3 +140,25 @@ def test_a_seeded_sample_is_the_same_text_with_or_without_drafts(client, cluster
     assert np.all(np.asarray(res.stats["token_ids"]) < 49152)
     alone = run("v1", speculate=False)
     assert res.stats["token_ids"] == alone.stats["token_ids"]
+
+
+def test_a_conversations_next_turn_goes_back_to_its_verifier_though_it_is_busier(client):
+    """The client sends a turn to the verifier that served the conversation so far (prefix
+    affinity), whose prefix cache holds it, although another verifier is less loaded: the
+    holder carries one more generation of this client, a stream kept open (so the verdict
+    does not hang on timing), within the affinity's slack."""
+    turn1 = [{"role": "user", "content": "Name two planets and say one thing about each."}]
+    first = client.generate(GenerateRequest(messages=turn1, max_tokens=24, speculate=False))
+    holder = first.stats["verifier"]
+    busy = client.stream(GenerateRequest(PROMPT, max_tokens=MAX, speculate=False),
+                         next(m for m in client.verifiers() if m.node_id == holder))
+    try:
+        assert next(busy).type == "token_chunk"  # its slot is held until the stream closes
+        turn2 = turn1 + [{"role": "assistant", "content": first.text},
+                         {"role": "user", "content": "Which one is closer to the Sun?"}]
+        second = client.generate(GenerateRequest(messages=turn2, max_tokens=24,
+                                                 speculate=False))
+    finally:
+        busy.close()
+    assert second.stats["verifier"] == holder
+    assert second.stats["cached_tokens"] >= first.stats["prompt_tokens"]
