@@ -1,11 +1,15 @@
 """`specbus bench prefix`: time to first token of a conversation's later turns, with the
 verifier's prefix cache and without it.
 
-Two local clusters of one SmolLM2 verifier each, both pinned to the first core with one torch
-thread (only one serves at a time), the client on the last core: one verifier with the default
-prefix cache, one with `--prefix-cache-mb 0`. The same conversations run on both, interleaved
-request by request (the order alternating): each turn sends the whole conversation so far as
-chat messages, as OpenAI-style clients do, and appends the answer. The conversations start from
+Two local clusters of `--verifiers` SmolLM2 verifiers each (verifier k pinned to core k with
+one torch thread; the two clusters' verifiers share those cores, only one cluster serves at a
+time), the client on the last core: one cluster with the default prefix cache, one with
+`--prefix-cache-mb 0`. The same conversations run on both: each turn sends the whole
+conversation so far as chat messages, as OpenAI-style clients do, and appends the answer.
+With `--concurrency 1` the clusters alternate request by request; with C > 1, C conversations
+run at once (each its turns in order, the cluster client choosing verifiers: with several,
+a turn goes back to the verifier holding its conversation, load allowing), a group of C on
+one cluster then on the other, the order alternating by group. The conversations start from
 the decode benchmark's chat prompts (tools/prompts.py) and go on with fixed follow-up questions
 written for this benchmark. Greedy: every answer must be the same on both clusters (checked,
 counted in `mismatches`). Reports per turn the prompt tokens, TTFT and tok/s with and without
@@ -39,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 6)")
     parser.add_argument("--max-tokens", type=int, default=48,
                         help="tokens per answer (default 48)")
+    parser.add_argument("--verifiers", type=int, default=1,
+                        help="verifiers per cluster, 1..4 (default 1)")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="conversations at once, 1..6 (default 1)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
 
 
@@ -46,47 +54,94 @@ def run(args: argparse.Namespace) -> int:
     from tools.prompts import PROMPTS
 
     if not 2 <= args.turns <= 1 + len(FOLLOW_UPS) or not 1 <= args.conversations <= len(
-            PROMPTS) or not 1 <= args.max_tokens <= 256:
-        print("specbus bench prefix: --turns 2..6, --conversations 1..6, --max-tokens 1..256",
-              file=sys.stderr)
+            PROMPTS) or not 1 <= args.max_tokens <= 256 or not 1 <= args.verifiers <= 4 or not (
+            1 <= args.concurrency <= len(PROMPTS)):
+        print("specbus bench prefix: --turns 2..6, --conversations 1..6, --max-tokens 1..256, "
+              "--verifiers 1..4, --concurrency 1..6", file=sys.stderr)
         return 2
     cores = sorted(os.sched_getaffinity(0))
     from contextlib import ExitStack
 
     rows = []
+    convs = list(enumerate(PROMPTS[:args.conversations]))
     with ExitStack() as stack:
-        clusters = {mb: stack.enter_context(_Verifier(mb, cores)) for mb in ("default", "0")}
-        for c, (cls, text) in enumerate(PROMPTS[:args.conversations]):
-            talks = {mb: [{"role": "user", "content": text}] for mb in clusters}
-            for turn in range(args.turns):
-                order = list(clusters) if (c + turn) % 2 == 0 else list(clusters)[::-1]
-                got = {}
-                for mb in order:
-                    got[mb] = clusters[mb].ask(talks[mb], args.max_tokens)
-                    talks[mb].append({"role": "assistant", "content": got[mb]["text"]})
-                    if turn + 1 < args.turns:
-                        talks[mb].append({"role": "user", "content": FOLLOW_UPS[turn]})
-                on, off = got["default"], got["0"]
-                row = {"conversation": c, "class": cls, "turn": turn + 1,
-                       "prompt_tokens": on["prompt_tokens"], "cached_tokens": on["cached"],
-                       "ttft_on_ms": on["ttft_ms"], "ttft_off_ms": off["ttft_ms"],
-                       "ttft_ratio": off["ttft_ms"] / on["ttft_ms"],
-                       "tok_s_on": on["tok_s"], "tok_s_off": off["tok_s"],
-                       "same": on["token_ids"] == off["token_ids"]}
-                rows.append(row)
-                print(f"conversation {c} turn {turn + 1}: {row['prompt_tokens']} prompt tokens "
-                      f"({row['cached_tokens']} cached), TTFT {off['ttft_ms']:.0f} -> "
-                      f"{on['ttft_ms']:.0f} ms, same={row['same']}", file=sys.stderr,
-                      flush=True)
+        clusters = {mb: stack.enter_context(_Cluster(mb, cores, args.verifiers))
+                    for mb in ("default", "0")}
+        if args.concurrency == 1:
+            for c, prompt in convs:
+                rows += _interleaved(clusters, c, prompt, args)
+        else:
+            for g in range(0, len(convs), args.concurrency):
+                group = convs[g:g + args.concurrency]
+                order = list(clusters) if (g // args.concurrency) % 2 == 0 else list(
+                    clusters)[::-1]
+                got = {mb: _concurrent(clusters[mb], group, args) for mb in order}
+                for (c, (cls, _)), on, off in zip(group, got["default"], got["0"],
+                                                  strict=True):
+                    rows += [_row(c, cls, t, a, b) for t, (a, b) in enumerate(zip(on, off,
+                                                                                strict=True))]
     summary = _summary(rows, args.turns)
     print(render(summary, cores))
     if args.json is not None:
         args.json.write_text(json.dumps({"cores": len(cores), "load": os.getloadavg(),
                                          "args": {"turns": args.turns,
                                                   "conversations": args.conversations,
-                                                  "max_tokens": args.max_tokens},
+                                                  "max_tokens": args.max_tokens,
+                                                  "verifiers": args.verifiers,
+                                                  "concurrency": args.concurrency},
                                          "rows": rows, "summary": summary}, indent=2) + "\n")
     return 0 if all(r["same"] for r in rows) else 1
+
+
+def _interleaved(clusters: dict, c: int, prompt: tuple[str, str],
+                 args: argparse.Namespace) -> list[dict]:
+    """One conversation on both clusters, request by request, the order alternating."""
+    cls, text = prompt
+    talks = {mb: [{"role": "user", "content": text}] for mb in clusters}
+    rows = []
+    for turn in range(args.turns):
+        order = list(clusters) if (c + turn) % 2 == 0 else list(clusters)[::-1]
+        got = {}
+        for mb in order:
+            got[mb] = clusters[mb].ask(talks[mb], args.max_tokens)
+            _next_turn(talks[mb], got[mb], turn, args.turns)
+        rows.append(_row(c, cls, turn, got["default"], got["0"]))
+    return rows
+
+
+def _concurrent(cluster: _Cluster, group: list, args: argparse.Namespace) -> list[list[dict]]:
+    """The group's conversations at once on one cluster: each conversation's turns."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def talk(prompt: tuple[str, str]) -> list[dict]:
+        talk_ = [{"role": "user", "content": prompt[1]}]
+        out = []
+        for turn in range(args.turns):
+            out.append(cluster.ask(talk_, args.max_tokens))
+            _next_turn(talk_, out[-1], turn, args.turns)
+        return out
+
+    with ThreadPoolExecutor(len(group)) as pool:
+        return list(pool.map(talk, [p for _, p in group]))
+
+
+def _next_turn(talk: list[dict], got: dict, turn: int, turns: int) -> None:
+    talk.append({"role": "assistant", "content": got["text"]})
+    if turn + 1 < turns:
+        talk.append({"role": "user", "content": FOLLOW_UPS[turn]})
+
+
+def _row(c: int, cls: str, turn: int, on: dict, off: dict) -> dict:
+    row = {"conversation": c, "class": cls, "turn": turn + 1,
+           "prompt_tokens": on["prompt_tokens"], "cached_tokens": on["cached"],
+           "verifier_on": on["verifier"], "ttft_on_ms": on["ttft_ms"],
+           "ttft_off_ms": off["ttft_ms"], "ttft_ratio": off["ttft_ms"] / on["ttft_ms"],
+           "tok_s_on": on["tok_s"], "tok_s_off": off["tok_s"],
+           "same": on["token_ids"] == off["token_ids"]}
+    print(f"conversation {c} turn {turn + 1}: {row['prompt_tokens']} prompt tokens "
+          f"({row['cached_tokens']} cached), TTFT {off['ttft_ms']:.0f} -> {on['ttft_ms']:.0f} "
+          f"ms, same={row['same']}", file=sys.stderr, flush=True)
+    return row
 
 
 def _summary(rows: list[dict], turns: int) -> list[dict]:
@@ -108,8 +163,8 @@ def _summary(rows: list[dict], turns: int) -> list[dict]:
 
 
 def render(summary: list[dict], cores: list[int]) -> str:
-    lines = [f"prefix cache on vs off, one verifier on core {cores[0]}, one torch thread; "
-             f"medians over conversations (load {os.getloadavg()[0]:.2f})",
+    lines = [f"prefix cache on vs off, verifiers pinned from core {cores[0]}, one torch "
+             f"thread each; medians over conversations (load {os.getloadavg()[0]:.2f})",
              "turn  prompt  cached  TTFT off ms  TTFT on ms  off/on median (worst)  "
              "tok/s on/off  mismatches"]
     for s in summary:
@@ -120,13 +175,14 @@ def render(summary: list[dict], cores: list[int]) -> str:
     return "\n".join(lines)
 
 
-class _Verifier:
-    """One verifier process (`--prefix-cache-mb MB`, or its default) and a cluster client."""
+class _Cluster:
+    """`n` verifier processes (`--prefix-cache-mb MB`, or its default) and a cluster client
+    (the one the CLI uses: it tokenizes, so it routes turns by prefix)."""
 
-    def __init__(self, mb: str, cores: list[int]) -> None:
-        self.mb, self.cores = mb, cores
+    def __init__(self, mb: str, cores: list[int], n: int) -> None:
+        self.mb, self.cores, self.n = mb, cores, n
 
-    def __enter__(self) -> _Verifier:
+    def __enter__(self) -> _Cluster:
         from contextlib import ExitStack
 
         from nodes.cluster_client import ClusterClient
@@ -136,37 +192,49 @@ class _Verifier:
         flags = () if self.mb == "default" else ("--prefix-cache-mb", self.mb)
         with ExitStack() as stack:
             c = stack.enter_context(LocalCluster(log_dir=log_dir, mdns=False))
-            print(f"starting a verifier (prefix cache {self.mb}; logs: {log_dir})",
+            print(f"starting {self.n} verifier(s) (prefix cache {self.mb}; logs: {log_dir})",
                   file=sys.stderr)
-            node = c.start_node("v", "--role", "verifier", "--threads", "1", "--cpus",
-                                str(self.cores[0]), *flags)
-            self.cc = stack.enter_context(ClusterClient(c.cluster, peers=(node.stream,),
-                                                        mdns=False))
-            self.cc.wait_for(lambda ms: any("verifier" in m.card.roles for m in ms), 60)
-            self.verifier = self.cc.verifiers()[0]
+            nodes = [c.start_node(f"v{k}", "--role", "verifier", "--threads", "1", "--cpus",
+                                  str(self.cores[k % len(self.cores)]), *flags, seed=bool(k))
+                     for k in range(self.n)]
+            self.cc = stack.enter_context(ClusterClient(
+                c.cluster, peers=tuple(x.stream for x in nodes), mdns=False))
+            self.cc.wait_for(lambda ms: sum("verifier" in m.card.roles for m in ms) >= self.n,
+                             60)
             self._stack = stack.pop_all()
+        # warm-up, unmeasured: the client loads its tokenizer (seconds, once), each verifier
+        # serves a request (as a running one has: its prefix cache then holds the chat
+        # template's header, as it would after any earlier user)
+        from nodes.cluster_client import GenerateRequest
+
+        hello = GenerateRequest(messages=[{"role": "user", "content": "Hello!"}], max_tokens=4)
+        for member in self.cc.verifiers():
+            list(self.cc.stream(hello, member))
+        self.ask([{"role": "user", "content": "Hello!"}], 4)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
     def ask(self, messages: list[dict], max_tokens: int) -> dict:
-        """One turn, streamed: TTFT, tok/s, the answer and what the verifier reported."""
+        """One turn through the cluster client's choice of verifier: TTFT, tok/s, the answer
+        and what the verifier reported."""
         from nodes.cluster_client import GenerateRequest
+        from nodes.cluster_client.core import Final, Piece
 
         req = GenerateRequest(messages=messages, max_tokens=max_tokens)
         t0 = time.perf_counter()
-        ttft = done = None
-        for msg in self.cc.stream(req, self.verifier):
-            if msg.type == "token_chunk" and ttft is None:
+        ttft = final = None
+        for ev in self.cc.events(req):
+            if isinstance(ev, Piece) and ttft is None:
                 ttft = time.perf_counter() - t0
-            elif msg.type == "done":
-                done = msg
+            elif isinstance(ev, Final):
+                final = ev
         elapsed = time.perf_counter() - t0
-        if done is None or ttft is None:
-            raise RuntimeError("the verifier ended a turn without an answer")
-        stats = done["stats"]
-        ids = list(stats["token_ids"])
-        return {"text": done["text"], "token_ids": ids, "ttft_ms": ttft * 1000,
+        if final is None or ttft is None:
+            raise RuntimeError("a turn ended without an answer")
+        stats = final.stats
+        ids = list(final.token_ids)
+        return {"text": final.text, "token_ids": ids, "ttft_ms": ttft * 1000,
                 "tok_s": len(ids) / elapsed, "prompt_tokens": stats["prompt_tokens"],
-                "cached": stats.get("cached_tokens", 0)}
+                "cached": stats.get("cached_tokens", 0), "verifier": final.verifiers[-1]}
