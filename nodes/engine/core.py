@@ -38,6 +38,7 @@ from nodes.engine.sampling import (
 )
 from nodes.engine.sources import DraftSource, Feedback, SourceOpener
 from nodes.engine.tree import Candidate, TokenTree
+from nodes.prefixes import as_ids, common_prefix
 
 if TYPE_CHECKING:
     from nodes.backends.base import Backend
@@ -48,6 +49,10 @@ log = logging.getLogger(__name__)
 #: without `prefill_chunk`, the most prompt rows one batched forward takes from whole prompts
 #: (a longer prompt is prefilled in a forward of its own)
 BATCHED_PROMPT_ROWS = 1024
+#: positions of a batch-mate's prompt worth waiting one step for instead of computing them
+#: again (`Engine._defer_for_prefix`): ~0.25 s of prefill on SmolLM2 here, against a decode
+#: step's ~0.1-0.2 s of waiting
+PREFIX_DEFER_ROWS = 64
 #: rows a sequence at which `Engine.learn_batch_cost` times batched forwards
 BATCH_COST_ROWS = (1, 4)
 #: without `prefill_chunk`, the most prompt rows a step feeds from whole prompts beyond its
@@ -257,6 +262,9 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         #: without chunks, the prompt rows a step feeds beyond its first prompt (the rest wait)
         self.prefill_step_rows = PREFILL_STEP_ROWS
+        #: a new prompt waits a step for a batch-mate's prompt computed in this one when that
+        #: gives it at least this many more positions to copy (`_defer_for_prefix`)
+        self.prefix_defer_rows = PREFIX_DEFER_ROWS
         self.backend = backend
         self.drafter = drafter
         self.max_draft = max_draft
@@ -343,7 +351,6 @@ class Engine:
             slots=slots,
         )
         self._capture_for(seq)
-        self._reuse_prefix(seq)
         return seq
 
     def release(self, seq: SequenceState, *, keep: bool = True) -> None:
@@ -355,22 +362,51 @@ class Engine:
             self.prefix_cache.store(seq.committed, seq.cache)
             seq.cache = None  # the prefix cache's now: never fed again
 
-    def _reuse_prefix(self, seq: SequenceState) -> None:
-        """Start the prompt from a kept cache sharing its longest prefix (`PrefixCache`): the
-        prefill feeds only the rest. Never in `batch_invariant` mode (its promise is bit for
-        bit solo output) nor for a sequence whose sources read hidden states (they need every
-        prompt row's)."""
-        cache = self.prefix_cache
-        if (cache is None or seq.hidden_layers is not None
-                or getattr(self.backend, "batch_invariant", False)):
-            return
-        hit = cache.lookup(seq.prompt)
+    def _may_reuse(self, seq: SequenceState) -> bool:
+        """Whether `seq` may still start from another cache: a prefix cache is kept, nothing of
+        its prompt has been computed for it yet, the backend is not `batch_invariant` (its
+        promise is bit for bit solo output) and no source of it reads hidden states (they
+        need every prompt row's)."""
+        return (self.prefix_cache is not None and not seq.started
+                and seq.prefilled == seq.reused and seq.hidden_layers is None
+                and not getattr(self.backend, "batch_invariant", False))
+
+    def _reuse_prefix(self, seq: SequenceState, mates: Sequence[SequenceState]) -> None:
+        """Start the prompt from the cache sharing its longest prefix, kept (`PrefixCache`) or
+        held by a sequence of this batch (running, or prefilled in an earlier step, or given
+        a prefix just now): the prefill then feeds only the rest. Looked up again each step
+        until the sequence's own prefill starts, so one that waited for a batch-mate's shared
+        prefix (`_defer_for_prefix`) takes it."""
+        live = []
+        for mate in mates:
+            if mate is not seq and mate.cache is not None:
+                n = self.backend.cache_length(mate.cache)
+                if n > seq.reused:
+                    live.append((mate.committed[:n], mate.cache))
+        hit = self.prefix_cache.lookup(seq.prompt, live, better_than=seq.reused)
         if hit is None:
             return
         src, n = hit
+        if seq.reused:
+            seq.cache = self.backend.new_cache()
         self.backend.copy_prefix(src, seq.cache, n)
         seq.prefilled = seq.reused = seq.stats.reused = n
-        log.info("prompt of %d positions: %d reused from the prefix cache", len(seq.prompt), n)
+        log.info("prompt of %d positions: %d reused from %s", len(seq.prompt), n,
+                 "a running sequence" if any(c is src for _, c in live) else "the prefix cache")
+
+    def _defer_for_prefix(self, seq: SequenceState, feeding: list[tuple[list[int], int]]
+                          ) -> bool:
+        """Whether `seq` should wait a step for a prompt this step computes (`feeding`: its
+        tokens and the positions its cache covers after this step) that shares at least
+        `prefix_defer_rows` more positions with it than it already has: next step it copies
+        them (`_reuse_prefix`) instead of computing them again beside it. Why: requests with
+        one long system prompt or tool schema (an agent's parallel calls) arrive together."""
+        prompt = as_ids(seq.prompt)
+        for tokens, covered in feeding:
+            shared = common_prefix(as_ids(tokens), prompt, min(covered, len(prompt) - 1))
+            if shared >= seq.reused + self.prefix_defer_rows:
+                return True
+        return False
 
     def _capture_for(self, seq: SequenceState) -> None:
         """Opt the sequence's cache into hidden-state capture when a source reads them (the
@@ -413,13 +449,20 @@ class Engine:
         going = [i for i, seq in enumerate(seqs) if seq.started]
         budget = self.prefill_chunk  # prompt rows this step may still feed (None: any)
         fills: list[tuple[int, int]] = []  # (sequence, prompt rows it feeds now)
+        feeding: list[tuple[list[int], int]] = []  # prompts computed this step, how far
         for i, seq in enumerate(seqs):
             if not seq.started:
+                if self._may_reuse(seq):
+                    self._reuse_prefix(seq, seqs)
+                    if self._defer_for_prefix(seq, feeding):
+                        blocks[i] = self._no_block(seq, 0)  # a batch-mate computes it now
+                        continue
                 size = self._prefill_size(seq, budget)
                 if not size:
                     blocks[i] = self._no_block(seq, 0)  # the step's prompt rows are spent
                     continue
                 fills.append((i, size))
+                feeding.append((seq.prompt, seq.prefilled + size))
                 if budget is not None:
                     budget = max(0, budget - size)
         together = len(going) + len(fills) > 1 and self._batches_rows()

@@ -62,12 +62,13 @@ class PrefixStats:
     lookups: int = 0
     hits: int = 0
     reused: int = 0  # prompt positions taken from entries instead of prefilled
+    live: int = 0  # hits on a running sequence's cache rather than a kept one
     stored: int = 0
     evicted: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {"lookups": self.lookups, "hits": self.hits, "reused": self.reused,
-                "stored": self.stored, "evicted": self.evicted}
+                "live": self.live, "stored": self.stored, "evicted": self.evicted}
 
 
 class PrefixCache:
@@ -90,19 +91,26 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt: Sequence[int]) -> tuple[Any, int] | None:
-        """The kept cache sharing the longest prefix with `prompt`, and how many of its
-        positions to reuse (at most all but the prompt's last); None below `min_reuse`."""
+    def lookup(self, prompt: Sequence[int], live: Sequence[tuple[Sequence[int], Any]] = (),
+               better_than: int = 0) -> tuple[Any, int] | None:
+        """The cache sharing the longest prefix with `prompt`, kept or among `live` (running
+        sequences' `(tokens, cache)`, not kept), and how many of its positions to reuse (at
+        most all but the prompt's last); None below `min_reuse` or `better_than`."""
         self.stats.lookups += 1
         want = as_ids(prompt)
-        best_key, best = longest(((k, e.tokens) for k, e in self._entries.items()), want,
-                                 len(want) - 1)
-        if best_key is None or best < self.min_reuse:
+        entries = [(("kept", k), e.tokens) for k, e in self._entries.items()]
+        entries += [(("live", i), as_ids(tokens)) for i, (tokens, _) in enumerate(live)]
+        best_key, best = longest(entries, want, len(want) - 1)
+        if best_key is None or best < max(self.min_reuse, better_than + 1):
             return None
-        self._entries.move_to_end(best_key)
+        kind, key = best_key
         self.stats.hits += 1
-        self.stats.reused += best
-        return self._entries[best_key].cache, best
+        self.stats.reused += best - better_than  # (`better_than`: what it replaces)
+        if kind == "live":
+            self.stats.live += 1
+            return live[key][1], best
+        self._entries.move_to_end(key)
+        return self._entries[key].cache, best
 
     def store(self, tokens: Sequence[int], cache: Any) -> None:
         """Keep `cache`, which holds `tokens` (the caller hands it over: it must not feed it

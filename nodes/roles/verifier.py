@@ -355,7 +355,6 @@ class VerifierRole:
             for source in sources:
                 source.close()
             raise
-        self.stats.reused += seq.reused
         return _Job(req, parsed, prompt_ids, engine, seq, sources, remote, stats,
                     time.perf_counter())
 
@@ -390,6 +389,7 @@ class VerifierRole:
             return
         self._jobs.remove(job)
         self.active = len(self._jobs)
+        self.stats.reused += job.seq.reused
         job.engine.release(job.seq, keep=keep)
         for source in job.sources:
             source.close()

@@ -112,14 +112,57 @@ def test_a_reusing_prompt_joins_a_batch_without_changing_any_output(tiny_torch, 
     runner = engine.start(prompt_ids, PARAMS, sources=[])
     engine.step(runner)
     joiner = engine.start(long_prompt, PARAMS, sources=[])
-    assert joiner.reused == 16
-    outs = {id(runner): list(runner.generated), id(joiner): []}
-    while runner.finish_reason is None or joiner.finish_reason is None:
-        seqs = [s for s in (runner, joiner) if s.finish_reason is None]
-        for seq, block in zip(seqs, engine.step_batch(seqs), strict=True):
-            outs[id(seq)].extend(block.token_ids)
-    assert outs[id(joiner)] == _out(plain, long_prompt)
-    assert outs[id(runner)] == _out(plain, prompt_ids)
+    outs = _step_together(engine, [runner, joiner])
+    assert joiner.reused == 16  # looked up at its first step (the runner holds only 12)
+    assert outs[1] == _out(plain, long_prompt)
+    assert list(runner.generated) == _out(plain, prompt_ids)
+
+
+def _step_together(engine, seqs):
+    """Step `seqs` in one batch until all finish; each one's tokens from these steps."""
+    outs = [[] for _ in seqs]
+    while any(s.finish_reason is None for s in seqs):
+        live = [i for i, s in enumerate(seqs) if s.finish_reason is None]
+        for i, block in zip(live, engine.step_batch([seqs[i] for i in live]), strict=True):
+            outs[i].extend(block.token_ids)
+    return outs
+
+
+def test_a_prompt_starts_from_a_running_sequences_positions(tiny_torch, long_prompt):
+    b = tiny_torch
+    pc = PrefixCache(b, BIG, min_reuse=4)
+    engine = Engine(b, None, prefix_cache=pc)
+    runner = engine.start(long_prompt[:20], PARAMS, sources=[])
+    for _ in range(3):
+        engine.step(runner)  # prefilled, 3 tokens committed, nothing kept yet
+    joiner = engine.start(long_prompt[:20] + [5, 6, 7], PARAMS, sources=[])
+    outs = _step_together(engine, [runner, joiner])
+    assert joiner.reused == 20 and pc.stats.live == 1
+    assert outs[1] == _out(Engine(b, None), long_prompt[:20] + [5, 6, 7])
+
+
+@pytest.mark.parametrize("defer_rows, waits", [(8, True), (64, False)])
+def test_prompts_arriving_together_compute_a_shared_prefix_once(tiny_torch, long_prompt,
+                                                                defer_rows, waits):
+    """The second of two prompts sharing 24 positions waits one step for the first's and
+    copies them, when 24 is worth a step (`prefix_defer_rows`); outputs unchanged."""
+    b = tiny_torch
+    engine = Engine(b, None, prefix_cache=PrefixCache(b, BIG, min_reuse=4))
+    engine.prefix_defer_rows = defer_rows
+    first, second = long_prompt, long_prompt[:24] + [5, 6, 7]
+    seqs = [engine.start(p, PARAMS, sources=[]) for p in (first, second)]
+    blocks = engine.step_batch(seqs)
+    assert blocks[0].fed == len(first) and blocks[0].token_ids
+    if waits:
+        assert blocks[1].fed == 0 and not blocks[1].token_ids  # its turn to wait
+        blocks = engine.step_batch(seqs)
+        assert seqs[1].reused == 24 and blocks[1].fed == 3 and blocks[1].token_ids
+    else:
+        assert blocks[1].fed == len(second) and seqs[1].reused == 0
+    _step_together(engine, seqs)
+    plain = Engine(b, None)
+    assert list(seqs[0].generated) == _out(plain, first)
+    assert list(seqs[1].generated) == _out(plain, second)
 
 
 def test_chunked_prefill_goes_on_from_the_reused_prefix(tiny_torch, long_prompt):
@@ -137,14 +180,18 @@ def test_batch_invariant_mode_and_capturing_sequences_never_reuse(tiny_torch, lo
     engine.generate(long_prompt[:20], PARAMS)
     b.batch_invariant = True
     try:
-        assert engine.start(long_prompt, PARAMS, sources=[]).reused == 0
+        seq = engine.start(long_prompt, PARAMS, sources=[])
+        engine.step(seq)
+        assert seq.reused == 0 and seq.started
     finally:
         b.batch_invariant = False
     source = Hidden()
     list(engine.stream(long_prompt, PARAMS, sources=[source]))
     assert source.got[0].shape[0] == len(long_prompt)  # prefilled whole: every prompt row's states
     # (control: its own finished sequence is kept and reused by a plain one)
-    assert engine.start(long_prompt, PARAMS, sources=[]).reused == len(long_prompt) - 1
+    seq = engine.start(long_prompt, PARAMS, sources=[])
+    engine.step(seq)
+    assert seq.reused == len(long_prompt) - 1
 
 
 def test_a_failed_or_unfinished_sequence_is_kept_only_when_its_cache_is_whole(tiny_torch,
