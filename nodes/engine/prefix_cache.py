@@ -50,7 +50,7 @@ MIN_REUSE = 8
 
 @dataclass
 class _Entry:
-    tokens: np.ndarray  # int64, the positions the cache holds
+    tokens: np.ndarray  # int32, the positions the cache holds
     cache: Any
     nbytes: int
 

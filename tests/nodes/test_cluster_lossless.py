@@ -147,6 +147,9 @@ def test_a_conversations_next_turn_goes_back_to_its_verifier_though_it_is_busier
     affinity), whose prefix cache holds it, although another verifier is less loaded: the
     holder carries one more generation of this client, a stream kept open (so the verdict
     does not hang on timing), within the affinity's slack."""
+    # start from idle cards: a load left over from an earlier test must not decide the choice
+    client.wait_for(lambda ms: all(m.card.load == 0 for m in ms if "verifier" in m.card.roles),
+                    30)
     turn1 = [{"role": "user", "content": "Name two planets and say one thing about each."}]
     first = client.generate(GenerateRequest(messages=turn1, max_tokens=24, speculate=False))
     holder = first.stats["verifier"]
