@@ -264,13 +264,17 @@ def role_lines(view: ClusterView) -> tuple[list[str], list[str], list[str]]:
 
 def batch_line(v: dict[str, Any], batch: dict[str, float] | None) -> str:
     """A verifier's batch: running / --max-batch now, then per step lately (see
-    `_batch_figures`): sequences, rows fed (rows per forward), tokens committed per sequence."""
+    `_batch_figures`): sequences, rows fed (rows per forward), tokens committed per sequence;
+    and, once its prefix cache has served any, the prompt positions it did not prefill."""
     head = f"  batch {v.get('active', 0)}/{v.get('max_batch', 0)}"
     if batch is None:
         return f"{head}  (no steps yet)"
+    reused = v.get("reused")
+    tail = (f"  prompt reused {reused}" if isinstance(reused, int) and not isinstance(
+        reused, bool) and reused > 0 else "")
     return (f"{head}  per step: sequences {batch['mean_batch']:5.2f}  rows/forward "
             f"{batch['rows_per_forward']:6.1f}  tokens/forward/seq "
-            f"{batch['tokens_per_forward_per_seq']:5.2f}  steps {v.get('steps', 0)}")
+            f"{batch['tokens_per_forward_per_seq']:5.2f}  steps {v.get('steps', 0)}{tail}")
 
 
 def render_text(view: ClusterView) -> str:

@@ -88,6 +88,19 @@ def test_batch_figures_follow_the_latest_interval_it_stepped_in():
     assert len(role_lines(view)[0]) == 2  # the verifier's line and the cpu line, no batch line
 
 
+def test_the_batch_line_shows_prompt_positions_reused_once_there_are_any():
+    from tools.monitor_view import ClusterView, role_lines
+
+    view = ClusterView()
+    view.refresh([_member("v" * 12, "v", ("verifier",))])
+    for reused, tail in ((0, "steps 10"), (1234, "steps 10  prompt reused 1234"),
+                         ("x", "steps 10")):
+        stats = _verifier_stats(10, 20, 60, 30)
+        stats["verifier"]["reused"] = reused
+        view.on_stats("v" * 12, stats)
+        assert role_lines(view)[0][1].endswith(tail)
+
+
 @pytest.fixture(scope="module")
 def tiny_backend(tmp_path_factory):
     import torch
