@@ -116,32 +116,22 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     convs = list(enumerate(PROMPTS[:args.conversations]))
     with ExitStack() as stack:
-        clusters = {mb: stack.enter_context(_Cluster(mb, cores, args.verifiers))
-                    for mb in ("default", "0")}
+        clusters = _both(stack, cores, args.verifiers)
         if args.concurrency == 1:
             for c, prompt in convs:
                 rows += _interleaved(clusters, c, prompt, args)
         else:
             for g in range(0, len(convs), args.concurrency):
                 group = convs[g:g + args.concurrency]
-                order = list(clusters) if (g // args.concurrency) % 2 == 0 else list(
-                    clusters)[::-1]
-                got = {mb: _concurrent(clusters[mb], group, args) for mb in order}
+                got = {mb: _concurrent(clusters[mb], group, args)
+                       for mb in _order(clusters, g // args.concurrency)}
                 for (c, (cls, _)), on, off in zip(group, got["default"], got["0"],
                                                   strict=True):
                     rows += [_row(c, cls, t, a, b) for t, (a, b) in enumerate(zip(on, off,
                                                                                 strict=True))]
     summary = _summary(rows, args.turns)
     print(render(summary, cores))
-    if args.json is not None:
-        args.json.write_text(json.dumps({"cores": len(cores), "load": os.getloadavg(),
-                                         "args": {"turns": args.turns,
-                                                  "conversations": args.conversations,
-                                                  "max_tokens": args.max_tokens,
-                                                  "verifiers": args.verifiers,
-                                                  "concurrency": args.concurrency},
-                                         "rows": rows, "summary": summary}, indent=2) + "\n")
-    return 0 if all(r["same"] for r in rows) else 1
+    return _finish(args, cores, rows, summary=summary)
 
 
 def _run_bursts(args: argparse.Namespace, cores: list[int]) -> int:
@@ -152,10 +142,9 @@ def _run_bursts(args: argparse.Namespace, cores: list[int]) -> int:
             for q in AGENT_QUESTIONS[:args.burst]]
     rows, answers = [], {}
     with ExitStack() as stack:
-        clusters = {mb: stack.enter_context(_Cluster(mb, cores, args.verifiers))
-                    for mb in ("default", "0")}
+        clusters = _both(stack, cores, args.verifiers)
         for r in range(args.rounds):
-            for mb in (list(clusters) if r % 2 == 0 else list(clusters)[::-1]):
+            for mb in _order(clusters, r):
                 row, ids = _burst(clusters[mb], msgs, args.max_tokens)
                 answers.setdefault("first", ids)
                 row.update({"round": r + 1, "cache": "on" if mb == "default" else "off",
@@ -172,12 +161,26 @@ def _run_bursts(args: argparse.Namespace, cores: list[int]) -> int:
               f"{r['cached_tokens']:>6.0f}  {r['ttft_p50_ms']:>11.0f}  {r['ttft_p99_ms']:>11.0f}"
               f"  {r['wall_s']:>7.2f}  {r['same']}" for r in rows]
     print("\n".join(lines))
+    return _finish(args, cores, rows)
+
+
+def _both(stack, cores: list[int], n: int) -> dict[str, _Cluster]:
+    """The two clusters, entered on `stack`: the default prefix cache, and none."""
+    return {mb: stack.enter_context(_Cluster(mb, cores, n)) for mb in ("default", "0")}
+
+
+def _order(clusters: dict, k: int) -> list[str]:
+    """Which cluster goes first in the k-th request, burst or group: alternating."""
+    return list(clusters) if k % 2 == 0 else list(clusters)[::-1]
+
+
+def _finish(args: argparse.Namespace, cores: list[int], rows: list[dict], **extra) -> int:
+    """Write the JSON (`--json`); exit 1 when any answer differed between the clusters."""
     if args.json is not None:
         args.json.write_text(json.dumps({"cores": len(cores), "load": os.getloadavg(),
-                                         "args": {"burst": args.burst, "rounds": args.rounds,
-                                                  "max_tokens": args.max_tokens,
-                                                  "verifiers": args.verifiers},
-                                         "rows": rows}, indent=2) + "\n")
+                                         "args": {k: v for k, v in vars(args).items()
+                                                  if isinstance(v, (int, float, str))},
+                                         "rows": rows, **extra}, indent=2) + "\n")
     return 0 if all(r["same"] for r in rows) else 1
 
 
@@ -203,9 +206,8 @@ def _interleaved(clusters: dict, c: int, prompt: tuple[str, str],
     talks = {mb: [{"role": "user", "content": text}] for mb in clusters}
     rows = []
     for turn in range(args.turns):
-        order = list(clusters) if (c + turn) % 2 == 0 else list(clusters)[::-1]
         got = {}
-        for mb in order:
+        for mb in _order(clusters, c + turn):
             got[mb] = clusters[mb].ask(talks[mb], args.max_tokens)
             _next_turn(talks[mb], got[mb], turn, args.turns)
         rows.append(_row(c, cls, turn, got["default"], got["0"]))
