@@ -14,8 +14,9 @@ that is a prefix of a newer one is dropped (a conversation's turns keep one entr
 latest), and a new one that is a prefix of a kept one is not stored. Memory is bounded by
 `budget` bytes: least recently used entries go first, whole.
 
-A lookup takes the longest common prefix of the prompt with any entry (`nodes/prefixes.py`:
-entries are bounded by the budget to a few hundred at most, microseconds each), at most
+A lookup takes the longest common prefix of the prompt with any entry, or with a running
+sequence's cache the engine hands in (its batch-mates: prompts arriving together; the scan is
+`nodes/prefixes.py`, entries are bounded by the budget to a few hundred, microseconds each), at most
 all but the prompt's last position (its logits give the first token), and at least
 `min_reuse` positions (fewer save nothing worth a different cache); the engine copies those
 positions into the new sequence's cache (`Backend.copy_prefix`) and prefills the rest.
@@ -72,7 +73,8 @@ class PrefixStats:
 
 
 class PrefixCache:
-    """Finished sequences' caches, looked up by longest common prefix (module docstring)."""
+    """Ended sequences' caches, looked up by longest common prefix beside the running ones a
+    caller hands in (module docstring)."""
 
     def __init__(self, backend: Any, budget: int, *, min_reuse: int = MIN_REUSE) -> None:
         if budget < 1:
