@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,12 +11,16 @@ import numpy as np
 import torch
 
 from nodes import models
-from nodes.backends import few_rows, torch_batch
+from nodes.backends import few_rows, growing_cache, torch_batch, torch_lean
 from nodes.backends.base import Backend, tree_layout
 from nodes.backends.tokenizer import Tokenizer
 from nodes.engine.errors import BadRequestError, ModelNotFoundError
 
 log = logging.getLogger(__name__)
+
+#: the environment switch that keeps transformers' own forward where the lean one would serve
+#: (benchmarks compare both): SPECBUS_FORWARD=transformers
+FORWARD_ENV = "SPECBUS_FORWARD"
 
 
 def default_device() -> str:
@@ -43,6 +48,8 @@ class TorchBackend(Backend):
         #: run a batch one sequence at a time, so each sequence's logits are bit for bit
         #: those it gets alone (docs/engine.md, "Batching": batched CPU matmuls differ)
         self.batch_invariant = False
+        #: the lean float32 forward (`torch_lean`), where it reproduces the model's own
+        self.lean: torch_lean.LeanForward | None = None
 
     @classmethod
     def load(cls, model_ref: str | None = None, device: str | None = None) -> TorchBackend:
@@ -64,7 +71,9 @@ class TorchBackend(Backend):
         model.to(device).eval()
         if device == "cpu":
             few_rows.install(model)  # verify forwards' 2-16 rows at ~1-token cost (why: there)
-        return cls(model, tokenizer, ref.name, device)
+        backend = cls(model, tokenizer, ref.name, device)
+        backend.lean = _lean_forward(model)
+        return backend
 
     @classmethod
     def from_model(cls, model: Any, tokenizer: Tokenizer, model_name: str) -> TorchBackend:
@@ -73,9 +82,7 @@ class TorchBackend(Backend):
         return cls(model, tokenizer, model_name, "cpu")
 
     def new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
+        return growing_cache.new_cache(self.model.config)
 
     # ---- hidden states for heads that read them (EAGLE-3) ------------------------------------
     @property
@@ -155,6 +162,8 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def forward(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
+        if self.lean is not None:
+            return self._lean_one(cache, token_ids, None, last_only=False)
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         out = self._run(cache, input_ids=ids)
         return out.logits[0].float().cpu().numpy()
@@ -162,6 +171,8 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def forward_last(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
         # logits_to_keep=1 is also what HF generate uses for the prompt
+        if self.lean is not None:
+            return self._lean_one(cache, token_ids, None, last_only=True)[-1]
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         out = self._run(cache, input_ids=ids, logits_to_keep=1)
         return out.logits[0, -1].float().cpu().numpy()
@@ -170,6 +181,8 @@ class TorchBackend(Backend):
     def forward_tree(
         self, cache: Any, token_ids: Sequence[int], parents: Sequence[int]
     ) -> np.ndarray:
+        if self.lean is not None:
+            return self._lean_one(cache, token_ids, parents, last_only=False)
         n, past = len(token_ids), self.cache_length(cache)
         depth, visible = tree_layout(parents)
         dtype = self.model.dtype
@@ -181,6 +194,15 @@ class TorchBackend(Backend):
         pos = torch.from_numpy(past + depth)[None].to(self.device)
         out = self._run(cache, input_ids=ids, attention_mask=mask, position_ids=pos)
         return out.logits[0].float().cpu().numpy()
+
+    def _lean_one(self, cache: Any, token_ids: Sequence[int], parents: Sequence[int] | None,
+                  last_only: bool) -> np.ndarray:
+        """One sequence through the lean forward: the batch layout with one sequence in it."""
+        ids = list(token_ids)
+        if parents is None:
+            parents = list(range(-1, len(ids) - 1))
+        return torch_batch.forward(self, [cache], [(ids, list(parents))],
+                                   last_only=[last_only])[0]
 
     @torch.inference_mode()
     def forward_batch(self, caches: Sequence[Any],
@@ -236,3 +258,16 @@ class TorchBackend(Backend):
         extra = self.cache_length(cache) - length
         if extra > 0:
             cache.crop(-extra)
+
+
+def _lean_forward(model: Any) -> torch_lean.LeanForward | None:
+    """The lean forward for `model` where it serves (and is not switched off), else None;
+    said once in the log either way."""
+    if os.environ.get(FORWARD_ENV, "").strip().lower() == "transformers":
+        log.info("forward: transformers' own (%s=transformers)", FORWARD_ENV)
+        return None
+    if not torch_lean.supported(model):
+        log.info("forward: transformers' own (no lean forward for this model or device)")
+        return None
+    log.info("forward: lean float32 Llama forward (torch_lean)")
+    return torch_lean.LeanForward(model)

@@ -48,15 +48,17 @@ _registered = False
 
 
 def forward(backend: Any, caches: Sequence[Any],
-            feeds: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
+            feeds: Sequence[tuple[Sequence[int], Sequence[int]]],
+            last_only: Sequence[bool] | None = None) -> list[np.ndarray]:
     """Append `feeds[b] = (token_ids, parents)` to `caches[b]` in one model call; return each
-    sequence's logits float32 [n_b, vocab] ([1, vocab] for a `last_only` feed; see the module
-    docstring)."""
-    _register()
+    sequence's logits float32 [n_b, vocab] ([1, vocab] for a `last_only` feed, or where
+    `last_only[b]` says so; see the module docstring). On a backend with a lean forward
+    (`torch_lean`) that forward runs instead of the model's, with the same layout and values."""
     device = backend.device
     sizes = [len(ids) for ids, _ in feeds]
     pasts = [backend.cache_length(c) for c in caches]
-    last = [bool(getattr(f, "last_only", False)) for f in feeds]
+    last = (list(last_only) if last_only is not None
+            else [bool(getattr(f, "last_only", False)) for f in feeds])
     offs = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
     ids = torch.empty((1, int(offs[-1])), dtype=torch.long)
     pos = torch.empty_like(ids)
@@ -66,15 +68,42 @@ def forward(backend: Any, caches: Sequence[Any],
         ids[0, offs[b]:offs[b] + n] = torch.tensor(list(tokens), dtype=torch.long)
         pos[0, offs[b]:offs[b] + n] = torch.from_numpy(past + depth)
         masks.append(_mask(past, visible, device))
-    ragged = _Ragged(caches, offs, masks)
     capture = [getattr(c, "specbus_capture", None) for c in caches]
     union = tuple(sorted({i for layers in capture if layers for i in layers})) or None
-    ragged.specbus_capture, ragged.specbus_hidden = union, None
     wanted = [[offs[b] + n - 1] if only else list(range(offs[b], offs[b] + n))
               for b, (n, only) in enumerate(zip(sizes, last, strict=True))]
     keep = [i for rows in wanted for i in rows]
+    trimmed = len(keep) < len(pos[0])  # some feeds want only their last row: skip the others' head
+    if backend.lean is not None:
+        out_logits, hidden = backend.lean.run(caches, offs, ids, pos, masks,
+                                              keep if trimmed else None, union)
+    else:
+        out_logits, hidden = _model_call(backend, caches, offs, ids, pos, masks,
+                                         keep if trimmed else None, union)
+    if union is not None:
+        for b, (cache, layers) in enumerate(zip(caches, capture, strict=True)):
+            if layers:
+                cols = [union.index(i) for i in layers]
+                cache.specbus_hidden = hidden[offs[b]:offs[b + 1]][:, cols]
+    logits = out_logits[0].float().cpu().numpy()
+    got, start = [], 0
+    for rows in wanted:
+        got.append(logits[start:start + len(rows)])
+        start += len(rows)
+    return got
+
+
+def _model_call(backend: Any, caches: Sequence[Any], offs: np.ndarray, ids: torch.Tensor,
+                pos: torch.Tensor, masks: list[Any], keep: list[int] | None,
+                union: tuple[int, ...] | None) -> tuple[torch.Tensor, Any]:
+    """The packed rows through the model itself, attention switched to `specbus_ragged`;
+    returns the logits [1, kept rows, vocab] and the captured layer inputs (or None)."""
+    _register()
+    device = backend.device
+    ragged = _Ragged(caches, offs, masks)
+    ragged.specbus_capture, ragged.specbus_hidden = union, None
     kwargs: dict[str, Any] = {}
-    if len(keep) < len(pos[0]):  # some feeds want only their last row: skip the others' head
+    if keep is not None:
         kwargs["logits_to_keep"] = torch.tensor(keep, dtype=torch.long, device=device)
     config = backend.model.config
     before = config._attn_implementation
@@ -86,18 +115,7 @@ def forward(backend: Any, caches: Sequence[Any],
                                 specbus_ragged=ragged, **kwargs)
     finally:
         config._attn_implementation = before
-    if union is not None:
-        hidden = ragged.specbus_hidden  # [total, len(union), hidden]
-        for b, (cache, layers) in enumerate(zip(caches, capture, strict=True)):
-            if layers:
-                cols = [union.index(i) for i in layers]
-                cache.specbus_hidden = hidden[offs[b]:offs[b + 1]][:, cols]
-    logits = out.logits[0].float().cpu().numpy()
-    got, start = [], 0
-    for rows in wanted:
-        got.append(logits[start:start + len(rows)])
-        start += len(rows)
-    return got
+    return out.logits, ragged.specbus_hidden  # hidden: [total, len(union), hidden]
 
 
 def _mask(past: int, visible: np.ndarray, device: Any) -> Any:

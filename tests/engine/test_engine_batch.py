@@ -332,23 +332,25 @@ def test_a_prompt_chunk_in_the_batched_forward_matches_alone(tiny_torch, prompt_
     _assert_like_solo(b, got, solo, got_caches, solo_caches, solo_hidden, capture)
 
 
-def test_the_batch_feeds_its_rows_packed_ragged(tiny_torch, prompt_ids, monkeypatch):
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-forward", "transformers-forward"])
+def test_the_batch_feeds_its_rows_packed_ragged(tiny_torch, prompt_ids, monkeypatch, lean):
     """One model row per fed token: a tree and a prompt chunk beside one-token steps are not
     padded to the longest feed (which would multiply the linear layers' work); and attention
     is per sequence, each over its own past and fed rows only (no row meets another
-    sequence's past, masked or not)."""
+    sequence's past, masked or not). Through the lean forward and transformers' alike."""
     from nodes.backends import torch_batch
     from nodes.engine.core import _PromptRows
 
     b = tiny_torch
+    if lean and b.lean is None:
+        pytest.skip("no lean forward here (it needs the few-row kernel: make setup)")
+    monkeypatch.setattr(b, "lean", b.lean if lean else None)
     caches = [*_primed(b, _prompts(prompt_ids)[:3]), b.new_cache()]
     feeds = [*_feeds(prompt_ids)[:3], _PromptRows((prompt_ids * 2)[:17])]
     pasts = [b.cache_length(c) for c in caches]
     rows, keys = [], []
-    hook = b.model.model.layers[0].register_forward_pre_hook(
-        lambda _m, args, kwargs: rows.append(tuple((args[0] if args else
-                                                    kwargs["hidden_states"]).shape[:2])),
-        with_kwargs=True)
+    hook = b.model.model.embed_tokens.register_forward_hook(
+        lambda _m, _args, out: rows.append(tuple(out.shape[:2])))
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def spy(q, k, v, **kw):

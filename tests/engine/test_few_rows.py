@@ -101,7 +101,8 @@ def test_bench_forward_measures_both_matmuls_on_a_real_model(tiny_folder, tmp_pa
     assert bench_forward.main(["--model", str(tiny_folder), "--fed", "1,2,5", "--repeat", "1",
                                "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    modes = {"torch", "few-rows"} if few_rows.load() is not None else {"torch"}
+    # the lean forward needs the kernel too (torch_lean.supported)
+    modes = {"torch", "few-rows", "lean"} if few_rows.load() is not None else {"torch"}
     assert set(result["seconds"]) == modes
     assert all(set(v) == {"1", "2", "5"} and min(v.values()) > 0
                for v in result["seconds"].values())
@@ -117,3 +118,5 @@ def test_bench_forward_refuses_bad_counts():
         bench_forward.main(["--fed", "0,2"])
     with pytest.raises(SystemExit):
         bench_forward.main(["--fed", "1,100000"])
+    with pytest.raises(SystemExit):
+        bench_forward.main(["--fed", "1,2", "--context", "0"])
