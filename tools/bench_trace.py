@@ -36,6 +36,12 @@ tune a drafter (`HELD_OUT`). Input-grounded: suffix vs HF prompt lookup; open-en
 plain.
 
 `--no-cluster` keeps everything in this process (no shared or late rows).
+
+Each request (traces and singles) also gets its oracle ceiling (tools/trace_ceiling.py): the
+suffix and ngram drafters replayed over the plain row's answer against a verifier that feeds
+exactly the accepted path, on the forward costs measured for that prompt. It is what those
+drafters' proposals allow at best on this model's answers: the measured row over it is the
+engine's judging, a target above it is out of the drafter's reach on these answers.
 """
 
 from __future__ import annotations
@@ -198,6 +204,17 @@ class InProcess:
         finally:
             _pin({CORE_PROPOSER})
 
+    def costs(self, ids: list[int], max_rows: int):
+        """The prompt's prefill and verify forwards after it, measured on core 0 like the
+        rows (`trace_ceiling.measure_costs`)."""
+        from tools.trace_ceiling import measure_costs
+
+        _pin({CORE_VERIFIER})
+        try:
+            return measure_costs(self.backend, ids, max_rows)
+        finally:
+            _pin({CORE_PROPOSER})
+
     def warm(self, ids: list[int]) -> None:
         for name in INPROC_ROWS:
             self.run(name, ids, 8)
@@ -356,6 +373,7 @@ def _order(rows: list[str], k: int) -> list[str]:
 
 
 def run_singles(inproc: InProcess, n: int) -> list[dict]:
+    from nodes.drafters.registry import make_drafter
     from tools.prompts import PROMPTS
 
     out = []
@@ -371,7 +389,8 @@ def run_singles(inproc: InProcess, n: int) -> list[dict]:
         rec = {"class": klass, "source": source, "prompt": text[:60], "tokens": len(
             res["hf-plain"]["tokens"]), "loadavg": loadavg(),
             "identical_to_hf": _identity(res, inproc.tokenizer.decode), **_speedups(res),
-            "rows": {k2: {x: v for x, v in r.items() if x != "tokens"} for k2, r in res.items()}}
+            "rows": {k2: {x: v for x, v in r.items() if x != "tokens"} for k2, r in res.items()},
+            "ceiling": _ceiling(inproc, make_drafter(inproc.spec), ids, res)}
         out.append(rec)
         print(f"single {k + 1}/{len(prompts)} {klass} ({source}): suffix/plain "
               f"{rec['vs_plain'].get('suffix')} suffix/hf-lookup {rec['suffix_vs_hf_lookup']} "
@@ -380,7 +399,10 @@ def run_singles(inproc: InProcess, n: int) -> list[dict]:
     return out
 
 
-def run_traces(args, inproc: InProcess, cluster: Cluster | None, names: list[str]) -> dict:
+def run_traces(args, inproc: InProcess, cluster: Cluster | None, names: list[str],
+               answers: list | None = None) -> dict:
+    """Every request of the traces, in turn, with every row; `answers` (when given) gets
+    (trace, request, prompt ids, the plain and HF lookup rows) in run order (`add_ceilings`)."""
     from tools.bench_suffix import encode_request, load_trace
 
     traces = {name: load_trace(name)[: args.limit or None] for name in names}
@@ -410,6 +432,8 @@ def run_traces(args, inproc: InProcess, cluster: Cluster | None, names: list[str
                "identical_to_hf": _identity(res, inproc.tokenizer.decode), **_speedups(res),
                "rows": {r: {x: y for x, y in d.items() if x != "tokens"} for r, d in res.items()}}
         out[name].append(rec)
+        if answers is not None:
+            answers.append((name, j, ids, {r: res[r] for r in ("plain", "hf-prompt-lookup")}))
         print(f"{name} {j + 1}/{len(traces[name])}: vs plain {rec['vs_plain']} "
               f"identical {all(rec['identical_to_hf'].values())} load {rec['loadavg']}",
               file=sys.stderr, flush=True)
@@ -444,6 +468,44 @@ def run_late(args, inproc: InProcess, cluster: Cluster, names: list[str], warm_i
     return {"start": start, "requests": out}
 
 
+def _ceiling(inproc: InProcess, suffix, ids: list[int], res: dict) -> dict:
+    """One request's oracle ceilings (tools/trace_ceiling.py) on the cost curve measured for
+    its prompt here (core 0): the suffix drafter (`suffix`, replayed; its index carries on to
+    the next call) and ngram (a fresh one per request), whole requests against a plain one
+    on the same curve. Against HF prompt lookup: the measured plain row's time scaled by the
+    ceiling's ratio."""
+    from nodes.drafters.registry import make_drafter
+    from tools.trace_ceiling import oracle_replay
+
+    max_k = inproc.engines["suffix"].max_draft
+    curve = inproc.costs(ids, max_k + 1)
+    answer = res["plain"]["tokens"]
+    sfx = oracle_replay(suffix, ids, answer, curve.verify, max_k)
+    ngr = oracle_replay(make_drafter("ngram"), ids, answer, curve.verify, max_k)
+    plain = curve.prefill_s + sfx.plain_s
+    s_total, n_total = curve.prefill_s + sfx.drafted_s, curve.prefill_s + ngr.drafted_s
+    out = {"suffix_vs_plain": round(plain / s_total, 3),
+           "ngram_vs_plain": round(plain / n_total, 3),
+           "suffix_vs_ngram": round(n_total / s_total, 3),
+           "suffix_tok_per_fwd": round((sfx.tokens - 1) / max(sfx.forwards, 1), 2)}
+    hf = res.get("hf-prompt-lookup")
+    if hf and hf["s"] > 0:
+        out["suffix_vs_hf_lookup"] = round(hf["s"] / (res["plain"]["s"] * s_total / plain), 3)
+    return out
+
+
+def add_ceilings(per_trace: dict[str, list[dict]], answers: list, inproc: InProcess) -> None:
+    """Each trace request's ceilings (`_ceiling`) as `rec["ceiling"]`, the suffix drafter
+    replayed over the answers in run order as the in-process row's index saw them (its
+    warm-up answer aside)."""
+    from nodes.drafters.registry import make_drafter
+
+    suffix = make_drafter(inproc.spec)
+    recs = {(r["trace"], r["request"]): r for rs in per_trace.values() for r in rs}
+    for name, j, ids, res in answers:
+        recs[name, j]["ceiling"] = _ceiling(inproc, suffix, ids, res)
+
+
 def summarize(per_trace: dict[str, list[dict]], skip: int = SKIP_FIRST) -> dict:
     """Per trace and pooled: medians and the worst request, over requests `skip`.. and all."""
     def block(recs: list[dict]) -> dict:
@@ -461,6 +523,12 @@ def summarize(per_trace: dict[str, list[dict]], skip: int = SKIP_FIRST) -> dict:
                       "vs_ngram_median": _median(vn) if n != "ngram" else None,
                       "vs_ngram_worst": _min(vn) if n != "ngram" else None,
                       "tok_per_fwd_median": _median(tpf)}
+        ceil = [r["ceiling"] for r in recs if "ceiling" in r]
+        if ceil:
+            out["ceiling"] = {k: {"median": _median(c[k] for c in ceil),
+                                  "worst": _min(c[k] for c in ceil)}
+                              for k in ("suffix_vs_plain", "suffix_vs_ngram", "ngram_vs_plain",
+                                        "suffix_tok_per_fwd", "suffix_vs_hf_lookup")}
         out["identical_to_hf"] = sum(all(r["identical_to_hf"].values()) for r in recs)
         out["requests"] = len(recs)
         return out
@@ -489,6 +557,9 @@ def summarize_singles(singles: list[dict]) -> dict:
                                     "worst": _min(s["suffix_vs_hf_lookup"] for s in sel)},
             "suffix_vs_ngram": {"median": _median(s["vs_ngram"].get("suffix") for s in sel),
                                 "worst": _min(s["vs_ngram"].get("suffix") for s in sel)},
+            "ceiling": {k: {"median": _median(s["ceiling"][k] for s in sel),
+                            "worst": _min(s["ceiling"][k] for s in sel)}
+                        for k in ("suffix_vs_plain", "suffix_vs_hf_lookup")},
             "identical_to_hf": sum(all(s["identical_to_hf"].values()) for s in sel),
         }
     return out
@@ -508,12 +579,20 @@ def print_report(doc: dict) -> None:
             print(f"  {'row':17s} {'vs plain':>8s} {'worst':>6s} {'vs ngram':>8s} "
                   f"{'worst':>6s} {'tok/fwd':>7s}  worst request")
             for row, r in b.items():
-                if not isinstance(r, dict):
+                if not isinstance(r, dict) or row == "ceiling":
                     continue
                 print(f"  {row:17s} {_fmt(r['vs_plain_median']):>8s} "
                       f"{_fmt(r['vs_plain_worst']):>6s} {_fmt(r['vs_ngram_median']):>8s} "
                       f"{_fmt(r['vs_ngram_worst']):>6s} {_fmt(r['tok_per_fwd_median']):>7s}"
                       f"  {r['worst_request']}")
+            c = b.get("ceiling")
+            if c:
+                print(f"  {'suffix ceiling':17s} {_fmt(c['suffix_vs_plain']['median']):>8s} "
+                      f"{_fmt(c['suffix_vs_plain']['worst']):>6s} "
+                      f"{_fmt(c['suffix_vs_ngram']['median']):>8s} "
+                      f"{_fmt(c['suffix_vs_ngram']['worst']):>6s} "
+                      f"{_fmt(c['suffix_tok_per_fwd']['median']):>7s}  (oracle verifier; "
+                      f"ngram's {_fmt(c['ngram_vs_plain']['median'])}x plain)")
     late = doc.get("late")
     if late:
         print("\nasked again on a verifier and a proposer started after the answers "
@@ -532,7 +611,10 @@ def print_report(doc: dict) -> None:
         for klass, s in singles.items():
             print(f"  {klass} ({s['prompts']} prompts, {s['identical_to_hf']} identical): "
                   + "; ".join(f"{k} {v['median']:.2f}x (worst {v['worst']:.2f}x)"
-                              for k, v in s.items() if isinstance(v, dict)))
+                              for k, v in s.items() if isinstance(v, dict) and k != "ceiling"))
+            print("    suffix ceiling (oracle verifier): " + "; ".join(
+                f"{k} {_fmt(v['median'])}x (worst {_fmt(v['worst'])}x)"
+                for k, v in s["ceiling"].items()))
     idx = doc.get("index")
     if idx:
         print(f"\nsuffix index (in process): {idx}")
@@ -575,7 +657,9 @@ def run_trace(args) -> int:
         if args.singles:
             doc["singles"] = run_singles(inproc, args.max_tokens)
             doc["singles_summary"] = summarize_singles(doc["singles"])
-        per_trace = run_traces(args, inproc, cluster, names)
+        answers: list = []
+        per_trace = run_traces(args, inproc, cluster, names, answers)
+        add_ceilings(per_trace, answers, inproc)
         doc["requests"] = per_trace
         doc["summary"] = summarize(per_trace)
         stats = inproc.suffix_index.stats()

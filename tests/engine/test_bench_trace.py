@@ -29,6 +29,10 @@ def test_trace_bench_in_process_rows_and_singles(tmp_path, tiny_folder):
             assert set(r["rows"]) == {"plain", "ngram", "suffix", "hf-plain", "hf-prompt-lookup"}
             assert all(r["identical_to_hf"].values()), r["identical_to_hf"]
         assert doc["summary"][name]["all"]["identical_to_hf"] == 2
+        # the oracle ceiling of every request (tools/trace_ceiling.py, tested there)
+        assert all(r["ceiling"]["suffix_vs_plain"] > 0 for r in recs)
+        assert set(doc["summary"][name]["all"]["ceiling"]) >= {"suffix_vs_plain",
+                                                               "suffix_vs_ngram"}
     # traces are taken in turn: request 0 of each, then request 1 of each
     order = sorted((r["run_order"], r["trace"], r["request"])
                    for recs in doc["requests"].values() for r in recs)
@@ -39,6 +43,7 @@ def test_trace_bench_in_process_rows_and_singles(tmp_path, tiny_folder):
     classes = doc["singles_summary"]
     assert set(classes) == {"input-grounded", "open-ended"}
     assert all(s["identical_to_hf"] == s["prompts"] for s in classes.values())
+    assert all(s["ceiling"]["suffix_vs_hf_lookup"]["median"] > 0 for s in classes.values())
     assert "late" not in doc
 
 
