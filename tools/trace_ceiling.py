@@ -32,14 +32,17 @@ from nodes.engine.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class Ceiling:
-    """One request's oracle replay: decode seconds plain and with the drafter, forwards, the
-    answer's length and the tokens each forward committed (accepted drafts + the model's)."""
+    """One request's oracle replay: decode seconds plain and with the drafter, the answer's
+    length and the tokens each forward committed (accepted drafts + the model's)."""
 
     plain_s: float
     drafted_s: float
-    forwards: int
     tokens: int
     committed: tuple[int, ...] = ()
+
+    @property
+    def forwards(self) -> int:
+        return len(self.committed)
 
     @property
     def speedup(self) -> float:
@@ -92,7 +95,7 @@ def oracle_replay(drafter: Drafter, prompt: Sequence[int], answer: Sequence[int]
     answer = [int(t) for t in answer]
     try:
         if not answer:
-            return Ceiling(0.0, 0.0, 0, 0)
+            return Ceiling(0.0, 0.0, 0)
         session.extend(answer[:1])
         pos, seconds, committed = 1, 0.0, []
         while pos < len(answer):
@@ -107,7 +110,7 @@ def oracle_replay(drafter: Drafter, prompt: Sequence[int], answer: Sequence[int]
             session.extend(answer[pos : pos + step])
             pos += step
         plain = (len(answer) - 1) * verify_cost(1)
-        return Ceiling(plain, seconds, len(committed), len(answer), tuple(committed))
+        return Ceiling(plain, seconds, len(answer), tuple(committed))
     finally:
         session.close()
 
