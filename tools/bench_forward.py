@@ -92,7 +92,8 @@ def run(args: argparse.Namespace, error=None) -> int:
                 best[mode][n] = min(best[mode].get(n, seconds), seconds)
     load = os.getloadavg()
     print(f"forward cost by tokens fed after {args.context} cached: {backend.model_name}, "
-          f"{args.threads} torch thread(s), fastest of {args.repeat}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+          f"{args.threads} torch thread(s), fastest of {args.repeat}, "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"{'fed':>4} " + " ".join(f"{m + ' ms':>12} {'x 1 token':>9}" for m in modes))
     for n in fed:
         print(f"{n:>4} " + " ".join(
