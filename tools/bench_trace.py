@@ -30,10 +30,11 @@ both join after every answer was given) and each trace's first N requests are as
 the new verifier: `late-shared` (drafted by the late proposer, warm from the snapshots),
 `late-shared-p0` (the first proposer, there all along) and `late-plain` (its baseline).
 
-`--singles`: before the traces, single requests with nothing indexed (a fresh suffix drafter
-per prompt): tools/prompts.py's set and a held-out set written for this bench, never used to
-tune a drafter (`HELD_OUT`). Input-grounded: suffix vs HF prompt lookup; open-ended: suffix vs
-plain.
+`--singles`: before the traces (and before the cluster starts), single requests with nothing
+indexed (a fresh suffix drafter per prompt): tools/prompts.py's set and a held-out set written
+for this bench, never used to tune a drafter (`HELD_OUT`). Input-grounded: suffix vs HF prompt
+lookup; open-ended: suffix vs plain. The set runs `--singles-rounds` times (default 3) and
+each row's figure is its median run (`run_singles`).
 
 `--no-cluster` keeps everything in this process (no shared or late rows).
 
@@ -84,6 +85,8 @@ HELD_OUT: list[tuple[str, str]] = [
 
 def add_arguments(parser) -> None:
     """The trace options of `specbus bench decode` (tools/bench_decode.py adds them)."""
+    from tools.bench_decode import _positive_int
+
     parser.add_argument("--trace", default=None, metavar="NAME[,NAME...]|all",
                         help="replay tools/traces/NAME.json (several: taken in turn, "
                              "interleaved); 'all': every trace (tools/bench_trace.py)")
@@ -95,6 +98,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--singles", action="store_true",
                         help="--trace: single requests with nothing indexed first (input-"
                              "grounded vs HF prompt lookup, open-ended vs plain)")
+    parser.add_argument("--singles-rounds", type=_positive_int, default=3, metavar="N",
+                        help="--singles: run the whole set N times, each row's figure its "
+                             "median run (default 3)")
     parser.add_argument("--no-cluster", action="store_true",
                         help="--trace: in-process rows only (no node processes)")
     parser.add_argument("--suffix-spec", default="suffix", metavar="SPEC",
@@ -372,31 +378,55 @@ def _order(rows: list[str], k: int) -> list[str]:
     return rows[shift:] + rows[:shift]
 
 
-def run_singles(inproc: InProcess, n: int) -> list[dict]:
+def run_singles(inproc: InProcess, n: int, rounds: int = 1) -> list[dict]:
+    """Every single request with every row, `rounds` times: the whole set once per round
+    (rows in an order rotated per request and per round), each row's figure its median run.
+
+    Why rounds over the set and not repeats of one prompt: the engines keep each source's
+    long-run acceptance across generations (docs/engine.md), so a prompt run again at once
+    would start from a record of itself; a round later its own blocks have decayed under
+    the other prompts'. Why a median: one run's time drifts with the machine far more than
+    the open-ended target's margin (one prompt's plain row, the same 64 forwards each time,
+    took 3.98 to 5.51 s over five rounds with no node process running; docs/benchmarks.md)."""
     from nodes.drafters.registry import make_drafter
     from tools.prompts import PROMPTS
 
-    out = []
     prompts = [(c, t, "tools/prompts.py") for c, t in PROMPTS] + [
         (c, t, "held-out") for c, t in HELD_OUT]
+    encoded = [inproc.tokenizer.encode(text, chat=True) for _, text, _ in prompts]
+    runs: list[dict[str, list[dict]]] = [{name: [] for name in SINGLE_ROWS} for _ in prompts]
+    identical: list[dict[str, bool]] = [dict.fromkeys(SINGLE_ROWS, True) for _ in prompts]
+    for r in range(rounds):
+        for k, (klass, _, source) in enumerate(prompts):
+            res = {}
+            for name in _order(list(SINGLE_ROWS), k + r):
+                if name == "suffix":
+                    inproc.fresh_suffix()  # nothing indexed: a single request
+                res[name] = inproc.run(name, encoded[k], n)
+                runs[k][name].append(res[name])
+            for name, same in _identity(res, inproc.tokenizer.decode).items():
+                identical[k][name] = identical[k][name] and same
+            print(f"single {k + 1}/{len(prompts)} round {r + 1}/{rounds} {klass} ({source}): "
+                  f"suffix/plain {_speedups(res)['vs_plain'].get('suffix')} suffix/hf-lookup "
+                  f"{_speedups(res)['suffix_vs_hf_lookup']} load {loadavg()}",
+                  file=sys.stderr, flush=True)
+    out = []
     for k, (klass, text, source) in enumerate(prompts):
-        ids = inproc.tokenizer.encode(text, chat=True)
-        res = {}
-        for name in _order(list(SINGLE_ROWS), k):
-            if name == "suffix":
-                inproc.fresh_suffix()  # nothing indexed: a single request
-            res[name] = inproc.run(name, ids, n)
+        res = {name: _median_run(rs) for name, rs in runs[k].items()}
         rec = {"class": klass, "source": source, "prompt": text[:60], "tokens": len(
-            res["hf-plain"]["tokens"]), "loadavg": loadavg(),
-            "identical_to_hf": _identity(res, inproc.tokenizer.decode), **_speedups(res),
-            "rows": {k2: {x: v for x, v in r.items() if x != "tokens"} for k2, r in res.items()},
-            "ceiling": _ceiling(inproc, make_drafter(inproc.spec), ids, res)}
+            res["hf-plain"]["tokens"]), "rounds": rounds, "loadavg": loadavg(),
+            "identical_to_hf": identical[k], **_speedups(res),
+            "rows": {k2: {x: v for x, v in r.items() if x != "tokens"}
+                     | {"s_runs": [x["s"] for x in runs[k][k2]]} for k2, r in res.items()},
+            "ceiling": _ceiling(inproc, make_drafter(inproc.spec), encoded[k], res)}
         out.append(rec)
-        print(f"single {k + 1}/{len(prompts)} {klass} ({source}): suffix/plain "
-              f"{rec['vs_plain'].get('suffix')} suffix/hf-lookup {rec['suffix_vs_hf_lookup']} "
-              f"load {rec['loadavg']}", file=sys.stderr, flush=True)
     inproc.fresh_suffix()
     return out
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median time (the slower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r["s"])[len(runs) // 2]
 
 
 def run_traces(args, inproc: InProcess, cluster: Cluster | None, names: list[str],
@@ -607,7 +637,9 @@ def print_report(doc: dict) -> None:
                   f"{all(r['identical_to_plain'].values())}")
     singles = doc.get("singles_summary")
     if singles:
-        print("\nsingle requests, nothing indexed (fresh suffix drafter per prompt)")
+        rounds = doc["singles"][0].get("rounds", 1)
+        print("\nsingle requests, nothing indexed (fresh suffix drafter per prompt; each row "
+              f"its median of {rounds} rounds)")
         for klass, s in singles.items():
             print(f"  {klass} ({s['prompts']} prompts, {s['identical_to_hf']} identical): "
                   + "; ".join(f"{k} {v['median']:.2f}x (worst {v['worst']:.2f}x)"
@@ -650,13 +682,13 @@ def run_trace(args) -> int:
         "loadavg_start": start_load,
     }
     with contextlib.ExitStack() as stack:
+        if args.singles:  # in process only: before the cluster's idle nodes share core 0
+            doc["singles"] = run_singles(inproc, args.max_tokens, args.singles_rounds)
+            doc["singles_summary"] = summarize_singles(doc["singles"])
         cluster = None
         if not args.no_cluster:
             cluster = Cluster(stack, args.model, args.suffix_spec)
             cluster.warm(warm_ids)
-        if args.singles:
-            doc["singles"] = run_singles(inproc, args.max_tokens)
-            doc["singles_summary"] = summarize_singles(doc["singles"])
         answers: list = []
         per_trace = run_traces(args, inproc, cluster, names, answers)
         add_ceilings(per_trace, answers, inproc)

@@ -20,7 +20,7 @@ def _bench(tmp_path, tiny_folder, *extra: str) -> dict:
 
 
 def test_trace_bench_in_process_rows_and_singles(tmp_path, tiny_folder):
-    doc = _bench(tmp_path, tiny_folder, "--no-cluster", "--singles")
+    doc = _bench(tmp_path, tiny_folder, "--no-cluster", "--singles", "--singles-rounds", "2")
     assert doc["traces"] == ["agent_tools", "file_edits"]
     for name in doc["traces"]:
         recs = doc["requests"][name]
@@ -44,6 +44,12 @@ def test_trace_bench_in_process_rows_and_singles(tmp_path, tiny_folder):
     assert set(classes) == {"input-grounded", "open-ended"}
     assert all(s["identical_to_hf"] == s["prompts"] for s in classes.values())
     assert all(s["ceiling"]["suffix_vs_hf_lookup"]["median"] > 0 for s in classes.values())
+    # every single ran in both rounds, every run checked against HF greedy; each row's
+    # figure is one of its runs
+    for s in doc["singles"]:
+        assert s["rounds"] == 2 and all(s["identical_to_hf"].values()), s["identical_to_hf"]
+        for row in s["rows"].values():
+            assert len(row["s_runs"]) == 2 and row["s"] in row["s_runs"]
     assert "late" not in doc
 
 
