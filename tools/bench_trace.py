@@ -396,6 +396,7 @@ def run_singles(inproc: InProcess, n: int, rounds: int = 1) -> list[dict]:
     encoded = [inproc.tokenizer.encode(text, chat=True) for _, text, _ in prompts]
     runs: list[dict[str, list[dict]]] = [{name: [] for name in SINGLE_ROWS} for _ in prompts]
     identical: list[dict[str, bool]] = [dict.fromkeys(SINGLE_ROWS, True) for _ in prompts]
+    loads: list[list] = [[] for _ in prompts]  # load average after each round's rows
     for r in range(rounds):
         for k, (klass, _, source) in enumerate(prompts):
             res = {}
@@ -406,15 +407,17 @@ def run_singles(inproc: InProcess, n: int, rounds: int = 1) -> list[dict]:
                 runs[k][name].append(res[name])
             for name, same in _identity(res, inproc.tokenizer.decode).items():
                 identical[k][name] = identical[k][name] and same
+            loads[k].append(loadavg())
+            ratios = _speedups(res)
             print(f"single {k + 1}/{len(prompts)} round {r + 1}/{rounds} {klass} ({source}): "
-                  f"suffix/plain {_speedups(res)['vs_plain'].get('suffix')} suffix/hf-lookup "
-                  f"{_speedups(res)['suffix_vs_hf_lookup']} load {loadavg()}",
+                  f"suffix/plain {ratios['vs_plain'].get('suffix')} suffix/hf-lookup "
+                  f"{ratios['suffix_vs_hf_lookup']} load {loads[k][-1]}",
                   file=sys.stderr, flush=True)
     out = []
     for k, (klass, text, source) in enumerate(prompts):
         res = {name: _median_run(rs) for name, rs in runs[k].items()}
         rec = {"class": klass, "source": source, "prompt": text[:60], "tokens": len(
-            res["hf-plain"]["tokens"]), "rounds": rounds, "loadavg": loadavg(),
+            res["hf-plain"]["tokens"]), "rounds": rounds, "loadavg": loads[k],
             "identical_to_hf": identical[k], **_speedups(res),
             "rows": {k2: {x: v for x, v in r.items() if x != "tokens"}
                      | {"s_runs": [x["s"] for x in runs[k][k2]]} for k2, r in res.items()},
