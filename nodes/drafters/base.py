@@ -29,19 +29,6 @@ from nodes.engine.tree import Candidate
 EMPTY_DRAFT = np.zeros(0, dtype=np.int32)
 
 
-def match_class(length: int) -> str | None:
-    """The `DraftSource.draft_class` label of a draft continuing a context match of `length`
-    tokens: 1, 2, 3-4, 5-8, 9+ ("m1", "m2", "m3", "m5", "m9"); None for no match. Buckets
-    double in width because acceptance rises steeply over the first few tokens of a match and
-    little after 8 (docs/engine.md, "Acceptance by match length")."""
-    if length <= 0:
-        return None
-    for low in (9, 5, 3, 2):
-        if length >= low:
-            return f"m{low}"
-    return "m1"
-
-
 def draft_paths(chain: Sequence[int], conf: Sequence[float] | None = None,
                 alternatives: Sequence[tuple[int, Sequence[int], Sequence[float] | None]] = (),
                 ) -> list[Candidate]:

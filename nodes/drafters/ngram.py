@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession, draft_paths, match_class
+from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession, draft_paths
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
-from nodes.engine.sources import DraftSource
+from nodes.engine.sources import DraftSource, match_class
 from nodes.engine.tree import Candidate
 
 #: earlier occurrences looked at per tree proposal (most recent first): bounds the work per step

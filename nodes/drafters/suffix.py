@@ -45,11 +45,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession, draft_paths, match_class
+from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession, draft_paths
 from nodes.drafters.suffix_index import MAX_MATCH, START, GlobalIndex, LocalIndex, Match
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
-from nodes.engine.sources import DraftSource, Feedback
+from nodes.engine.sources import DraftSource, Feedback, match_class
 from nodes.engine.tree import Candidate
 
 log = logging.getLogger(__name__)

@@ -759,7 +759,8 @@ class Engine:
         seq.plan_values = seq.plan_forced = None
         if adaptive and tree.drafted and seq.params.sampling.greedy:
             # greedy only: which proposals survive must not depend on sampled draft tokens
-            values = tree.node_values({s.tag: seq.cost.acceptance_of(s.key) for s in seq.slots})
+            values = tree.node_values({s.tag: seq.cost.chain_acceptance(s.key, tree.depth)
+                                       for s in seq.slots})
             forced = [bool(probes & owners) for owners in tree.owners]
             keep = seq.cost.select(values, forced)
             tree = tree.subtree(keep)

@@ -33,6 +33,13 @@ batched decoding and at low load (rows nearly free) every sequence keeps its own
 rows riding along are the prompts' cost, not a reason to draft: drafts are judged against the
 decode step, and the prompts they would delay count like running sequences.
 
+A source may name the class of its next draft (`DraftSource.draft_class`: how long a context
+match it continues); each class has its own estimate and record. A chain continuing a match of
+L tokens continues one of L + j tokens with its (j+1)-th token, so each chain token is judged
+by its own class along that ladder (`class_at`, `chain_acceptance`): in `choose_k`, in the
+tree's node values and in what a verified block records. A class the chain climbs to but this
+generation has not drafted from yet follows the source's phase in this generation (its seed).
+
 A source's acceptance starts each generation from its record, never below the prior: a
 long-run estimate per source (counts decayed by `_LONG_DECAY` per block, kept across
 generations and shared by forks like the costs) seeds the new generation's estimate with the
@@ -41,13 +48,17 @@ drafter that is the model's own copy) is asked for its large budget from the fir
 while the new prompt's first blocks soon outweigh the seed (one wrong long draft halves it).
 A source with a poor record starts at the prior, as every source did before: a prompt it
 helps with (one that copies its input) is not held back by the ones before, and one it does
-not help with turns it down within a few steps, as before.
+not help with turns it down within a few steps, as before. A match-length class starts at its
+own record, however poor (`start_acceptance`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
+
+from nodes.engine.sources import class_at, names_match
 
 _DECAY = 0.7  # weight of history per block: acceptance comes in phases (copying or not)
 #: the same for a source's long-run estimate, kept across generations (~10 blocks of memory)
@@ -63,6 +74,23 @@ def class_key(name: str, label: str | None) -> str:
     """The estimate key of `name`'s drafts of class `label` (`DraftSource.draft_class`);
     `name` itself when the source names no class."""
     return name if label is None else f"{name}{_CLASS_SEP}{label}"
+
+
+@lru_cache(maxsize=4096)
+def _ladder(key: str, n: int) -> tuple[str, ...]:
+    """The estimate keys of the first n tokens of a chain whose first token is judged by
+    `key`: a class key climbs its class's ladder (`class_at`), any other key is its own at
+    every depth. Cached: asked for every source every step, from a bounded set of keys."""
+    source, sep, label = key.partition(_CLASS_SEP)
+    if not sep:
+        return (key,) * n
+    return tuple(class_key(source, class_at(label, j)) for j in range(n))
+
+
+def _names_match(key: str) -> bool:
+    """Whether `key` is a source's match-length class (`names_match`)."""
+    _, sep, label = key.partition(_CLASS_SEP)
+    return bool(sep) and names_match(label)
 
 
 def _source_of(key: str) -> str | None:
@@ -157,32 +185,48 @@ class CostModel:
     def _source(self, name: str) -> _SourceEstimate:
         est = self._sources.get(name)
         if est is None:
-            # the seed is decayed like any observation, so evidence soon outweighs it. A
-            # draft class first met in this generation starts from what its source has been
-            # worth in this generation so far, where it has been observed: the phase (an
-            # answer copying its prompt, or not) is the generation's, the class's record is
-            # an average over both
-            source = _source_of(name)
-            base = None if source is None else self._sources.get(source)
-            start = base.acceptance if base is not None and base.observed \
-                else self.start_acceptance(name)
+            # the seed is decayed like any observation, so evidence soon outweighs it
+            start = self._seed(name)
             est = _SourceEstimate(start * self.prior_weight, self.prior_weight,
                                   self.probe_every, seed=start, seed_weight=self.prior_weight)
             self._sources[name] = est
         return est
 
+    def _seed(self, name: str) -> float:
+        """Where `name`'s estimate starts in this generation. A draft class first met in this
+        generation starts from what its source has been worth in this generation so far,
+        where it has been observed: the phase (an answer copying its prompt, or not) is the
+        generation's, the class's record is an average over both."""
+        source = _source_of(name)
+        base = None if source is None else self._sources.get(source)
+        if base is not None and base.observed:
+            return base.acceptance
+        return self.start_acceptance(name)
+
     def start_acceptance(self, name: str = POOLED) -> float:
         """Where `name`'s acceptance starts a generation: its long-run estimate over earlier
         generations, never below the prior (a poor record must not hold back a prompt the
-        source helps with: it is turned down within a few steps where it does not)."""
+        source helps with: it is turned down within a few steps where it does not) except
+        for a match-length class with a record of at least the prior's weight. Such a record
+        is the rate of one kind of draft token, the one continuing a match of that length,
+        on every prompt: a prompt that copies its input climbs to the long-match classes,
+        whose records carry it, and a floor under the short ones only bought a wrong 7-12
+        token draft at the start of every open-ended answer (docs/engine.md, "Acceptance
+        along the chain")."""
         rec = self._longrun.get(name)
         if rec is None or rec[1] <= 0:
             return self.prior_acceptance
+        if rec[1] >= self.prior_weight and _names_match(name):
+            return rec[0] / rec[1]
         return max(self.prior_acceptance, rec[0] / rec[1])
 
     def acceptance_of(self, name: str = POOLED) -> float:
-        """Estimated probability that `name`'s next draft token is accepted."""
-        return self._source(name).acceptance
+        """Estimated probability that `name`'s next draft token is accepted. Reading does not
+        start an estimate: a class not yet drafted in this generation (one a chain would
+        climb to: `chain_acceptance`) follows its seed, and so the generation's phase, until
+        it is observed."""
+        est = self._sources.get(name)
+        return self._seed(name) if est is None else est.acceptance
 
     def batch_acceptance(self, name: str = POOLED) -> float:
         """`acceptance_of(name)` with what is left of its seed taken from the source's long-run
@@ -263,10 +307,25 @@ class CostModel:
         """Seconds per token `name` drafts on the verifier's time (0 for remote drafts)."""
         return self._draft.get(name, 0.0)
 
+    def chain_acceptance(self, name: str, n: int) -> list[float]:
+        """The acceptance of each of the first n tokens of a chain whose first token is of
+        `name` (a class key climbs its ladder along the chain: `class_at`)."""
+        return [self.acceptance_of(key) for key in _ladder(name, n)]
+
+    def _gains(self, name: str, k: int) -> list[float]:
+        """`expected_tokens(j, name)` for j = 0 .. k, computed once."""
+        gains, p = [1.0], 1.0
+        for a in self.chain_acceptance(name, k):
+            p *= min(max(a, 0.0), 0.999)
+            gains.append(gains[-1] + p)
+        return gains
+
     def expected_tokens(self, k: int, name: str = POOLED, a: float | None = None) -> float:
-        """Tokens a block of k of `name`'s drafts is expected to commit (bonus included), at
-        its acceptance estimate (or at `a`)."""
-        a = min(self.acceptance_of(name) if a is None else a, 0.999)
+        """Tokens a block of k of `name`'s drafts is expected to commit (bonus included): each
+        chain token by its own class's estimate (`chain_acceptance`), or every one at `a`."""
+        if a is None:
+            return self._gains(name, k)[k]
+        a = min(a, 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
     def expected_rate(self, k: int, name: str = POOLED) -> float:
@@ -281,9 +340,14 @@ class CostModel:
         if est.probing:  # the last probe brought nothing to judge: as good as a failed one
             est.probing = False
             est.probe_interval = min(2 * est.probe_interval, self.max_probe_every)
-        best_k = max(range(self.min_k, self.max_k + 1), key=lambda k: self.expected_rate(k, name))
+        gains, draft = self._gains(name, self.max_k), self.draft_cost(name)
+
+        def rate(k: int) -> float:
+            return gains[k] / (self.verify_cost(k + 1) + draft * k)
+
+        best_k = max(range(self.min_k, self.max_k + 1), key=rate)
         # demand a margin: costs are noisy, and a wrong "yes" costs more than a wrong "no"
-        if self.expected_rate(best_k, name) > self.margin * self.expected_rate(0, name):
+        if rate(best_k) > self.margin * rate(0):
             est.plain_streak = 0
             if est.unheard >= est.probe_interval:
                 # asked, but never in a verified tree (a remote proposer whose drafts always
@@ -475,16 +539,29 @@ class CostModel:
             backoff = min(2 * est.probe_interval, self.max_probe_every)
             est.probe_interval = self.probe_every if accepted else backoff
         trials = accepted + (1 if accepted < drafted else 0)
+        # each judged token (the accepted ones and the first wrong one) counts for its own
+        # class along the chain (`chain_acceptance`), each class once per block
+        counts: dict[str, list[float]] = {}
+        for j, key in enumerate(_ladder(name, trials)):
+            c = counts.setdefault(key, [0.0, 0.0])
+            c[0] += j < accepted
+            c[1] += 1
+        for key, (ok, n) in counts.items():
+            _observe(self._source(key), ok, n)
+            rec = self._longrun.setdefault(key, [0.0, 0.0])
+            rec[0] = _LONG_DECAY * rec[0] + ok
+            rec[1] = _LONG_DECAY * rec[1] + n
         source = _source_of(name)
-        classed = [] if source is None else [self._source(source)]
-        for e in (est, *classed):  # a class's drafts count for its source's phase too
-            e.observed += 1
-            e.seed_weight *= _DECAY
-            e.acc = _DECAY * e.acc + accepted
-            e.trials = _DECAY * e.trials + trials
-        rec = self._longrun.setdefault(name, [0.0, 0.0])
-        rec[0] = _LONG_DECAY * rec[0] + accepted
-        rec[1] = _LONG_DECAY * rec[1] + trials
+        if source is not None:  # a class's drafts count for its source's phase too
+            _observe(self._source(source), accepted, trials)
+
+
+def _observe(est: _SourceEstimate, accepted: float, trials: float) -> None:
+    """One block's judged tokens into a generation's estimate (older blocks decayed)."""
+    est.observed += 1
+    est.seed_weight *= _DECAY
+    est.acc = _DECAY * est.acc + accepted
+    est.trials = _DECAY * est.trials + trials
 
 
 def _non_decreasing(ys: Sequence[float]) -> list[float]:

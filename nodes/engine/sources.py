@@ -17,6 +17,7 @@ extend/draft sessions) is the drafter's business.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,45 @@ from typing import Any
 from nodes.engine.errors import TokenizerMismatchError
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.tree import Candidate
+
+#: the lower ends of the match-length buckets (`match_class`), longest first
+_MATCH_BUCKETS = (9, 5, 3, 2, 1)
+#: a class label naming a context match: an optional prefix (the suffix drafter's "l"/"g")
+#: then "m" and the bucket's lower end
+_MATCH_LABEL = re.compile(r"(?P<prefix>[^#]*?)m(?P<low>[1-9][0-9]{0,2})")
+
+
+def match_class(length: int) -> str | None:
+    """The `DraftSource.draft_class` label of a draft continuing a context match of `length`
+    tokens: 1, 2, 3-4, 5-8, 9+ ("m1", "m2", "m3", "m5", "m9"); None for no match. Buckets
+    double in width because acceptance rises steeply over the first few tokens of a match and
+    little after 8 (docs/engine.md, "Acceptance by match length")."""
+    if length <= 0:
+        return None
+    return next(f"m{low}" for low in _MATCH_BUCKETS if length >= low)
+
+
+def class_at(label: str, depth: int) -> str:
+    """The class of the draft token `depth` places after the first of a chain whose first
+    token is of class `label` (depth 0: `label` itself).
+
+    A chain continuing a match of L tokens continues one of L + 1 tokens with its second
+    token, if its first was right, and so on: so a label naming a match (`match_class`, after
+    any prefix) climbs the buckets along the chain, from the bucket's lower end. Any other
+    label (the suffix drafter's "repeat", a model drafter's none) is its own class at every
+    depth. Why: a chain judged by its first token's class alone took the acceptance of a
+    one-token match's whole chains, 0.8 on prompts whose answers copy them, and drafted 7-12
+    tokens at the start of every open-ended answer, where a one-token match's next token is
+    right a fifth of the time (docs/engine.md, "Acceptance along the chain")."""
+    found = _MATCH_LABEL.fullmatch(label) if depth > 0 else None
+    if found is None:
+        return label
+    return found["prefix"] + (match_class(int(found["low"]) + depth) or "")
+
+
+def names_match(label: str) -> bool:
+    """Whether `label` is a match-length class (`match_class`, after any prefix)."""
+    return _MATCH_LABEL.fullmatch(label) is not None
 
 
 @dataclass(frozen=True)

@@ -123,9 +123,11 @@ class TokenTree:
         self.children[parent][tok] = node
         return node
 
-    def node_values(self, acceptance: dict[int, float]) -> list[float]:
+    def node_values(self, acceptance: dict[int, float | Sequence[float]]) -> list[float]:
         """Each node's chance of ending on the accepted path, from its owners' per-token
-        acceptance (`acceptance[source]`, the best owner counts). Siblings exclude each other:
+        acceptance (`acceptance[source]`: one figure, or one per depth, the first for depth 1
+        and the last for any deeper: `CostModel.chain_acceptance`; the best owner counts).
+        Siblings exclude each other:
         a parent's children, in the order they were proposed, share what the ones before them
         left (the second child of a parent whose first is right 90 % of the time gets at most
         10 %). A later child whose drafter said how likely it is (`conf`) gets, of what is
@@ -136,8 +138,9 @@ class TokenTree:
         for parent, kids in enumerate(self.children):
             left = mass = 1.0
             for i, child in enumerate(kids.values()):
-                a = min(max(max((acceptance.get(s, 0.0) for s in self.owners[child]),
-                                default=0.0), 0.0), 0.999)
+                depth = self.depths[child]
+                a = min(max(max((_at_depth(acceptance.get(s, 0.0), depth)
+                                 for s in self.owners[child]), default=0.0), 0.0), 0.999)
                 q = self.conf[child]
                 if i and q is not None:  # the drafter's odds given the earlier ones failed
                     a = min(q / mass, 0.999) if mass > 1e-6 else 0.0
@@ -178,3 +181,9 @@ class TokenTree:
             n += 1
         return n
 
+
+def _at_depth(acceptance: float | Sequence[float], depth: int) -> float:
+    """A source's acceptance at a node `depth` deep (`TokenTree.node_values`)."""
+    if isinstance(acceptance, (int, float)):
+        return float(acceptance)
+    return float(acceptance[min(depth, len(acceptance)) - 1]) if len(acceptance) else 0.0

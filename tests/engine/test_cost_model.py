@@ -109,6 +109,16 @@ def test_node_values_follow_owners_and_siblings_share():
     assert by_tok[8] == pytest.approx(0.9 * 0.1 * 0.9)
 
 
+def test_node_values_take_an_acceptance_per_depth():
+    tree = TokenTree(1)
+    tree.add([(0, Candidate(np.asarray([5, 6, 7, 8])))], 8, 8)
+    v = dict(zip(tree.tokens, tree.node_values({0: [0.2, 0.5, 0.9]}), strict=True))
+    assert v[5] == pytest.approx(0.2)
+    assert v[6] == pytest.approx(0.2 * 0.5)
+    assert v[7] == pytest.approx(0.2 * 0.5 * 0.9)
+    assert v[8] == pytest.approx(0.2 * 0.5 * 0.9 * 0.9)  # deeper: the last figure
+
+
 def test_alternatives_are_valued_by_their_draft_probability():
     """A model drafter's runners-up: of what the chain token leaves, each gets its share of
     the draft probability the earlier siblings did not take."""
@@ -443,6 +453,81 @@ def test_a_draft_class_starts_from_its_sources_phase_in_this_generation():
     for _ in range(4):
         c.record_acceptance(2, 0, short)
     assert c.acceptance_of(short) < 0.5 and c.acceptance_of(long_) > 0.9
-    # each class keeps its own record across generations
+    # each class keeps its own record across generations, a poor one included (a short
+    # match's record is its own kind of draft's rate: no floor at the prior)
     c.start_generation()
-    assert c.acceptance_of(long_) > 0.9 and c.acceptance_of(short) == c.prior_acceptance
+    assert c.acceptance_of(long_) > 0.9 and c.acceptance_of(short) < 0.1
+
+
+def test_a_chain_climbs_the_match_classes():
+    from nodes.engine.sources import class_at, names_match
+
+    assert [class_at("lm1", j) for j in range(10)] == [
+        "lm1", "lm2", "lm3", "lm3", "lm5", "lm5", "lm5", "lm5", "lm9", "lm9"]
+    assert [class_at("m3", j) for j in range(4)] == ["m3", "m3", "m5", "m5"]
+    assert class_at("gm9", 30) == "gm9"
+    # labels that name no match are their own class at every depth, hostile ones included
+    for label in ("repeat", "m0", "m", "", "lm1x", "m#1", "m-1"):
+        assert class_at(label, 3) == label
+        assert not names_match(label)
+    assert class_at("m999", 1) == "m9" and names_match("lm1") and names_match("m9")
+
+
+def test_each_chain_token_is_recorded_under_its_own_class():
+    from nodes.engine.cost import class_key
+
+    c = seeded()
+    one = class_key("s", "lm1")
+    for _ in range(3):  # 5 drafted from a one-token match: 3 right, the 4th wrong
+        c.record_acceptance(5, 3, one)
+    # the source's phase this generation: 3 of 4 judged tokens per block
+    assert c.acceptance_of("s") < 0.8
+    c.start_generation()
+    assert c.start_acceptance(one) == 1.0  # 1st token: m1, always right
+    assert c.start_acceptance(class_key("s", "lm2")) == 1.0  # 2nd: m2
+    assert c.start_acceptance(class_key("s", "lm3")) == pytest.approx(0.5)  # 3rd right, 4th not
+    assert c.start_acceptance(class_key("s", "lm5")) == c.prior_acceptance  # never judged
+
+
+def test_a_chain_from_a_short_match_is_worth_what_its_classes_are():
+    """Records from answers that copy their prompt: a one-token match's next token is wrong,
+    a long match's right. Judged by its first token's class alone, a chain from a one-token
+    match took the whole chains' rate (~0.8 on such prompts) and started every open-ended
+    answer with a long wrong draft; along its ladder it is worth a plain step."""
+    from nodes.engine.cost import class_key
+
+    c = seeded()
+    short, long_ = class_key("s", "m1"), class_key("s", "m5")
+    for _ in range(6):
+        c.record_acceptance(8, 0, short)
+        c.record_acceptance(8, 8, long_)
+    c.start_generation()
+    assert c.choose_k(long_) == c.max_k
+    assert c.choose_k(short) == 0
+    # the tokens a chain would climb to count: from a two-token match (no record: the
+    # prior) the chain reaches m5, whose record pays for a long draft
+    two = class_key("s", "m2")
+    assert c.chain_acceptance(two, 5) == pytest.approx([0.5, 0.5, 0.5, 1.0, 1.0], abs=0.02)
+    assert c.expected_tokens(8, two) > c.expected_tokens(8, "s", a=0.5)
+    assert c.choose_k(two) >= 8
+
+
+def test_a_class_not_drafted_yet_follows_the_generation_s_phase():
+    from nodes.engine.cost import class_key
+
+    c = seeded()
+    for _ in range(6):
+        c.record_acceptance(8, 8, class_key("s", "m9"))
+    c.start_generation()
+    # this answer does not copy: one-token matches keep failing
+    for _ in range(4):
+        c.record_acceptance(4, 0, class_key("s", "m1"))
+    phase = c.acceptance_of("s")
+    assert phase < 0.2
+    # m5 was never reached: it reads the phase, and reading it does not fix it there
+    five = class_key("s", "m5")
+    assert c.acceptance_of(five) == pytest.approx(phase)
+    assert c.chain_acceptance(class_key("s", "m3"), 3)[2] == pytest.approx(phase)
+    c.record_acceptance(4, 4, class_key("s", "m1"))  # m1, m2, m3, m3 right: not m5
+    assert c.acceptance_of(five) == pytest.approx(c.acceptance_of("s"))
+    assert c.acceptance_of(five) > phase

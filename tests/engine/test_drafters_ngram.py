@@ -81,7 +81,7 @@ def test_draft_ahead_sends_the_other_continuations_as_branches():
 
 
 def test_match_classes_double_in_width():
-    from nodes.drafters.base import match_class
+    from nodes.engine.sources import match_class
 
     assert [match_class(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 40)] == [
         None, "m1", "m2", "m3", "m3", "m5", "m5", "m9", "m9"]
