@@ -49,6 +49,7 @@ from nodes.engine.errors import (
     UnknownSessionError,
     error_code,
 )
+from nodes.engine.sources import class_at
 from nodes.roles import requests
 from nodes.roles.admission import FORBIDDEN, TOO_MANY_SESSIONS, AdmissionLimits, SessionBook
 from nodes.roles.liveness import ConnectionSweep
@@ -386,7 +387,11 @@ class ProposerRole:
                 conf = (chain.conf[: len(ids)] if chain.conf is not None
                         else [math.nan] * len(ids))
                 s.assumed_conf.extend(float(c) for c in conf)
-                s.assumed_class.extend([label] * len(ids))
+                # each token its own class: the (j+1)-th token of a draft continuing a match
+                # of L tokens continues one of L + j (`class_at`), so the verifier judges the
+                # first token past its prefix by where it stands in the draft
+                s.assumed_class.extend(class_at(label, j) if label else label
+                                       for j in range(len(ids)))
                 s.draft.extend(ids)
                 s.assumed.extend(ids)
                 self.stats.draft_tokens += len(ids)

@@ -250,7 +250,9 @@ def test_a_commit_confirming_drafts_is_answered_before_drafting_more(host):
 
 def test_each_drafted_token_carries_the_class_of_the_draft_it_came_from(host, proposer):
     """The ngram drafter names the length of the match each draft continued (`match_class`);
-    the chunk carries it per token, and a commit keeps the classes of what it left assumed."""
+    the chunk carries each token's own class (the (j+1)-th token of a draft from a match of L
+    continues one of L + j: `class_at`), and a commit keeps the classes of what it left
+    assumed."""
     from codec.structs import DraftChunk
 
     prompt = np.array([1, 2, 3, 9, 2, 3], np.int32)  # the tip "2 3" occurred once before
@@ -261,11 +263,11 @@ def test_each_drafted_token_carries_the_class_of_the_draft_it_came_from(host, pr
         chunk = DraftChunk.from_message(chunk_at(call, n))
     # "2 3" -> 9 2 3 (a 2-token match); then "3 9 2 3"... matched 5 tokens -> 9 2 3 again
     assert chunk.tokens.tolist() == [9, 2, 3, 9, 2, 3]
-    assert chunk.classes == ("m2", "m2", "m2", "m5", "m5", "m5")
+    assert chunk.classes == ("m2", "m3", "m3", "m5", "m5", "m5")
     commit(host, "s1", n + 2, [9, 2])
     later = DraftChunk.from_message(chunk_at(call, n + 2))
     assert later.tokens.tolist()[:4] == [3, 9, 2, 3]
-    assert later.classes[:4] == ("m2", "m5", "m5", "m5")
+    assert later.classes[:4] == ("m3", "m5", "m5", "m5")
 
 
 def test_the_verifier_reads_a_real_proposers_classes(host, proposer):
