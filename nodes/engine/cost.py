@@ -328,11 +328,6 @@ class CostModel:
         a = min(a, 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
-    def expected_rate(self, k: int, name: str = POOLED) -> float:
-        """Committed tokens per second expected from a block of k of `name`'s drafts."""
-        return self.expected_tokens(k, name) / (self.verify_cost(k + 1)
-                                                + self.draft_cost(name) * k)
-
     # ---- decisions --------------------------------------------------------------------------
     def choose_k(self, name: str = POOLED) -> int:
         """How many tokens to ask `name` for in the next step; 0 means do not ask."""
@@ -342,7 +337,7 @@ class CostModel:
             est.probe_interval = min(2 * est.probe_interval, self.max_probe_every)
         gains, draft = self._gains(name, self.max_k), self.draft_cost(name)
 
-        def rate(k: int) -> float:
+        def rate(k: int) -> float:  # committed tokens per second of a block of k drafts
             return gains[k] / (self.verify_cost(k + 1) + draft * k)
 
         best_k = max(range(self.min_k, self.max_k + 1), key=rate)

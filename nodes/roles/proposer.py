@@ -390,8 +390,7 @@ class ProposerRole:
                 # each token its own class: the (j+1)-th token of a draft continuing a match
                 # of L tokens continues one of L + j (`class_at`), so the verifier judges the
                 # first token past its prefix by where it stands in the draft
-                s.assumed_class.extend(class_at(label, j) if label else label
-                                       for j in range(len(ids)))
+                s.assumed_class.extend(class_at(label, j) for j in range(len(ids)))
                 s.draft.extend(ids)
                 s.assumed.extend(ids)
                 self.stats.draft_tokens += len(ids)
