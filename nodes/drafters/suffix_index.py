@@ -61,6 +61,12 @@ MAX_MATCH = 32
 MAX_WALK = 32
 #: fraction of the budget eviction brings the index back to, so compaction is not run per insert
 LOW_WATER = 0.8
+#: a rebuild relinks the buffer in chunks whose numpy temporaries stay within this fraction of
+#: the budget
+LINK_SHARE = 1 / 10
+#: bytes of numpy temporaries per position linked (tracemalloc's peak over 819,301 positions
+#: with the 4 global levels: 82)
+LINK_BYTES_PER_POSITION = 82
 #: bytes counted per document for its bookkeeping (the `_Doc`, list and dict entries; measured
 #: with tracemalloc: tests/engine/test_suffix_index.py)
 DOC_OVERHEAD = 240
@@ -234,20 +240,31 @@ class GlobalIndex(_ChainIndex):
     # -- building --------------------------------------------------------------------------
 
     def _reset(self, tokens: array, bits: int | None = None) -> None:
-        """Adopt `tokens` as the buffer and relink every position (numpy)."""
+        """Adopt `tokens` as the buffer and relink every position (numpy, in chunks whose
+        temporaries stay within `LINK_SHARE` of the budget). The old chains are let go
+        before the new ones are made, so a rebuild never holds two indexes at once."""
+        self.heads, self.prev = [], []
         self.tokens = tokens
         if bits is None:
-            bits = max(10, math.ceil(math.log2(max(len(tokens), 2))))
+            bits = _head_bits(len(tokens))
         self.bits = bits
         self.heads = [array("i", [-1]) * (1 << bits) for _ in self.levels]
         self.prev = [array("i", [-1]) * len(tokens) for _ in self.levels]
-        self._link_range(0)
+        chunk = max(1024, int(self.budget * LINK_SHARE / LINK_BYTES_PER_POSITION))
+        for lo in range(0, len(tokens), chunk):
+            self._link_range(lo, lo + chunk)
 
-    def _link_range(self, lo: int) -> None:
-        """Link every position from `lo` (whose windows lie inside one document)."""
-        buf = np.frombuffer(self.tokens, dtype=np.int32)[max(lo - max(self.levels), 0):]
-        base = len(self.tokens) - len(buf)
+    def _link_range(self, lo: int, hi: int | None = None) -> None:
+        """Link the positions from `lo` up to `hi` (the buffer's end by default), in order
+        after every position before `lo`. Temporaries cost ~82 bytes per position linked,
+        so a rebuild goes in chunks (`_reset`): one pass over the 1.6 M tokens of a full
+        64 MB index held ~130 MB of them, twice the budget it was keeping."""
+        hi = len(self.tokens) if hi is None else min(hi, len(self.tokens))
+        view = np.frombuffer(self.tokens, dtype=np.int32)
+        buf = view[max(lo - max(self.levels), 0):hi]
+        base = hi - len(buf)
         seg = buf.astype(np.int64)
+        del buf, view  # the buffer may grow later: no export may outlive this call
         seps = np.concatenate(([0], np.cumsum(seg == SEP)))
         for li, n in enumerate(self.levels):
             if len(seg) <= n:
@@ -260,7 +277,6 @@ class GlobalIndex(_ChainIndex):
             prev = np.frombuffer(self.prev[li], dtype=np.int32)
             _link(pos, buckets, head, prev)
             del head, prev  # release the buffers before the arrays grow again
-        del buf
 
     def prompt_digest(self, prompt_ids: Sequence[int]) -> str:
         """This index's hash of a prompt (`prompt_digest` with its key)."""
@@ -298,11 +314,14 @@ class GlobalIndex(_ChainIndex):
                 if prompt_hash and old.out >= 1:
                     self._file(old, prompt_hash)
                 return True
+            room = len(doc) + 1  # the document and its SEP
+            if self._bytes_after(room) > self.budget:
+                self._evict(room)  # make room first: the index never holds more than budget
             start = len(self.tokens)
             self.tokens.extend(doc)
             self.tokens.append(SEP)
             for prev in self.prev:
-                prev.extend(array("i", [-1]) * (len(doc) + 1))
+                prev.extend(array("i", [-1]) * room)
             d = _Doc(start, len(self.tokens), key, 1.0, self.clock, out if out >= 1 else -1)
             if prompt_hash and d.out >= 1:
                 self._file(d, prompt_hash)
@@ -310,37 +329,46 @@ class GlobalIndex(_ChainIndex):
             self.starts.append(start)
             self.by_key[key] = d
             self.weight_total += 1.0
-            if len(self.tokens) > 2 * (1 << self.bits):
+            if _grows(len(self.tokens), self.bits):
                 self._reset(self.tokens)  # grow the heads: chains stay short
             else:
                 self._link_range(start)
-            if self.nbytes() > self.budget:
-                self._evict()
         return True
 
-    def _evict(self) -> None:
-        """Drop least recently useful documents until the index, rebuilt, is under LOW_WATER
-        of the budget, then compact the buffer and relink (one numpy pass)."""
+    def _bytes_after(self, room: int) -> int:
+        """`nbytes` once `room` more buffer tokens (and one document) are in: with the head
+        tables grown where the insert grows them, as `_projected` has them."""
+        ntok = len(self.tokens) + room
+        if _grows(ntok, self.bits):
+            return self._projected(ntok, len(self.docs) + 1)
+        return self.nbytes() + 4 * room * (1 + len(self.levels)) + DOC_OVERHEAD
+
+    def _evict(self, room: int = 0) -> None:
+        """Drop least recently useful documents until the index, rebuilt with `room` more
+        tokens to come, is under LOW_WATER of the budget, then compact the buffer in place and
+        relink (numpy, in chunks). Runs before an insert that would take the index over its
+        budget, so neither the index nor its rebuild ever holds more than the budget."""
         target = self.budget * LOW_WATER
         ntok, ndocs = len(self.tokens), len(self.docs)
         dropped = set()
         for d in sorted(self.docs, key=lambda d: d.used):
-            if self._projected(ntok, ndocs) <= target:
+            if self._projected(ntok + room, ndocs + 1) <= target:
                 break
             ntok -= d.end - d.start
             ndocs -= 1
             dropped.add(id(d))
         live = [d for d in self.docs if id(d) not in dropped]
-        old = np.frombuffer(self.tokens, dtype=np.int32)
-        parts = [np.asarray([SEP], dtype=np.int32)]
-        pos = 1
+        self.heads, self.prev = [], []  # the chains are rebuilt below: let them go first
+        buf = np.frombuffer(self.tokens, dtype=np.int32)
+        pos = 1  # buf[0] is the leading SEP; documents only move left, so in place is safe
         for d in live:
-            parts.append(old[d.start : d.end])
-            d.start, d.end = pos, pos + (d.end - d.start)
-            pos = d.end
-        fresh = array("i")
-        fresh.frombytes(np.concatenate(parts).tobytes())
-        del old
+            n = d.end - d.start
+            if d.start != pos:
+                buf[pos:pos + n] = buf[d.start:d.end]
+            d.start, d.end = pos, pos + n
+            pos += n
+        del buf  # no export may outlive the resize
+        del self.tokens[pos:]
         self.evicted += len(self.docs) - len(live)
         for d in self.docs:
             if id(d) in dropped:
@@ -349,7 +377,7 @@ class GlobalIndex(_ChainIndex):
                 self._unfile(d)
         self.docs = live
         self.starts = [d.start for d in live]
-        self._reset(fresh)
+        self._reset(self.tokens, _head_bits(len(self.tokens) + room))
         log.debug("suffix index: evicted to %d documents, %d tokens, %d bytes",
                   len(self.docs), len(self.tokens), self.nbytes())
 
@@ -420,7 +448,7 @@ class GlobalIndex(_ChainIndex):
 
     def _projected(self, ntokens: int, ndocs: int) -> int:
         """`nbytes` of an index rebuilt over `ntokens` buffer tokens (`_reset`'s head size)."""
-        bits = max(10, math.ceil(math.log2(max(ntokens, 2))))
+        bits = _head_bits(ntokens)
         levels = len(self.levels)
         return 4 * ntokens * (1 + levels) + 4 * levels * (1 << bits) + DOC_OVERHEAD * ndocs
 
@@ -513,6 +541,16 @@ class GlobalIndex(_ChainIndex):
             return {"documents": len(self.docs), "tokens": len(self.tokens),
                     "bytes": self.nbytes(), "budget": self.budget, "evicted": self.evicted,
                     "prompts": len(self.by_prompt)}
+
+
+def _head_bits(ntokens: int) -> int:
+    """Bits of the head tables for a buffer of `ntokens`: one head per token or more."""
+    return max(10, math.ceil(math.log2(max(ntokens, 2))))
+
+
+def _grows(ntokens: int, bits: int) -> bool:
+    """Whether a buffer of `ntokens` outgrew head tables of `bits` (chains would run long)."""
+    return ntokens > 2 * (1 << bits)
 
 
 def _bucket_array(seg: np.ndarray, n: int, bits: int) -> np.ndarray:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tracemalloc
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -267,3 +268,27 @@ def test_ids_no_tokenizer_has_are_never_stored():
     assert g.add([-3, 5, 6], 1)  # the prompt is not stored: only the output is checked
     assert g.lookup([START, 5, 2**40]).length == 0  # a lookup with such ids finds nothing
     assert g.lookup([START, 5]).length == 2
+
+
+def test_the_index_never_holds_more_than_its_budget_not_even_while_it_rebuilds():
+    """Issue 25: a proposer fed 1 GiB of publications stays within its budget. The index used
+    to insert first and evict after, and to rebuild in one numpy pass: at the insert that
+    grew its head tables it held 1.7x its budget, and a rebuild's temporaries about as much
+    again (`specbus bench flood`). Now it makes room before inserting and rebuilds in
+    chunks: what tracemalloc sees at its peak, temporaries included, stays near the budget."""
+    budget = 4 << 20
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 49152, 4000).tolist() for _ in range(160)]  # ~3x the budget
+    g = GlobalIndex(budget)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        for doc in docs:
+            g.add(doc, 0)
+            assert g.nbytes() <= budget
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert g.evicted > 0
+    assert peak <= 1.3 * budget, (peak, budget)
