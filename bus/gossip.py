@@ -35,6 +35,37 @@ GossipHandler = Callable[[str, Message], None]
 _AUTH = struct.Struct(">QQ")
 AUTH_BYTES = _AUTH.size + hashlib.sha256().digest_size
 MAX_SENDERS = 4096  # replay state kept for at most this many publishers (oldest forgotten)
+#: gossip messages buffered per connected publisher before libzmq stops reading it (`gossip_sub`)
+GOSSIP_RCVHWM = 256
+
+
+def gossip_sub(factory: SocketFactory, limits: Limits = DEFAULT_LIMITS) -> zmq.Socket:
+    """The SUB socket gossip is read from: the factory's, with bounded input per publisher.
+
+    Why: every other socket has no receive HWM (bus/sockets.py: libzmq #3937 aborts an engine
+    whose input stopped at the HWM, whose peer hung up, at its next ZMTP heartbeat), so input
+    never stops and what a peer sends faster than the I/O thread reads is held in memory. One
+    member publishing 1 GiB of suffix publications as fast as loopback carries them took a
+    suffix proposer, which reads gossip on a core it shares with its indexer, to 650-850 MB
+    resident (`specbus bench flood`). Gossip is lossy by design (a PUB drops at its own HWM
+    too; membership and stats repeat themselves), so here each publisher's connection holds at
+    most `GOSSIP_RCVHWM` messages: past that libzmq stops reading that connection, TCP pushes
+    back, and the publisher's PUB drops what it sends to this node. Other members' connections
+    are separate pipes and are not held up.
+
+    The abort needs an out_event on the stopped engine after the hang-up. Its two sources on a
+    SUB: this socket's own heartbeat timer, which is off here (ZMTP heartbeats only told a
+    subscriber that a publisher's connection died, which TCP keepalive, reconnection and
+    membership already do), and a PING from the peer still in the engine's read buffer when
+    input restarts. `tests/bus/test_gossip_flood.py` floods and hangs up round after round
+    with heartbeating publishers and checks that the process lives and its memory stays
+    bounded. A frame is at most a header (no gossip message carries a larger tensor: a suffix
+    publication's 32 KiB is the largest), so `MAXMSGSIZE` drops a peer that sends more."""
+    sock = factory.sub()
+    sock.setsockopt(zmq.RCVHWM, GOSSIP_RCVHWM)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_header_bytes)
+    return sock
 
 
 def gossip_mac(key: bytes, prefix: bytes, frames: Sequence) -> bytes:
@@ -105,7 +136,7 @@ class GossipChannel:
     def _open(self, factory: SocketFactory, bind_endpoint: str) -> str:
         self._pub = factory.pub()
         endpoint = bind(self._pub, bind_endpoint)
-        self._sub = factory.sub()
+        self._sub = gossip_sub(factory, self.limits)
         self.loop.add_reader(self._sub, self._on_readable)
         self.loop.on_close(lambda: close_socket(self._pub))
         return endpoint

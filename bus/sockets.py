@@ -39,6 +39,7 @@ class SocketOptions:
     # never stops; what bounds memory instead is the I/O thread reading everything that is
     # ready and the application's own limits (rate per connection, chunks per session,
     # bounded tables), and a flooding proposer's connection is closed (remote_draft.py).
+    # The gossip SUB alone sets one, with its own heartbeat off (bus/gossip.py: gossip_sub).
     rcvhwm: int = 0
     # a message may carry a header plus max_message_bytes of tensors
     max_msg_bytes: int = DEFAULT_LIMITS.max_message_bytes + DEFAULT_LIMITS.max_header_bytes
