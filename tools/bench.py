@@ -10,5 +10,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "decode": ("tools.bench_decode", "plain vs speculative decoding, tok/s and acceptance"),
     "serve": ("tools.bench_serve", "TTFT and tok/s through the gateway vs the bus client"),
     "prefix": ("tools.bench_prefix", "a conversation's TTFT per turn, prefix cache on vs off"),
+    "flood": ("tools.bench_suffix_flood", "a suffix proposer fed GiBs of hostile publications"),
     "shard": ("tools.bench_shard", "a verifier sharded into 1-3 pipeline stages: RSS, tok/s"),
 }
