@@ -110,6 +110,7 @@ class Roles:
                 out["proposer"]["suffix_index"] = self.subscriber.stats()
         if self.publisher is not None and "verifier" in out:
             out["verifier"]["suffix_published"] = self.publisher.published
+            out["verifier"]["suffix_snapshots_refused"] = self.publisher.snapshots_refused
         return out
 
 

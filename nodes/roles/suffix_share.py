@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 from bus.security import hkdf_sha256
-from bus.streams import BusError, Call, Request
+from bus.streams import BusError, Call, RemoteError, Request
 from codec.errors import CodecError
 from codec.messages import Message
 from codec.structs import (
@@ -52,6 +52,7 @@ from codec.structs import (
 )
 from discovery.counters import Counters
 from nodes.drafters.suffix_index import prompt_digest
+from nodes.engine.errors import BUSY
 from nodes.roles.admission import TokenBucket
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,13 @@ SHARE_MODES = ("output", "prompts", "off")
 PUB_RATE, PUB_BURST = 20.0, 40  # publications per second a verifier sends (and a proposer takes)
 RING_TOKENS = MAX_SNAPSHOT_TOKENS  # what a verifier keeps for late joiners
 SNAPSHOT_FROM = 2  # verifiers a proposer asks for a snapshot when it starts
+#: snapshots a verifier serves per second (bursts of SNAPSHOT_BURST); past that it answers
+#: busy: a snapshot is up to 1 MiB built on the I/O thread, and a proposer needs one when it
+#: starts, so a member asking in a loop must not turn a verifier into a 1 GB/s sender
+SNAPSHOT_RATE, SNAPSHOT_BURST = 1.0, 4
+#: a proposer asks a verifier that answered busy again after this many seconds, at most
+#: SNAPSHOT_TRIES times in all
+SNAPSHOT_RETRY_S, SNAPSHOT_TRIES = 2.0, 3
 MAX_SENDERS = 256  # senders whose rate is tracked
 SUBSCRIBER_COUNTERS = ("malformed", "foreign", "rate_limited", "queue_full", "snapshots")
 QUEUE_DOCS = 256  # publications (or snapshots) waiting to be indexed
@@ -86,7 +94,7 @@ def prompt_key(node) -> bytes:
 class Publisher:
     """A verifier's side: publish each finished generation; serve snapshots of recent ones."""
 
-    def __init__(self, mode: str, tokenizer: str) -> None:
+    def __init__(self, mode: str, tokenizer: str, clock=time.monotonic) -> None:
         if mode not in SHARE_MODES:
             raise ValueError(f"share mode must be one of {SHARE_MODES}, got {mode!r}")
         self.mode = mode
@@ -95,9 +103,12 @@ class Publisher:
         self._lock = threading.Lock()  # the ring: appended by the compute thread, read on I/O
         self._ring: collections.deque[tuple[np.ndarray, int, str | None]] = collections.deque()
         self._ring_tokens = 0
-        self._bucket = TokenBucket(PUB_RATE, PUB_BURST, time.monotonic())
+        self._clock = clock
+        self._bucket = TokenBucket(PUB_RATE, PUB_BURST, clock())
+        self._snapshots = TokenBucket(SNAPSHOT_RATE, SNAPSHOT_BURST, clock())  # I/O thread
         self.published = 0  # compute thread
         self.skipped = 0  # over the rate (compute thread)
+        self.snapshots_refused = 0  # over SNAPSHOT_RATE (I/O thread)
         self._key: bytes | None = None
 
     def attach(self, node) -> None:
@@ -110,7 +121,7 @@ class Publisher:
         node = self._node
         if self.mode == "off" or not output_ids or node is None or node.gossip is None:
             return
-        if not self._bucket.take(time.monotonic()):
+        if not self._bucket.take(self._clock()):
             self.skipped += 1
             return
         prompt = prompt_ids if self.mode == "prompts" else []
@@ -135,7 +146,13 @@ class Publisher:
                 self._ring_tokens -= len(old)
 
     def _serve_snapshot(self, req: Request) -> None:
-        """I/O thread: the recent publications, newest kept when they do not all fit."""
+        """I/O thread: the recent publications, newest kept when they do not all fit; busy
+        past `SNAPSHOT_RATE`."""
+        if not self._snapshots.take(self._clock()):
+            self.snapshots_refused += 1
+            req.fail(BUSY, f"suffix snapshots are limited to {SNAPSHOT_RATE:g} a second; "
+                           f"ask again in {SNAPSHOT_RETRY_S:g} s")
+            return
         with self._lock:
             docs = list(self._ring)[-4096:]
         req.reply(SuffixSnapshot.of(self.tokenizer, tuple((t, st) for t, st, _ in docs),
@@ -157,6 +174,7 @@ class Subscriber:
         self._node = None
         self._buckets: collections.OrderedDict[str, TokenBucket] = collections.OrderedDict()
         self._asked: set[str] = set()
+        self._tries: collections.Counter[str] = collections.Counter()  # snapshot asks per verifier
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_DOCS)
         self._thread = threading.Thread(target=self._run, name="suffix-indexer", daemon=True)
         self.counters: Counters | None = None  # I/O thread
@@ -242,13 +260,19 @@ class Subscriber:
         except queue.Full:
             self.counters.inc("queue_full")
 
+    def _ask_again(self, verifier: str) -> None:
+        """I/O thread: forget that `verifier` was asked, and ask (it, or another)."""
+        self._asked.discard(verifier)
+        self._ask_snapshots()
+
     def _on_member_event(self, ev) -> None:
         """Events thread: a verifier joined: maybe ask it for a snapshot (on the I/O thread)."""
         if ev.kind == "join" and "verifier" in ev.member.card.roles:
             self._node.loop.call_soon(self._ask_snapshots)
 
     def _ask_snapshots(self) -> None:
-        """Ask up to `SNAPSHOT_FROM` verifiers, once each, for their recent publications."""
+        """Ask up to `SNAPSHOT_FROM` verifiers, once each (again after a busy answer, up to
+        `SNAPSHOT_TRIES` in all), for their recent publications."""
         node = self._node
         for m in node.membership.workers():
             if len(self._asked) >= SNAPSHOT_FROM:
@@ -258,11 +282,19 @@ class Subscriber:
             if self.tokenizer is not None and m.card.tokenizer != self.tokenizer:
                 continue
             self._asked.add(m.node_id)
+            self._tries[m.node_id] += 1
             node.client.request(m.card.endpoints["stream"],
                                 SuffixSnapshotReq(node.config.cluster).to_message(),
-                                timeout=10.0, on_reply=self._on_snapshot)
+                                timeout=10.0,
+                                on_reply=lambda call, reply, v=m.node_id:
+                                self._on_snapshot(call, reply, v))
 
-    def _on_snapshot(self, call: Call, reply: Message | BusError) -> None:
+    def _on_snapshot(self, call: Call, reply: Message | BusError, verifier: str = "") -> None:
+        if isinstance(reply, RemoteError) and reply.code == BUSY \
+                and self._tries[verifier] < SNAPSHOT_TRIES:
+            # over the verifier's snapshot rate (others starting too): ask it again later
+            self._node.loop.call_later(SNAPSHOT_RETRY_S, lambda: self._ask_again(verifier))
+            return
         if isinstance(reply, BusError) or reply.type != "suffix_snapshot":
             log.debug("no suffix snapshot from %s: %s", call.endpoint, reply)
             return

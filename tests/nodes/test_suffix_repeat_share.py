@@ -11,11 +11,22 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from bus.streams import RemoteError
 from codec.messages import make
 from codec.structs import MAX_PUB_TOKENS, SuffixPub, SuffixSnapshot
 from discovery.counters import Counters
 from nodes.drafters.suffix import SuffixDrafter
-from nodes.roles.suffix_share import SUBSCRIBER_COUNTERS, Publisher, Subscriber, prompt_key
+from nodes.engine.errors import BUSY
+from nodes.roles.suffix_share import (
+    SNAPSHOT_BURST,
+    SNAPSHOT_RATE,
+    SNAPSHOT_RETRY_S,
+    SNAPSHOT_TRIES,
+    SUBSCRIBER_COUNTERS,
+    Publisher,
+    Subscriber,
+    prompt_key,
+)
 from tests.polling import wait_until
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -110,3 +121,49 @@ def test_a_malformed_hash_is_dropped_and_counted(share, bad):
     sub._on_pub("t", msg)
     assert sub.stats()["malformed"] == 1 and sub.stats()["queued"] == 0
     assert not drafter.index.docs and not drafter.index.by_prompt
+
+
+def test_snapshots_past_the_rate_are_answered_busy_and_counted():
+    """A snapshot is up to 1 MiB built on the verifier's I/O thread: a member asking in a loop
+    gets `busy` past SNAPSHOT_RATE (the clock is the test's: no timing in the verdict)."""
+    now = [100.0]
+    node = FakeNode()
+    pub = Publisher("output", "fp", clock=lambda: now[0])
+    pub.attach(node)
+    pub.publish(PROMPT, ANSWER)
+    replies = []
+    req = SimpleNamespace(reply=replies.append,
+                          fail=lambda code, text: replies.append((code, text)))
+    for _ in range(SNAPSHOT_BURST + 3):
+        node.handlers["suffix_snapshot_req"](req)
+    served = [r for r in replies if not isinstance(r, tuple)]
+    assert len(served) == SNAPSHOT_BURST
+    assert [r[0] for r in replies[SNAPSHOT_BURST:]] == [BUSY] * 3
+    assert pub.snapshots_refused == 3
+    assert SuffixSnapshot.from_message(served[-1]).docs[0][0].tolist() == ANSWER
+    now[0] += 1 / SNAPSHOT_RATE  # the bucket refills: one more is served
+    node.handlers["suffix_snapshot_req"](req)
+    assert not isinstance(replies[-1], tuple) and pub.snapshots_refused == 3
+
+
+def test_a_proposer_asks_a_busy_verifier_again_later_a_few_times():
+    asked, later = [], []
+    card = SimpleNamespace(roles=("verifier",), tokenizer="fp", endpoints={"stream": "tcp://v"})
+    node = SimpleNamespace(
+        config=SimpleNamespace(cluster="c"),
+        membership=SimpleNamespace(workers=lambda: [SimpleNamespace(node_id="v1", card=card)]),
+        client=SimpleNamespace(request=lambda ep, msg, timeout, on_reply: asked.append(on_reply)),
+        loop=SimpleNamespace(call_later=lambda delay, fn: later.append((delay, fn))))
+    sub = Subscriber(SuffixDrafter().index)
+    sub._node = node
+    sub._ask_snapshots()
+    for _ in range(SNAPSHOT_TRIES - 1):
+        asked[-1](SimpleNamespace(endpoint="tcp://v"), RemoteError(BUSY, "later"))
+        delay, fn = later.pop()
+        assert delay == SNAPSHOT_RETRY_S
+        fn()  # the timer fires: asked again
+    assert len(asked) == SNAPSHOT_TRIES
+    asked[-1](SimpleNamespace(endpoint="tcp://v"), RemoteError(BUSY, "later"))
+    assert not later  # tried enough: publications still come, the snapshot is given up
+    sub._ask_snapshots()
+    assert len(asked) == SNAPSHOT_TRIES
