@@ -212,9 +212,10 @@ def run(args: argparse.Namespace) -> int:
         p.stop()
         exit_line = p.wait_event(lambda e: e.get("event") == "exit", 10) or {}
     budget_bytes = int(args.budget * 2**20)
-    max_index = max([s["index_bytes"] or 0 for s in sampler.samples] + [idx["index_bytes"]])
+    max_index = max(s.get("index_bytes") or 0 for s in [*sampler.samples, idx])
     result = {
-        "command": "specbus bench flood " + " ".join(sys.argv[3:]),
+        "command": (f"specbus bench flood --gib {args.gib:g} --budget {args.budget:g} "
+                    f"--senders {args.senders} --max-tokens {args.max_tokens}"),
         "budget_mb": args.budget, "senders": args.senders, "flood": sent,
         "received_mib": round(exit_line.get("bytes_in", 0) / 2**20, 1),
         "drain_s": round(drain_s, 2), "index": idx, "max_index_bytes": max_index,
