@@ -36,7 +36,11 @@ for this bench, never used to tune a drafter (`HELD_OUT`). Input-grounded: suffi
 lookup; open-ended: suffix vs plain. The set runs `--singles-rounds` times (default 3) and
 each row's figure is its median run (`run_singles`).
 
-`--no-cluster` keeps everything in this process (no shared or late rows).
+`--no-cluster` keeps everything in this process (no shared or late rows). `--shared-int8`
+adds an int8 proposer (core 1, one torch thread, for both verifiers) to the shared row's
+drafters, merged with the suffix proposer's in one tree: what a cluster running both gets on
+the answers the suffix index cannot draft. The row keeps its name; the JSON's
+`shared_proposers` says which it was.
 
 Each request (traces and singles) also gets its oracle ceiling (tools/trace_ceiling.py): the
 suffix and ngram drafters replayed over the plain row's answer against a verifier that feeds
@@ -108,6 +112,10 @@ def add_arguments(parser) -> None:
                              "proposers (default: suffix)")
     parser.add_argument("--hf-lookup", type=int, default=10, metavar="N",
                         help="--trace: HF prompt_lookup_num_tokens (default 10)")
+    parser.add_argument("--shared-int8", action="store_true",
+                        help="--trace: the shared row's verifiers also draft with an int8 "
+                             "proposer (one, core 1, for both), merged with their suffix "
+                             "proposer's drafts: what a cluster running both gets")
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -235,7 +243,8 @@ class Cluster:
     """Verifiers v0, v1 (core 0, one torch thread) with suffix proposers p0, p1 (core 1);
     later a third pair (`start_late`)."""
 
-    def __init__(self, stack: contextlib.ExitStack, model: str | None, spec: str) -> None:
+    def __init__(self, stack: contextlib.ExitStack, model: str | None, spec: str,
+                 int8: bool = False) -> None:
         from nodes.cluster_client import ClusterClient
         from tools.local_cluster import LocalCluster
 
@@ -250,16 +259,22 @@ class Cluster:
         for v in vs:
             v.wait_ready()
         ps = [self._spawn_proposer(f"p{i}") for i in range(2)]
+        if int8:  # one int8 proposer beside them, for both verifiers (--shared-int8)
+            ps.append(self.c.spawn("q0", "--role", "proposer", "--drafter", "int8",
+                                   "--cpus", str(CORE_PROPOSER), "--threads", "1",
+                                   *self.model, seed=True))
         for p in ps:
             p.wait_ready()
         self.nodes = {n.name: n for n in (*vs, *ps)}
+        #: proposers each verifier's shared row drafts with, beside its own suffix proposer
+        self.extra = ("q0",) if int8 else ()
         self.cc = stack.enter_context(ClusterClient(
             self.c.cluster, peers=tuple(n.stream for n in self.nodes.values()), mdns=False))
         from nodes.telemetry import StatsWatcher
 
         self.tel = StatsWatcher(self.cc.node, self.c.cluster)
         self.members: dict = {}
-        self._find({"v0", "v1", "p0", "p1"})
+        self._find({"v0", "v1", "p0", "p1", *self.extra})
         self.published = 0  # generations the sharing verifiers ran (each one publishes)
 
     def _spawn_verifier(self, name: str, seed: bool = False):
@@ -283,11 +298,13 @@ class Cluster:
         return self.nodes[name].node_id
 
     def generate(self, verifier: str, ids: list[int], n: int,
-                 proposer: str | None = None) -> dict:
+                 proposer: str | None = None, extra: tuple[str, ...] = ()) -> dict:
+        """One request on `verifier`, drafted by `proposer` (and `extra` ones) or plain."""
         from nodes.cluster_client import GenerateRequest
 
-        req = GenerateRequest(tokens=list(ids), max_tokens=n, speculate=proposer is not None,
-                              proposers=[self.node_id(proposer)] if proposer else None)
+        names = [proposer, *extra] if proposer else []
+        req = GenerateRequest(tokens=list(ids), max_tokens=n, speculate=bool(names),
+                              proposers=[self.node_id(x) for x in names] or None)
         r = self.cc.generate(req, self.members[verifier], failover=False)
         st = r.stats
         rec = _rec(st["token_ids"], st["elapsed_s"], st.get("blocks", 0), st.get("drafted", 0))
@@ -310,13 +327,15 @@ class Cluster:
     def warm(self, ids: list[int]) -> None:
         """Open connections, learn costs; each verifier must have drafted with its proposer."""
         for v, p in (("v0", "p0"), ("v1", "p1")):
+            want = {self.node_id(x) for x in (p, *self.extra)}
             for _ in range(20):
                 self.generate(v, ids, 8)
-                if self.node_id(p) in self.generate(v, ids, 8, proposer=p)["proposers_used"]:
+                used = self.generate(v, ids, 8, proposer=p, extra=self.extra)["proposers_used"]
+                if want <= set(used):
                     break
                 time.sleep(0.5)
             else:
-                raise RuntimeError(f"{v} never drafted with {p}")
+                raise RuntimeError(f"{v} never drafted with {sorted(want)}")
         if not self.wait_indexed(("p0", "p1"), self.published, 30):
             raise RuntimeError("the proposers did not index the warm-up publications")
 
@@ -456,7 +475,8 @@ def run_traces(args, inproc: InProcess, cluster: Cluster | None, names: list[str
                 continue
             # the shared row first: the plain run's answer is published too
             indexed = cluster.wait_indexed(("p0", "p1"), cluster.published)
-            res["suffix-shared"] = cluster.generate(f"v{v}", ids, n, proposer=f"p{v}")
+            res["suffix-shared"] = cluster.generate(f"v{v}", ids, n, proposer=f"p{v}",
+                                                    extra=cluster.extra)
             res["suffix-shared"]["indexed_before"] = indexed
             res["bus-plain"] = cluster.generate(f"v{v}", ids, n)
         rec = {"trace": name, "request": j, "run_order": k, "repeat_of": earlier[0] if earlier
@@ -604,7 +624,8 @@ def _fmt(x, spec=".2f") -> str:
 
 def print_report(doc: dict) -> None:
     print(f"trace decode benchmark: up to {doc['max_tokens']} new tokens per request; "
-          f"{doc['pinning']}; load average {doc['loadavg_start']} -> {doc['loadavg_end']}")
+          f"{doc['pinning']}; load average {doc['loadavg_start']} -> {doc['loadavg_end']}; "
+          f"the shared row drafts with {doc.get('shared_proposers', 'suffix')}")
     for name, s in doc["summary"].items():
         for label, b in s.items():
             print(f"\n{name} ({label}, {b['requests']} requests, {b['identical_to_hf']} with "
@@ -663,6 +684,10 @@ def run_trace(args) -> int:
         if not (TRACES / f"{name}.json").exists():
             print(f"specbus bench decode: no trace {name!r}", file=sys.stderr)
             return 2
+    if args.shared_int8 and args.no_cluster:
+        print("specbus bench decode: --shared-int8 needs the cluster (not --no-cluster)",
+              file=sys.stderr)
+        return 2
     start_load = loadavg()
     t_start = time.monotonic()
     # SIGTERM (and SIGINT, which a shell's background job ignores) end the run through the
@@ -679,7 +704,10 @@ def run_trace(args) -> int:
         "suffix_spec": args.suffix_spec, "hf_prompt_lookup_num_tokens": args.hf_lookup,
         "pinning": ("in-process rows and HF: this thread on core 0, 1 torch thread; "
                     + ("verifiers on core 0 (1 torch thread), suffix proposers on core 1"
+                       + (", an int8 proposer on core 1 (1 torch thread) drafting with "
+                          "them in the shared row" if args.shared_int8 else "")
                        if not args.no_cluster else "no cluster")),
+        "shared_proposers": "suffix+int8" if args.shared_int8 else "suffix",
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpus": os.cpu_count()},
         "loadavg_start": start_load,
@@ -690,7 +718,7 @@ def run_trace(args) -> int:
             doc["singles_summary"] = summarize_singles(doc["singles"])
         cluster = None
         if not args.no_cluster:
-            cluster = Cluster(stack, args.model, args.suffix_spec)
+            cluster = Cluster(stack, args.model, args.suffix_spec, args.shared_int8)
             cluster.warm(warm_ids)
         answers: list = []
         per_trace = run_traces(args, inproc, cluster, names, answers)

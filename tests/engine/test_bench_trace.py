@@ -92,3 +92,16 @@ def test_a_pinned_thread_can_be_moved_to_another_core():
         assert os.sched_getaffinity(0) == {b}
     finally:
         os.sched_setaffinity(0, before)
+
+
+@pytest.mark.slow
+def test_trace_bench_shared_row_with_an_int8_proposer_beside_the_suffix_ones(tmp_path,
+                                                                            tiny_folder):
+    """`--shared-int8`: the shared row's verifiers draft with their suffix proposer and one
+    int8 proposer; every output still equals HF greedy's."""
+    doc = _bench(tmp_path, tiny_folder, "--late", "0", "--shared-int8")
+    assert doc["shared_proposers"] == "suffix+int8"
+    for recs in doc["requests"].values():
+        for r in recs:
+            assert all(r["identical_to_hf"].values()), r["identical_to_hf"]
+            assert len(r["rows"]["suffix-shared"]["proposers_used"]) == 2, r["rows"]
