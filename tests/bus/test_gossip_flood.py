@@ -50,7 +50,7 @@ def test_a_flooding_publisher_holds_bounded_memory_and_hanging_up_never_aborts_t
         assert proc.stdout.readline().strip() == "ready"
         base_kb = int(_ask(proc, "peak"))
         payload = b"t" + b"x" * (SIZE - 1)
-        sent = 0
+        sent = received = 0
         for r in range(ROUNDS):
             pubs = []
             for _ in range(PUBLISHERS):
@@ -70,14 +70,15 @@ def test_a_flooding_publisher_holds_bounded_memory_and_hanging_up_never_aborts_t
             for p in pubs:
                 p.close()  # hang up while the node's input is stopped
             time.sleep(1.5)  # longer than libzmq's heartbeat interval (bus/sockets.py: 1 s)
-            got = int(_ask(proc, "drain"))
-            assert got <= PUBLISHERS * (GOSSIP_RCVHWM + MESSAGES)
+            received += int(_ask(proc, "drain"))
             assert _ask(proc, f"sub u{r}") == "ok"
         grown_mb = (int(_ask(proc, "peak")) - base_kb) / 1024
         assert sent >= 20 * PUBLISHERS * GOSSIP_RCVHWM * SIZE
+        assert received > 0  # the flood reached the node (its subscription was in place)
         # a connection buffers at most GOSSIP_RCVHWM messages (8 MiB for 4 here, plus libzmq's
         # read batches); without that bound it held what was sent, 160 MiB a round
         assert grown_mb < 64, grown_mb
+        print(f"received {received} of {sent // SIZE} messages; grown {grown_mb:.1f} MiB")
         assert _ask(proc, "quit") == "alive"
         assert proc.wait(30) == 0
     finally:
