@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from tools.bench_trace import INDEX  # where a suffix proposer's index figures are in its stats
+
 PROMPT = ("Copy exactly, word for word: The committee will meet on Tuesday at the main office "
           "to review the budget for the next year.")
 DOC_TOKENS = 8192  # MAX_PUB_TOKENS: the largest publication a proposer takes
@@ -40,7 +42,6 @@ SAMPLE_S = 0.2
 SETTLE_S = 3.0  # indexed count unchanged this long, queue empty: the flood is all taken
 #: one publication in `_EVERY` of each hostile kind
 _EVERY = 32
-INDEX = ("proposer", "suffix_index")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the verifier's model (default the embedded SmolLM2-135M)")
 
 
-def _status_kb(pid: int, field: str) -> int:
+def status_kb(pid: int, field: str) -> int:
     """A `/proc/PID/status` figure in kB (VmRSS, VmHWM); 0 once the process is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -92,7 +93,7 @@ class _Sampler:
         while not self._stop.wait(SAMPLE_S):
             idx = self.tel.latest(self.node_id, *INDEX)
             self.samples.append({"t": round(time.monotonic() - self._t0, 2),
-                                 "rss_mb": round(_status_kb(self.pid, "VmRSS") / 1024, 1),
+                                 "rss_mb": round(status_kb(self.pid, "VmRSS") / 1024, 1),
                                  "index_bytes": idx.get("index_bytes"),
                                  "queued": idx.get("queued")})
 
@@ -198,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         before = answer()
         # the verifier's publication pins the proposer to the verifier's tokenizer
         tel.wait(p.node_id, lambda s: s.get("indexed", 0) >= 1, *INDEX, timeout=30)
-        rss0 = _status_kb(p.proc.pid, "VmRSS") / 1024
+        rss0 = status_kb(p.proc.pid, "VmRSS") / 1024
         print(f"flooding p0 with {args.gib:g} GiB (budget {args.budget:g} MB, RSS "
               f"{rss0:.0f} MB)", file=sys.stderr, flush=True)
         with _Sampler(p.proc.pid, tel, p.node_id) as sampler:
@@ -206,8 +207,8 @@ def run(args: argparse.Namespace) -> int:
                           args.senders)
             drain_s = _wait_drained(tel, p.node_id)
         after = answer()
-        peak_mb = _status_kb(p.proc.pid, "VmHWM") / 1024
-        rss_end = _status_kb(p.proc.pid, "VmRSS") / 1024
+        peak_mb = status_kb(p.proc.pid, "VmHWM") / 1024
+        rss_end = status_kb(p.proc.pid, "VmRSS") / 1024
         idx = tel.latest(p.node_id, *INDEX)
         p.stop()
         exit_line = p.wait_event(lambda e: e.get("event") == "exit", 10) or {}

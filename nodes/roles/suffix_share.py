@@ -36,6 +36,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -94,7 +95,8 @@ def prompt_key(node) -> bytes:
 class Publisher:
     """A verifier's side: publish each finished generation; serve snapshots of recent ones."""
 
-    def __init__(self, mode: str, tokenizer: str, clock=time.monotonic) -> None:
+    def __init__(self, mode: str, tokenizer: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if mode not in SHARE_MODES:
             raise ValueError(f"share mode must be one of {SHARE_MODES}, got {mode!r}")
         self.mode = mode

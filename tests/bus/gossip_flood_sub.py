@@ -7,17 +7,14 @@ at its HWM while its own heartbeat runs (libzmq #3937)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import zmq
 
 from bus.gossip import gossip_sub
 from bus.sockets import SocketFactory
-
-
-def _peak_kb() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+from tools.bench_suffix_flood import status_kb
 
 
 def main() -> None:
@@ -40,7 +37,7 @@ def main() -> None:
             sub.setsockopt(zmq.SUBSCRIBE, arg.encode())
             print("ok", flush=True)
         elif cmd == "peak":
-            print(_peak_kb(), flush=True)
+            print(status_kb(os.getpid(), "VmHWM"), flush=True)
         elif cmd == "quit":
             break
     sub.close(linger=0)
