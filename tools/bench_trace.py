@@ -40,7 +40,10 @@ each row's figure is its median run (`run_singles`).
 adds an int8 proposer (core 1, one torch thread, for both verifiers) to the shared row's
 drafters, merged with the suffix proposer's in one tree: what a cluster running both gets on
 the answers the suffix index cannot draft. The row keeps its name; the JSON's
-`shared_proposers` says which it was.
+`shared_proposers` says which it was. `--bus-ngram` adds the same row with an ngram proposer
+(core 1) in the suffix proposers' place, on the same verifier, interleaved: `bus-ngram`
+(ngram, or ngram+int8 with `--shared-int8`, what the demo runs) against `suffix-shared` over
+the same bus, the comparison that decides a proposer's default drafter.
 
 Each request (traces and singles) also gets its oracle ceiling (tools/trace_ceiling.py): the
 suffix and ngram drafters replayed over the plain row's answer against a verifier that feeds
@@ -67,6 +70,8 @@ SKIP_FIRST = 3  # "after the first few requests": medians over requests SKIP_FIR
 INPROC_ROWS = ("plain", "ngram", "suffix", "hf-plain", "hf-prompt-lookup")
 SINGLE_ROWS = INPROC_ROWS
 SPEC_ROWS = ("ngram", "suffix", "suffix-shared", "hf-prompt-lookup")
+#: rows over the bus, each against `bus-plain` on the same verifier
+BUS_ROWS = ("suffix-shared", "bus-ngram")
 
 #: single requests written for this bench (not tools/prompts.py's, not the suffix drafter's
 #: compare prompts): nothing was tuned on them
@@ -116,6 +121,10 @@ def add_arguments(parser) -> None:
                         help="--trace: the shared row's verifiers also draft with an int8 "
                              "proposer (one, core 1, for both), merged with their suffix "
                              "proposer's drafts: what a cluster running both gets")
+    parser.add_argument("--bus-ngram", action="store_true",
+                        help="--trace: also the shared row with an ngram proposer (core 1) "
+                             "in the suffix proposer's place, on the same verifier "
+                             "(row bus-ngram; with --shared-int8 beside the int8 proposer)")
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -244,7 +253,7 @@ class Cluster:
     later a third pair (`start_late`)."""
 
     def __init__(self, stack: contextlib.ExitStack, model: str | None, spec: str,
-                 int8: bool = False) -> None:
+                 int8: bool = False, ngram: bool = False) -> None:
         from nodes.cluster_client import ClusterClient
         from tools.local_cluster import LocalCluster
 
@@ -263,9 +272,13 @@ class Cluster:
             ps.append(self.c.spawn("q0", "--role", "proposer", "--drafter", "int8",
                                    "--cpus", str(CORE_PROPOSER), "--threads", "1",
                                    *self.model, seed=True))
+        if ngram:  # one ngram proposer for both verifiers' bus-ngram row (--bus-ngram)
+            ps.append(self.c.spawn("n0", "--role", "proposer", "--drafter", "ngram",
+                                   "--cpus", str(CORE_PROPOSER), seed=True))
         for p in ps:
             p.wait_ready()
         self.nodes = {n.name: n for n in (*vs, *ps)}
+        self.ngram = ngram
         #: proposers each verifier's shared row drafts with, beside its own suffix proposer
         self.extra = ("q0",) if int8 else ()
         self.cc = stack.enter_context(ClusterClient(
@@ -274,7 +287,7 @@ class Cluster:
 
         self.tel = StatsWatcher(self.cc.node, self.c.cluster)
         self.members: dict = {}
-        self._find({"v0", "v1", "p0", "p1", *self.extra})
+        self._find({"v0", "v1", "p0", "p1", *self.extra, *(("n0",) if ngram else ())})
         self.published = 0  # generations the sharing verifiers ran (each one publishes)
 
     def _spawn_verifier(self, name: str, seed: bool = False):
@@ -336,6 +349,8 @@ class Cluster:
                 time.sleep(0.5)
             else:
                 raise RuntimeError(f"{v} never drafted with {sorted(want)}")
+            if self.ngram:
+                self.generate(v, ids, 8, proposer="n0", extra=self.extra)
         if not self.wait_indexed(("p0", "p1"), self.published, 30):
             raise RuntimeError("the proposers did not index the warm-up publications")
 
@@ -364,7 +379,7 @@ def _speedups(res: dict) -> dict:
     """Per request: each row's speed over its baseline, and over ngram's speedup."""
     out = {}
     for name, r in res.items():
-        ref = res.get("bus-plain") if name == "suffix-shared" else res["plain"]
+        ref = res.get("bus-plain") if name in BUS_ROWS else res["plain"]
         if name == "bus-plain" or not ref or not ref["tok_s"]:
             continue
         out[name] = round(r["tok_s"] / ref["tok_s"], 3)
@@ -377,6 +392,8 @@ def _speedups(res: dict) -> dict:
         if res["hf-plain"]["tok_s"]:
             extra["hf_lookup_vs_hf_plain"] = round(res["hf-prompt-lookup"]["tok_s"]
                                                    / res["hf-plain"]["tok_s"], 3)
+    if "bus-ngram" in out and out.get("suffix-shared"):
+        extra["shared_vs_bus_ngram"] = round(out["suffix-shared"] / out["bus-ngram"], 3)
     return {"vs_plain": out, "vs_ngram": vs_ngram, **extra}
 
 
@@ -479,6 +496,9 @@ def run_traces(args, inproc: InProcess, cluster: Cluster | None, names: list[str
                                                     extra=cluster.extra)
             res["suffix-shared"]["indexed_before"] = indexed
             res["bus-plain"] = cluster.generate(f"v{v}", ids, n)
+            if cluster.ngram:
+                res["bus-ngram"] = cluster.generate(f"v{v}", ids, n, proposer="n0",
+                                                    extra=cluster.extra)
         rec = {"trace": name, "request": j, "run_order": k, "repeat_of": earlier[0] if earlier
                else None, "verifier": f"v{v}" if cluster else None, "max_tokens": n,
                "tokens": len(res["hf-plain"]["tokens"]), "loadavg": loadavg(),
@@ -562,7 +582,8 @@ def add_ceilings(per_trace: dict[str, list[dict]], answers: list, inproc: InProc
 def summarize(per_trace: dict[str, list[dict]], skip: int = SKIP_FIRST) -> dict:
     """Per trace and pooled: medians and the worst request, over requests `skip`.. and all."""
     def block(recs: list[dict]) -> dict:
-        names = [n for n in ("ngram", "suffix", "suffix-shared", "hf-plain", "hf-prompt-lookup")
+        names = [n for n in ("ngram", "suffix", "suffix-shared", "bus-ngram", "hf-plain",
+                             "hf-prompt-lookup")
                  if any(n in r["vs_plain"] for r in recs)]
         out = {}
         for n in names:
@@ -582,6 +603,9 @@ def summarize(per_trace: dict[str, list[dict]], skip: int = SKIP_FIRST) -> dict:
                                   "worst": _min(c[k] for c in ceil)}
                               for k in ("suffix_vs_plain", "suffix_vs_ngram", "ngram_vs_plain",
                                         "suffix_tok_per_fwd", "suffix_vs_hf_lookup")}
+        vb = [r.get("shared_vs_bus_ngram") for r in recs]
+        if any(x is not None for x in vb):
+            out["shared_vs_bus_ngram"] = {"median": _median(vb), "worst": _min(vb)}
         out["identical_to_hf"] = sum(all(r["identical_to_hf"].values()) for r in recs)
         out["requests"] = len(recs)
         return out
@@ -625,7 +649,9 @@ def _fmt(x, spec=".2f") -> str:
 def print_report(doc: dict) -> None:
     print(f"trace decode benchmark: up to {doc['max_tokens']} new tokens per request; "
           f"{doc['pinning']}; load average {doc['loadavg_start']} -> {doc['loadavg_end']}; "
-          f"the shared row drafts with {doc.get('shared_proposers', 'suffix')}")
+          f"the shared row drafts with {doc.get('shared_proposers', 'suffix')}"
+          + (f", the bus-ngram row with {doc['bus_ngram_proposers']}"
+             if doc.get("bus_ngram_proposers") else ""))
     for name, s in doc["summary"].items():
         for label, b in s.items():
             print(f"\n{name} ({label}, {b['requests']} requests, {b['identical_to_hf']} with "
@@ -633,7 +659,7 @@ def print_report(doc: dict) -> None:
             print(f"  {'row':17s} {'vs plain':>8s} {'worst':>6s} {'vs ngram':>8s} "
                   f"{'worst':>6s} {'tok/fwd':>7s}  worst request")
             for row, r in b.items():
-                if not isinstance(r, dict) or row == "ceiling":
+                if not isinstance(r, dict) or row in ("ceiling", "shared_vs_bus_ngram"):
                     continue
                 print(f"  {row:17s} {_fmt(r['vs_plain_median']):>8s} "
                       f"{_fmt(r['vs_plain_worst']):>6s} {_fmt(r['vs_ngram_median']):>8s} "
@@ -647,6 +673,10 @@ def print_report(doc: dict) -> None:
                       f"{_fmt(c['suffix_vs_ngram']['worst']):>6s} "
                       f"{_fmt(c['suffix_tok_per_fwd']['median']):>7s}  (oracle verifier; "
                       f"ngram's {_fmt(c['ngram_vs_plain']['median'])}x plain)")
+            vb = b.get("shared_vs_bus_ngram")
+            if vb:
+                print(f"  suffix-shared vs bus-ngram (same verifier, same bus): "
+                      f"{_fmt(vb['median'])}x (worst {_fmt(vb['worst'])}x)")
     late = doc.get("late")
     if late:
         print("\nasked again on a verifier and a proposer started after the answers "
@@ -684,10 +714,11 @@ def run_trace(args) -> int:
         if not (TRACES / f"{name}.json").exists():
             print(f"specbus bench decode: no trace {name!r}", file=sys.stderr)
             return 2
-    if args.shared_int8 and args.no_cluster:
-        print("specbus bench decode: --shared-int8 needs the cluster (not --no-cluster)",
-              file=sys.stderr)
-        return 2
+    for flag, on in (("--shared-int8", args.shared_int8), ("--bus-ngram", args.bus_ngram)):
+        if on and args.no_cluster:
+            print(f"specbus bench decode: {flag} needs the cluster (not --no-cluster)",
+                  file=sys.stderr)
+            return 2
     start_load = loadavg()
     t_start = time.monotonic()
     # SIGTERM (and SIGINT, which a shell's background job ignores) end the run through the
@@ -706,8 +737,12 @@ def run_trace(args) -> int:
                     + ("verifiers on core 0 (1 torch thread), suffix proposers on core 1"
                        + (", an int8 proposer on core 1 (1 torch thread) drafting with "
                           "them in the shared row" if args.shared_int8 else "")
+                       + (", an ngram proposer on core 1 for the bus-ngram row"
+                          if args.bus_ngram else "")
                        if not args.no_cluster else "no cluster")),
         "shared_proposers": "suffix+int8" if args.shared_int8 else "suffix",
+        "bus_ngram_proposers": (("ngram+int8" if args.shared_int8 else "ngram")
+                                if args.bus_ngram else None),
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpus": os.cpu_count()},
         "loadavg_start": start_load,
@@ -718,7 +753,8 @@ def run_trace(args) -> int:
             doc["singles_summary"] = summarize_singles(doc["singles"])
         cluster = None
         if not args.no_cluster:
-            cluster = Cluster(stack, args.model, args.suffix_spec, args.shared_int8)
+            cluster = Cluster(stack, args.model, args.suffix_spec, args.shared_int8,
+                              args.bus_ngram)
             cluster.warm(warm_ids)
         answers: list = []
         per_trace = run_traces(args, inproc, cluster, names, answers)

@@ -98,10 +98,20 @@ def test_a_pinned_thread_can_be_moved_to_another_core():
 def test_trace_bench_shared_row_with_an_int8_proposer_beside_the_suffix_ones(tmp_path,
                                                                             tiny_folder):
     """`--shared-int8`: the shared row's verifiers draft with their suffix proposer and one
-    int8 proposer; every output still equals HF greedy's."""
-    doc = _bench(tmp_path, tiny_folder, "--late", "0", "--shared-int8")
+    int8 proposer; with `--bus-ngram` the same verifier also drafts with an ngram proposer in
+    the suffix one's place, beside the same int8 proposer; every output still equals HF
+    greedy's."""
+    doc = _bench(tmp_path, tiny_folder, "--late", "0", "--shared-int8", "--bus-ngram")
     assert doc["shared_proposers"] == "suffix+int8"
+    assert doc["bus_ngram_proposers"] == "ngram+int8"
     for recs in doc["requests"].values():
         for r in recs:
             assert all(r["identical_to_hf"].values()), r["identical_to_hf"]
-            assert len(r["rows"]["suffix-shared"]["proposers_used"]) == 2, r["rows"]
+            shared, ngram = r["rows"]["suffix-shared"], r["rows"]["bus-ngram"]
+            assert len(shared["proposers_used"]) == 2, r["rows"]
+            # both rows ran on one verifier with the same int8 proposer; only the other
+            # proposer differs
+            assert len(ngram["proposers_used"]) == 2, r["rows"]
+            assert set(shared["proposers_used"]) != set(ngram["proposers_used"])
+            assert r["shared_vs_bus_ngram"] > 0
+        assert doc["summary"][next(iter(doc["requests"]))]["all"]["shared_vs_bus_ngram"]
