@@ -103,6 +103,12 @@ class DraftSession(ABC):
         """Optional: do per-session set-up (e.g. prompt prefill) ahead of the first draft."""
         return None
 
+    def for_tokenizer(self, fingerprint: str) -> None:
+        """The tokenizer of the verifier this session drafts for (a proposer's session, named
+        by the verifier). A drafter that holds other sessions' text drafts from it only where
+        it is that tokenizer's (the suffix drafter's global index: `GlobalIndex.pin`)."""
+        return None
+
     def features(self, rows: np.ndarray) -> None:
         """The verifier's hidden states ([n, layers x hidden], feed order) of the next n
         positions it cached, for drafters that read them (`Drafter.hidden_layers`)."""

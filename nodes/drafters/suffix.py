@@ -29,6 +29,11 @@ proposer's horizon), as one chain with conf 1 where the filed answers agree
 drafts assumed ahead and rollbacks alike; once the output leaves every filed answer, drafting
 falls back to suffix matching as above.
 
+A proposer serves verifiers of any tokenizer, and ids mean text only under their tokenizer: the
+global index holds the ids of the first tokenizer named to it (`GlobalIndex.pin`: by a
+publication the proposer hears, or by a session's verifier), and a session whose verifier names
+another (`for_tokenizer`) drafts from its own text only and gives the index nothing.
+
 The session's text enters the global index when the session closes (filed under its prompt's
 hash). In a proposer that is the
 committed text plus the few tokens it drafted ahead past the verifier's last commit (the role
@@ -200,9 +205,19 @@ class SuffixSession(DraftSession):
         self.closed = False
         #: the prompt's keyed hash (`GlobalIndex.prompt_digest`): finds an earlier answer to it
         self.prompt_hash = drafter.index.prompt_digest(prompt_ids) if prompt_ids else None
+        #: set when this session's verifier has another tokenizer than the global index's
+        #: (`for_tokenizer`): then it drafts from its own text only and gives the index nothing
+        self.foreign = False
         #: the tip's matches (`_matches`) and the global index's clock when they were taken;
         #: kept until the text or the index changes (an eviction moves positions)
         self._memo: tuple[int, Match, Match] | None = None
+
+    def for_tokenizer(self, fingerprint: str) -> None:
+        """A proposer's session for a verifier of tokenizer `fingerprint`: the global index
+        holds one tokenizer's ids (`GlobalIndex.pin`); another's session keeps out of it."""
+        if not self.drafter.index.pin(fingerprint):
+            self.foreign = True
+            self._memo = None
 
     def extend(self, delta: Sequence[int]) -> None:
         if len(delta):
@@ -228,7 +243,7 @@ class SuffixSession(DraftSession):
     def _repeat(self, k: int) -> tuple[list[int], list[float]] | None:
         """An earlier answer to this prompt that the output so far follows: its next k."""
         index = self.drafter.index
-        if self.prompt_hash is None or not index.by_prompt:
+        if self.prompt_hash is None or self.foreign or not index.by_prompt:
             return None
         return index.repeat(self.prompt_hash, self.local.tokens[self.prompt_len :], k)
 
@@ -238,7 +253,8 @@ class SuffixSession(DraftSession):
         clock = index.clock  # read first: an add during the lookup makes the memo stale
         if self._memo is None or self._memo[0] != clock:
             local = self.local.match(self.local.tokens)
-            glob = index.lookup(self._global_context()) if index.docs else Match(0, [], [])
+            glob = (index.lookup(self._global_context()) if index.docs and not self.foreign
+                    else Match(0, [], []))
             self._memo = (clock, local, glob)
         return self._memo[1], self._memo[2]
 
@@ -334,6 +350,8 @@ class SuffixSession(DraftSession):
         if self.closed:
             return
         self.closed = True
+        if self.foreign:
+            return
         if self.drafter.index.add(self.local.tokens, self.prompt_len, self.opts.prompts,
                                   self.prompt_hash):
             log.debug("suffix index: +%d output tokens, %s", len(self.local.tokens)

@@ -235,7 +235,20 @@ class GlobalIndex(_ChainIndex):
         self.weight_total = 0.0
         self.prompt_key = LOCAL_PROMPT_KEY  # a node sets its cluster's
         self.by_prompt: dict[str, list[_Doc]] = {}  # prompt hash -> documents, newest first
+        #: the tokenizer whose ids this index holds (`pin`); None until one is named
+        self.tokenizer: str | None = None
         self._reset(array("i", [SEP]))
+
+    def pin(self, tokenizer: str) -> bool:
+        """Whether this index holds `tokenizer`'s ids: the first tokenizer named (by a
+        publication heard or a session opened for a verifier) is the index's for good.
+        Why: token ids mean text only under their tokenizer; an index that mixed two would
+        draft one model's ids from the other's text (wasted rows, never wrong output), and a
+        proposer serves verifiers of any tokenizer."""
+        with self.lock:
+            if self.tokenizer is None:
+                self.tokenizer = tokenizer
+            return self.tokenizer == tokenizer
 
     # -- building --------------------------------------------------------------------------
 

@@ -282,6 +282,8 @@ class ProposerRole:
         params = parsed.sampling
         tokens = parsed.tokens.tolist()
         draft = self.drafter.open(tokens, params)
+        if parsed.tokenizer:
+            draft.for_tokenizer(parsed.tokenizer)
         draft.warm()  # prefill now, in parallel with the verifier's own prefill
         horizon = DEFAULT_HORIZON if parsed.horizon is None else parsed.horizon
         self._sessions[sid] = _Session(

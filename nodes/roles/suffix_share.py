@@ -12,7 +12,8 @@ yesterday is not there when another verifier gets the same question. So:
   tokens it published and answers `suffix_snapshot_req` with them, so a proposer that joins
   late starts warm.
 - `Subscriber` (a proposer whose drafter has a global index): indexes every publication of its
-  tokenizer (the first fingerprint it hears; the ids of another tokenizer mean other text),
+  tokenizer (the index's: the first fingerprint named to it, by a publication or by a
+  proposer session's verifier, `GlobalIndex.pin`; the ids of another tokenizer mean other text),
   asks the first verifiers it sees for a snapshot, and drops and counts what is malformed,
   oversized, of another tokenizer, over a sender's rate or beyond its indexing queue. The
   index's own byte budget bounds its memory whatever arrives (sender ids can be forged, so
@@ -170,9 +171,9 @@ class Subscriber:
     """
 
     def __init__(self, index) -> None:
-        #: has add(tokens, output_start, share_prompt, prompt_hash), its own lock, prompt_key
+        #: has add(tokens, output_start, share_prompt, prompt_hash), pin(tokenizer),
+        #: tokenizer, its own lock, prompt_key
         self.index = index
-        self.tokenizer: str | None = None  # pinned to the first fingerprint heard
         self._node = None
         self._buckets: collections.OrderedDict[str, TokenBucket] = collections.OrderedDict()
         self._asked: set[str] = set()
@@ -249,13 +250,19 @@ class Subscriber:
                 self._buckets.popitem(last=False)
         return bucket.take(now)
 
+    @property
+    def tokenizer(self) -> str | None:
+        """The tokenizer whose publications are indexed (`GlobalIndex.pin`: the first one
+        heard, or the first a proposer session of this drafter was opened for)."""
+        return self.index.tokenizer
+
     def _take(self, tokenizer: str, docs) -> None:
-        if self.tokenizer is None:
-            self.tokenizer = tokenizer
-            log.info("suffix index: indexing the publications of tokenizer %s", tokenizer)
-        if tokenizer != self.tokenizer:
+        first = self.index.tokenizer is None
+        if not self.index.pin(tokenizer):
             self.counters.inc("foreign", len(docs))
             return
+        if first:
+            log.info("suffix index: indexing the publications of tokenizer %s", tokenizer)
         try:  # one queue item per publication or snapshot
             self._queue.put_nowait([(np.array(t, dtype=np.int32), int(st), h or None)
                                     for t, st, h in docs])

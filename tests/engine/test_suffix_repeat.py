@@ -170,3 +170,20 @@ def test_a_document_indexed_between_two_drafts_at_one_tip_is_drafted_from():
     assert s.draft_class().startswith("gm")
     chain = s.plan(8, 1).chain  # sized by the match (SuffixDecoding's factor 1)
     assert len(chain) >= 4 and chain == ANSWER[6 : 6 + len(chain)]
+
+
+def test_the_index_holds_the_first_tokenizer_named_and_no_other():
+    """`GlobalIndex.pin`: publications and proposer sessions name their tokenizer; the first
+    one named owns the index, another is refused (the subscriber counts it foreign, a session
+    keeps out: tests/nodes/test_proposer_role.py)."""
+    index = GlobalIndex(1 << 20)
+    assert index.tokenizer is None
+    assert index.pin("aaaa") and index.pin("aaaa")
+    assert not index.pin("bbbb") and index.tokenizer == "aaaa"
+    drafter = SuffixDrafter()
+    drafter.index.pin("aaaa")
+    filed(drafter)
+    foreign = drafter.open(PROMPT, None)
+    foreign.for_tokenizer("bbbb")
+    assert foreign.plan(16, 4).chain == []  # no repeat, no global match
+    assert drafter.open(PROMPT, None).plan(16, 4).chain == ANSWER[:16]  # the index's own

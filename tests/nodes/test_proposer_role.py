@@ -294,3 +294,39 @@ def test_the_verifier_reads_a_real_proposers_classes(host, proposer):
     finally:
         src.close()
         link.close()
+
+
+def test_a_suffix_session_for_another_tokenizer_keeps_out_of_the_global_index(host):
+    """A suffix proposer serves verifiers of any tokenizer, but its global index holds one
+    tokenizer's ids (`GlobalIndex.pin`): a session whose verifier names that tokenizer drafts
+    the filed answer to its prompt; one naming another drafts from its own text only, and its
+    text never enters the index."""
+    from codec.structs import DraftChunk
+    from nodes.drafters.suffix import SuffixDrafter
+
+    drafter = SuffixDrafter()
+    prompt = [*range(10, 20), 10, 11]  # its own text continues "10 11" with 12 13 14 ...
+    answer = list(range(100, 130))
+    filed = drafter.open(prompt, None)
+    filed.for_tokenizer("aaaa")  # the index is aaaa's from here on
+    filed.extend(answer)
+    filed.close()
+    docs = len(drafter.index.docs)
+    role = ProposerRole(drafter, vocab_size=200, sweep_every=0.05)
+    role.attach(host)
+    try:
+        first = {}
+        for sid, tokenizer in (("own", "aaaa"), ("other", "bbbb")):
+            call = host.client.request(
+                host.server.endpoint,
+                make("session_open", session=sid, lease_s=5.0, horizon=6, tokenizer=tokenizer,
+                     tensors=[np.asarray(prompt, dtype=np.int32)]), timeout=None)
+            first[sid] = DraftChunk.from_message(chunk_at(call, len(prompt))).tokens.tolist()
+        assert first["own"] == answer[:6]  # the repeat, from the index
+        assert first["other"] == [12, 13, 14, 15, 16, 17]  # its own text only
+        commit(host, "other", len(prompt) + 2, [12, 13])
+        ask(host, make("session_close", session="other"))
+        assert role.open_sessions == 1 and len(drafter.index.docs) == docs
+        assert drafter.index.tokenizer == "aaaa"
+    finally:
+        role.close()
