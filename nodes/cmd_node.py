@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cached HF repo id (default: the embedded smollm2-135m)")
     parser.add_argument("--drafter", default="",
                         help="ngram | suffix[:OPTS] | int8 | eagle[:PATH] | model:REF | none; "
-                             "a proposer's drafter (default ngram; an eagle head is served to "
+                             "a proposer's drafter (default suffix; an eagle head is served to "
                              "torch verifiers of its model, which send it their hidden "
                              "states), or a verifier's own fallback (default none)")
     parser.add_argument("--suffix-budget", type=positive_float, default=None, metavar="MB",
@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=0, metavar="N",
                         help="longest context served: a verifier's prompt + max tokens, a "
                              "proposer's draft session (default: the model's context; 8192 "
-                             "for ngram)")
+                             "for model-free drafters)")
     parser.add_argument("--max-batch", type=int, default=8, metavar="N",
                         help="verifier: generations stepped together, one forward per step "
                              "(default 8; 1: one at a time; docs/engine.md, Batching)")
@@ -332,19 +332,20 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
     """Load what the roles need (models, drafters) and put what they measured on the card.
 
     Slow (model loading) and done before joining, so the first card is already complete. A
-    proposer's drafter defaults to `ngram`; a verifier drafts nothing itself unless asked (it
+    proposer's drafter defaults to `suffix`; a verifier drafts nothing itself unless asked (it
     borrows the cluster's proposers).
     """
     if config.observer or not config.roles:
         return None
     from nodes.roles.assemble import (
         DEFAULT_PREFIX_CACHE_MB,
+        DEFAULT_PROPOSER_DRAFTER,
         RoleSpec,
         assemble,
         return_freed_memory,
     )
 
-    default = "ngram" if "proposer" in config.roles else "none"
+    default = DEFAULT_PROPOSER_DRAFTER if "proposer" in config.roles else "none"
     drafter = _with_suffix_budget(args.drafter or default, args.suffix_budget)
     spec = RoleSpec(roles=config.roles, model=args.model or None,
                     backend=args.backend or "torch", drafter=drafter,

@@ -11,6 +11,11 @@ This 2-core box plays two machines: the verifier is pinned to core 0 with one to
 (`--cpus 0 --threads 1`), the proposers and the gateway to core 1 (`--cpus 1`). The plain
 baseline is that same verifier decoding on its own core, so the speedup is what borrowing a
 second machine buys.
+
+Its proposers are `ngram` and `int8`, not the proposers' default `suffix`: the demo decodes
+each prompt plain and then speculatively, and the plain run's answer, published by the
+verifier, would be drafted whole by a suffix proposer the second time: a repeat's 4-5x, not
+what a new request gets (`specbus bench decode --trace` measures repeats apart).
 """
 
 from __future__ import annotations

@@ -25,19 +25,26 @@ LEARN_BATCH = 8
 DEFAULT_PREFIX_CACHE_MB = 256
 
 
+#: a proposer's drafter when none is named: the suffix drafter. It drafts what ngram drafts from
+#: the session's own text (the same forwards on single requests) and, besides, from every
+#: answer the cluster's verifiers published; model-free like ngram (docs/benchmarks.md,
+#: "Suffix or ngram behind a proposer")
+DEFAULT_PROPOSER_DRAFTER = "suffix"
+
+
 @dataclass
 class RoleSpec:
     roles: tuple[str, ...]
     model: str | None = None  # None: the embedded default
     backend: str = "torch"
-    drafter: str = "ngram"  # the proposer's drafter (or the verifier's local one)
+    drafter: str = DEFAULT_PROPOSER_DRAFTER  # the proposer's drafter (or a verifier's own)
     max_draft: int = 16
     #: a proposer's candidates per drafted position (None: the drafter's default; 1: chains)
     tree_width: int | None = None
     lease_s: float = 30.0  # draft-session lease a verifier asks proposers for
     threads: int = 0  # torch intra-op threads (0: torch's default)
     #: longest context served: a verifier's prompt + max_tokens, a proposer's session
-    #: (0: the model's context; 8192 for a model-less ngram proposer)
+    #: (0: the model's context; 8192 for a model-less proposer (suffix, ngram))
     max_context: int = 0
     #: an already-built verifier backend (a sharded pipeline's rank 0) instead of loading one
     prebuilt: Any = None
