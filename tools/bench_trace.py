@@ -34,7 +34,9 @@ the new verifier: `late-shared` (drafted by the late proposer, warm from the sna
 indexed (a fresh suffix drafter per prompt): tools/prompts.py's set and a held-out set written
 for this bench, never used to tune a drafter (`HELD_OUT`). Input-grounded: suffix vs HF prompt
 lookup; open-ended: suffix vs plain. The set runs `--singles-rounds` times (default 3) and
-each row's figure is its median run (`run_singles`).
+each row's figure is its median run (`run_singles`). One more row runs there, `plain-again`:
+a second plain engine, rotated with the others, whose ratio to `plain` is the noise of the
+measurement itself (both do the same forwards); a row's worst ratio is read against it.
 
 `--no-cluster` keeps everything in this process (no shared or late rows). `--shared-int8`
 adds an int8 proposer (core 1, one torch thread, for both verifiers) to the shared row's
@@ -68,7 +70,10 @@ from pathlib import Path
 CORE_VERIFIER, CORE_PROPOSER = 0, 1
 SKIP_FIRST = 3  # "after the first few requests": medians over requests SKIP_FIRST..
 INPROC_ROWS = ("plain", "ngram", "suffix", "hf-plain", "hf-prompt-lookup")
-SINGLE_ROWS = INPROC_ROWS
+#: the singles' rows: the in-process ones and a second plain engine, the control (`run_singles`)
+AA_ROW = "plain-again"
+#: opposite plain in the turn, so it runs after plain as often as before it
+SINGLE_ROWS = ("plain", "ngram", "suffix", AA_ROW, "hf-plain", "hf-prompt-lookup")
 SPEC_ROWS = ("ngram", "suffix", "suffix-shared", "hf-prompt-lookup")
 #: rows over the bus, each against `bus-plain` on the same verifier
 BUS_ROWS = ("suffix-shared", "bus-ngram")
@@ -193,6 +198,7 @@ class InProcess:
         self.backend = load_backend("torch", model)
         self.tokenizer = self.backend.tokenizer
         self.engines = {"plain": Engine(self.backend, None),
+                        AA_ROW: Engine(self.backend, None),
                         "ngram": Engine(self.backend, make_drafter("ngram")),
                         "suffix": Engine(self.backend, make_drafter(spec))}
         self.hf = {"hf-plain": hf_runner(self.backend),
@@ -239,7 +245,7 @@ class InProcess:
             _pin({CORE_PROPOSER})
 
     def warm(self, ids: list[int]) -> None:
-        for name in INPROC_ROWS:
+        for name in (*INPROC_ROWS, AA_ROW):
             self.run(name, ids, 8)
 
 
@@ -384,7 +390,7 @@ def _speedups(res: dict) -> dict:
             continue
         out[name] = round(r["tok_s"] / ref["tok_s"], 3)
     ng = out.get("ngram")
-    vs_ngram = {n: round(s / ng, 3) for n, s in out.items() if ng and n not in ("plain",)}
+    vs_ngram = {n: round(s / ng, 3) for n, s in out.items() if ng and n not in ("plain", AA_ROW)}
     extra = {}
     if "hf-prompt-lookup" in res and res["hf-prompt-lookup"]["tok_s"]:
         extra["suffix_vs_hf_lookup"] = round(res["suffix"]["tok_s"]
@@ -417,6 +423,9 @@ def _order(rows: list[str], k: int) -> list[str]:
 def run_singles(inproc: InProcess, n: int, rounds: int = 1) -> list[dict]:
     """Every single request with every row, `rounds` times: the whole set once per round
     (rows in an order rotated per request and per round), each row's figure its median run.
+    `plain-again` (`AA_ROW`) is the control: plain decoding by a second engine, whose ratio
+    to `plain` is what the machine alone does to a ratio (an A/A test), so a worst figure
+    can be told from noise.
 
     Why rounds over the set and not repeats of one prompt: the engines keep each source's
     long-run acceptance across generations (docs/engine.md), so a prompt run again at once
@@ -436,7 +445,10 @@ def run_singles(inproc: InProcess, n: int, rounds: int = 1) -> list[dict]:
     for r in range(rounds):
         for k, (klass, _, source) in enumerate(prompts):
             res = {}
-            for name in _order(list(SINGLE_ROWS), k + r):
+            # rotated by one per prompt and round: with 6 rows a shift of 2 (`_order`) would
+            # keep each row on the same 3 of the 6 turns
+            shift = (k + r) % len(SINGLE_ROWS)
+            for name in SINGLE_ROWS[shift:] + SINGLE_ROWS[:shift]:
                 if name == "suffix":
                     inproc.fresh_suffix()  # nothing indexed: a single request
                 res[name] = inproc.run(name, encoded[k], n)
@@ -447,7 +459,8 @@ def run_singles(inproc: InProcess, n: int, rounds: int = 1) -> list[dict]:
             ratios = _speedups(res)
             print(f"single {k + 1}/{len(prompts)} round {r + 1}/{rounds} {klass} ({source}): "
                   f"suffix/plain {ratios['vs_plain'].get('suffix')} suffix/hf-lookup "
-                  f"{ratios['suffix_vs_hf_lookup']} load {loads[k][-1]}",
+                  f"{ratios['suffix_vs_hf_lookup']} {AA_ROW}/plain "
+                  f"{ratios['vs_plain'].get(AA_ROW)} load {loads[k][-1]}",
                   file=sys.stderr, flush=True)
     out = []
     for k, (klass, text, source) in enumerate(prompts):
@@ -629,7 +642,7 @@ def summarize_singles(singles: list[dict]) -> dict:
             "prompts": len(sel),
             **{f"{n}_vs_plain": {"median": _median(s["vs_plain"].get(n) for s in sel),
                                  "worst": _min(s["vs_plain"].get(n) for s in sel)}
-               for n in ("ngram", "suffix", "hf-prompt-lookup")},
+               for n in ("ngram", "suffix", "hf-prompt-lookup", AA_ROW)},
             "suffix_vs_hf_lookup": {"median": _median(s["suffix_vs_hf_lookup"] for s in sel),
                                     "worst": _min(s["suffix_vs_hf_lookup"] for s in sel)},
             "suffix_vs_ngram": {"median": _median(s["vs_ngram"].get("suffix") for s in sel),

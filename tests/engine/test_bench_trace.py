@@ -44,10 +44,15 @@ def test_trace_bench_in_process_rows_and_singles(tmp_path, tiny_folder):
     assert set(classes) == {"input-grounded", "open-ended"}
     assert all(s["identical_to_hf"] == s["prompts"] for s in classes.values())
     assert all(s["ceiling"]["suffix_vs_hf_lookup"]["median"] > 0 for s in classes.values())
+    assert all(s["plain-again_vs_plain"]["worst"] > 0 for s in classes.values())
     # every single ran in both rounds, every run checked against HF greedy; each row's
     # figure is one of its runs
     for s in doc["singles"]:
         assert s["rounds"] == 2 and all(s["identical_to_hf"].values()), s["identical_to_hf"]
+        # the A/A control: a second plain engine, measured like the rows it judges
+        assert set(s["rows"]) == {"plain", "ngram", "suffix", "plain-again", "hf-plain",
+                                  "hf-prompt-lookup"}
+        assert s["vs_plain"]["plain-again"] > 0 and "plain-again" not in s["vs_ngram"]
         for row in s["rows"].values():
             assert len(row["s_runs"]) == 2 and row["s"] in row["s_runs"]
     assert "late" not in doc
