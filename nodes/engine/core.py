@@ -738,7 +738,8 @@ class Engine:
             slot.asked = True
             if budget <= 0:
                 continue
-            cands = [c for c in (self._clean(c, budget) for c in cands) if len(c.tokens)]
+            cands = [c for c in (self._clean(c, budget, seq.eos) for c in cands)
+                     if len(c.tokens)]
             seq.stats.draft_s += dt
             if adaptive:
                 seq.cost.record_draft(sum(len(c.tokens) for c in cands), dt, slot.name)
@@ -809,7 +810,8 @@ class Engine:
         waited = time.perf_counter() - t0
         seq.stats.waited_s += waited
         seq.stats.waits += 1
-        out = [(slot.tag, c) for c in (self._clean(c, k) for c in cands) if len(c.tokens)]
+        out = [(slot.tag, c) for c in (self._clean(c, k, seq.eos) for c in cands)
+               if len(c.tokens)]
         if self.fixed_k is None:
             seq.cost.record_delivered(slot.key, max((len(c.tokens) for _, c in out), default=0),
                                       k)
@@ -846,15 +848,25 @@ class Engine:
             return found
         return found
 
-    def _clean(self, cand: Candidate, budget: int) -> Candidate:
+    def _clean(self, cand: Candidate, budget: int, eos: frozenset[int]) -> Candidate:
         """A hostile or buggy source must not break the verifier: cut at the first bad id and
         at the budget it was given, ignore probabilities of the wrong shape (the draft is then
-        deterministic) and draft confidences that are not probabilities."""
+        deterministic) and draft confidences that are not probabilities.
+
+        And cut after the first of the sequence's EOS ids: a token drafted past it can never
+        commit (an accepted EOS ends the generation, a rejected one rejects what follows),
+        so its row would be paid for nothing. Drafters that match the prompt run into it
+        whenever a match continues across the chat template's end of a turn (a one-token
+        match on an open-ended answer drafting the system prompt's end and the user turn)."""
         vocab = self.backend.vocab_size
         ids = np.asarray(cand.tokens, dtype=np.int64).reshape(-1)[: min(budget, self.max_draft)]
         bad = np.nonzero((ids < 0) | (ids >= vocab))[0]
         if bad.size:
             ids = ids[: bad[0]]
+        if eos:
+            ends = np.nonzero(np.isin(ids, np.fromiter(eos, dtype=np.int64)))[0]
+            if ends.size:
+                ids = ids[: ends[0] + 1]
         probs = cand.probs
         if probs is not None:
             probs = np.asarray(probs)

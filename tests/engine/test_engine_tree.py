@@ -139,6 +139,22 @@ def test_tree_with_eos_inside(tiny_torch, prompt_ids, reference):
     assert out == expected
 
 
+def test_drafts_are_cut_after_an_eos(tiny_torch, prompt_ids, reference):
+    """A drafted token past an EOS can never commit: the engine feeds the draft up to the
+    EOS and no further (a prompt-matching drafter runs into the chat template's end of turn)."""
+    j = next(i for i in range(2, 8) if reference[i] not in reference[:i])
+    eos = reference[j]
+    expected = hf_greedy(tiny_torch, prompt_ids, N, eos_id=eos)
+    assert expected == reference[: j + 1]
+    truth = Chain("truth", prompt_ids + reference, tiny_torch.vocab_size, right=True)
+    params = GenerationParams(max_tokens=N, eos_token_ids=frozenset({eos}))
+    out, stats = run(Engine(tiny_torch, fixed_k=12), prompt_ids, params, sources=[truth])
+    assert out == expected
+    # one verify block: the drafts reference[1..j] (the EOS the last of them), 12 offered
+    assert stats.drafted == j and stats.accepted == j
+    assert max(truth.offered) == j
+
+
 @pytest.mark.parametrize("k", [4, None])
 def test_model_and_ngram_trees_match_hf(tiny_torch, tiny_draft_folder, prompt_ids, reference, k):
     from nodes.backends.torch_backend import TorchBackend
