@@ -150,7 +150,8 @@ def test_drafts_are_cut_after_an_eos(tiny_torch, prompt_ids, reference):
     params = GenerationParams(max_tokens=N, eos_token_ids=frozenset({eos}))
     out, stats = run(Engine(tiny_torch, fixed_k=12), prompt_ids, params, sources=[truth])
     assert out == expected
-    # one verify block: the drafts reference[1..j] (the EOS the last of them), 12 offered
+    # one verify block: of the 12 tokens the source proposed, the engine fed reference[1..j],
+    # the EOS the last of them
     assert stats.drafted == j and stats.accepted == j
     assert max(truth.offered) == j
 
