@@ -415,8 +415,10 @@ def _same(a: dict, b: dict) -> bool:
     return (a.get("messages"), a.get("prompt")) == (b.get("messages"), b.get("prompt"))
 
 
-def _order(rows: list[str], k: int) -> list[str]:
-    shift = (k * 2) % len(rows)
+def _order(rows: list[str], k: int, step: int = 2) -> list[str]:
+    """The rows of turn k, rotated by `step` a turn (a step sharing no factor with the row
+    count puts every row on every turn)."""
+    shift = (k * step) % len(rows)
     return rows[shift:] + rows[:shift]
 
 
@@ -445,10 +447,9 @@ def run_singles(inproc: InProcess, n: int, rounds: int = 1) -> list[dict]:
     for r in range(rounds):
         for k, (klass, _, source) in enumerate(prompts):
             res = {}
-            # rotated by one per prompt and round: with 6 rows a shift of 2 (`_order`) would
-            # keep each row on the same 3 of the 6 turns
-            shift = (k + r) % len(SINGLE_ROWS)
-            for name in SINGLE_ROWS[shift:] + SINGLE_ROWS[:shift]:
+            # rotated by one per prompt and round: with 6 rows a step of 2 would keep each
+            # row on the same 3 of the 6 turns
+            for name in _order(list(SINGLE_ROWS), k + r, step=1):
                 if name == "suffix":
                     inproc.fresh_suffix()  # nothing indexed: a single request
                 res[name] = inproc.run(name, encoded[k], n)
