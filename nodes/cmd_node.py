@@ -147,8 +147,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     share.add_argument("--no-share", action="store_true",
                        help="a verifier publishes nothing to the cluster's suffix drafters")
     parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                        help="let browser pages from ORIGIN (e.g. http://localhost:3000; * for "
-                             "any) call the gateway; repeatable (default: none)")
+                        help="let browser pages from ORIGIN (e.g. http://ui.example:3000; * for "
+                             "any) call the gateway; repeatable (default: on a loopback gateway, "
+                             "pages of this machine, http://localhost:* and http://127.0.0.1:*; "
+                             "otherwise none)")
+    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                        help="a name clients may send as the HTTP Host besides the addresses the "
+                             "gateway serves (its IP, localhost on loopback, this machine's "
+                             "names on a network address), e.g. a proxy's; repeatable; * turns "
+                             "the check off (docs/security.md, DNS rebinding)")
     parser.add_argument("--gateway-no-tokenizer", action="store_true",
                         help="never tokenize in the gateway: send text/messages to verifiers "
                              "(no exact failover)")
@@ -206,6 +213,8 @@ def _make_gateway(args: argparse.Namespace, config: NodeConfig):
             raise ValueError("--http needs the gateway role (--role gateway or ROLE,gateway)")
         if args.cors_origin:
             raise ValueError("--cors-origin needs the gateway role")
+        if args.allow_host:
+            raise ValueError("--allow-host needs the gateway role")
         return None
     from nodes.gateway.role import GatewayRole, parse_http
 
@@ -218,7 +227,8 @@ def _make_gateway(args: argparse.Namespace, config: NodeConfig):
         gateway = GatewayRole(host, port, max_inflight=args.gateway_max_inflight,
                               stall_s=args.gateway_stall, tokenize=not args.gateway_no_tokenizer,
                               cors_origins=tuple(args.cors_origin), queue=args.gateway_queue,
-                              queue_wait_s=args.gateway_queue_wait)
+                              queue_wait_s=args.gateway_queue_wait,
+                              allow_hosts=tuple(args.allow_host))
     except OSError as exc:
         raise ValueError(f"cannot listen on {host}:{port} for HTTP: {exc}") from None
     extras = {**(config.card_fields.get("extras") or {}), **gateway.card_extras}
@@ -313,12 +323,15 @@ def run(args: argparse.Namespace) -> int:
 def _check_addresses(config: NodeConfig) -> None:
     """Refuse a bad `--interface` or a taken `--port` (and the gossip port after it) at once,
     not after loading a model for half a minute. The ports are bound and released here; the
-    node binds them again when it starts."""
+    node binds them again when it starts. The probe binds as ZeroMQ's own listener does, with
+    SO_REUSEADDR: a port some process listens on is refused, one whose last connections sit in
+    TIME-WAIT (a node SIGKILLed a moment ago) is not, since the real bind succeeds there."""
     host = resolve_interface(config.interface).bind_host
     if not config.port:
         return
     for port in (config.port, config.port + 1):
         probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:

@@ -19,14 +19,17 @@ from aiohttp import web
 from nodes.client_tokenizers import TokenizerCache, encode_messages, encode_prompt
 from nodes.cluster_client.choice import Balancer, verifiers_of
 from nodes.gateway.generation import Final, Generation, Piece, Plan, Started, StreamFailed
-from nodes.gateway.http_server import mark_request
+from nodes.gateway.http_server import BODY_TIMEOUT_S, mark_request, read_body
 from nodes.gateway.logprobs import chat_logprobs, completion_logprobs
 from nodes.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from nodes.gateway.openai_schema import ApiError, ApiRequest, parse_json, parse_request
+from nodes.gateway.origins import Origins
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 1024 * 1024  # 1 MiB: a longer body is refused with 413
+#: the allowed browser origin of a request, for a stream's headers (prepared in its handler)
+CORS_ORIGIN = web.RequestKey("cors_origin", str)
 
 
 class GatewayApp:
@@ -34,17 +37,19 @@ class GatewayApp:
 
     def __init__(self, node, balancer: Balancer, metrics: GatewayMetrics,
                  tokenizers: TokenizerCache, stall_s: float = 15.0,
-                 cors_origins: tuple[str, ...] = ()) -> None:
+                 origins: Origins | None = None, body_timeout: float = BODY_TIMEOUT_S) -> None:
         self.node = node
         self.balancer = balancer
         self.metrics = metrics
         self.tokenizers = tokenizers
         self.stall_s = stall_s
-        self.cors_origins = frozenset(cors_origins)
+        self.origins = origins or Origins("127.0.0.1")
+        self.body_timeout = body_timeout
 
     def build(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY,
-                              middlewares=[mark_request, self._cors, self._errors])
+                              middlewares=[mark_request, self._host, self._cors, self._errors,
+                                           self._body])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -99,13 +104,7 @@ class GatewayApp:
         return await self._generate(request, "completion")
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
-        if request.content_length is not None and request.content_length > MAX_BODY:
-            raise ApiError(413, f"request body over {MAX_BODY} bytes", code="body_too_large")
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ApiError(413, f"request body over {MAX_BODY} bytes",
-                           code="body_too_large") from None
+        raw = await request.read()  # already read, within its deadline (`_body`)
         api = parse_request(kind, parse_json(raw))
         plan = await self._plan(api)
         gen = Generation(self.node, self.balancer, self.metrics, plan, self.stall_s,
@@ -184,7 +183,7 @@ class GatewayApp:
 
     async def _stream(self, request: web.Request, api: ApiRequest, events,
                       first: Started, tok) -> web.StreamResponse:
-        origin = request.get("cors_origin")
+        origin = request.get(CORS_ORIGIN)
         resp = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no", **(_cors_headers(origin) if origin else {})})
@@ -252,25 +251,63 @@ class GatewayApp:
                                  dumps=lambda o: json.dumps(o, separators=(",", ":")))
 
     @web.middleware
+    async def _host(self, request: web.Request, handler) -> web.StreamResponse:
+        """`Host` must name an address this gateway serves (origins.py: DNS rebinding)."""
+        host = request.headers.get("Host")
+        if not self.origins.host_allowed(host):
+            err = ApiError(403, f"Host {host[:100]!r} is not an address this gateway serves; "
+                           "a name that reaches it legitimately can be allowed with "
+                           "--allow-host NAME", param=None, code="host_not_allowed")
+            resp = self._json(request, 403, err.body())
+            resp.force_close()
+            return resp
+        return await handler(request)
+
+    @web.middleware
     async def _cors(self, request: web.Request, handler) -> web.StreamResponse:
-        """Browser chat UIs: origins named with `--cors-origin` (none by default) get the
-        preflight answered and `Access-Control-Allow-Origin` on every response."""
+        """Browser pages: on a loopback gateway those of this machine (`http://localhost:*`,
+        `http://127.0.0.1:*`), and origins named with `--cors-origin`, get the preflight
+        answered and `Access-Control-Allow-Origin` on every response; a request from any other
+        origin is refused before it runs, with a 403 naming the flag."""
         origin = request.headers.get("Origin")
-        allowed = origin is not None and (origin in self.cors_origins
-                                          or "*" in self.cors_origins)
-        if allowed and request.method == "OPTIONS":
+        if origin is None:
+            return await handler(request)
+        if not self.origins.origin_allowed(origin):
+            err = ApiError(403, f"origin {origin[:100]!r} may not call this gateway; start it "
+                           f"with --cors-origin {origin[:100]} (repeatable; * for any) to "
+                           "allow it", code="origin_not_allowed")
+            return self._json(request, 403, err.body())
+        if request.method == "OPTIONS":
+            self.metrics.count_request("preflight", 204)
             return web.Response(status=204, headers={
                 **_cors_headers(origin),
                 "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                 "Access-Control-Allow-Headers": request.headers.get(
                     "Access-Control-Request-Headers", "Authorization, Content-Type"),
                 "Access-Control-Max-Age": "600"})
-        if allowed:
-            request["cors_origin"] = origin  # a stream is prepared inside its handler
+        request[CORS_ORIGIN] = origin  # a stream is prepared inside its handler
         resp = await handler(request)
-        if allowed and not resp.prepared:
+        if not resp.prepared:
             resp.headers.update(_cors_headers(origin))
         return resp
+
+    @web.middleware
+    async def _body(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every request's whole body within `body_timeout` of its head (http_server.py), and
+        at most MAX_BODY bytes, before its handler runs."""
+        if request.content_length is not None and request.content_length > MAX_BODY:
+            # its body is never read: the connection closes once answered (no lingering)
+            raise ApiError(413, f"request body over {MAX_BODY} bytes", code="body_too_large")
+        try:
+            await read_body(request, self.body_timeout)
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"request body over {MAX_BODY} bytes",
+                           code="body_too_large") from None
+        except TimeoutError:
+            self.metrics.body_timeouts += 1
+            raise ApiError(408, f"the request body did not arrive within "
+                           f"{self.body_timeout:g}s of its headers", code="body_timeout") from None
+        return await handler(request)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
@@ -284,6 +321,8 @@ class GatewayApp:
             err = ApiError(exc.status, f"{exc.reason}: {request.method} {request.path[:200]}",
                            code="not_found" if exc.status == 404 else "bad_request")
             return self._json(request, exc.status, err.body(), None)
+        except ConnectionResetError:  # the client went away: nobody to answer
+            raise
         except Exception as exc:  # noqa: BLE001 - a bug answers one request, not the server
             log.exception("gateway: %s %r failed", request.method, request.path[:200])
             err = ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error",

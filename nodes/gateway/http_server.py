@@ -6,9 +6,14 @@ aiohttp's `RequestHandler` holds a connection that never sends a request for its
 opening thousands of idle connections (measured: 13,000 held for 60 s, +60 MB) or an SDK parsing
 errors as JSON both suffer. Here each connection is a `GatewayConnection` (a `RequestHandler`)
 made by `serve()`:
-- at most `max_connections` at once; one over that is closed at once, before any parsing;
+- at most `max_connections` at once; at the cap a new connection takes the place of the one
+  that has waited longest without being served (idle, or still sending its request), and is
+  closed at once only when every connection is being served;
 - the first request's head must arrive within `header_timeout` seconds of the connect, else the
   connection is closed (a slowloris that trickles its headers keeps nothing for long);
+- a request's whole body must arrive within `body_timeout` seconds of its head, else it is
+  answered 408 and the connection closed (`read_body`, the app's innermost middleware): 1,030
+  connections sending one body byte every 10 s once held every slot for a minute;
 - idle keep-alive connections close after `keepalive` seconds;
 - a request aiohttp cannot parse (oversized header, bad method, bad framing) is answered with the
   OpenAI error object, `application/json`, the status aiohttp chose (400 or 431/413).
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from http import HTTPStatus
 
 from aiohttp import web
@@ -28,6 +34,7 @@ log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 1024
 HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0  # a whole request body (at most 1 MiB), from its head
 KEEPALIVE_S = 15.0
 MAX_FIELD_SIZE = 8190  # bytes per header line (aiohttp's default, stated)
 
@@ -40,6 +47,10 @@ class GatewayConnection(RequestHandler):
         self._header_timeout = header_timeout
         self._head_timer: asyncio.TimerHandle | None = None
         self.got_request = False
+        #: a request's body is read and its handler runs (never displaced at the cap)
+        self.serving = False
+        #: when it last started waiting on its client (connect, a head, a response's end)
+        self.since = time.monotonic()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -56,6 +67,22 @@ class GatewayConnection(RequestHandler):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+    def body_read(self) -> None:
+        """Its request is all here: the handler serves it."""
+        self.serving = True
+
+    def request_done(self) -> None:
+        """Its handler returned: the connection waits on its client again (keep-alive)."""
+        self.serving = False
+        self.since = time.monotonic()
+
+    def displace(self) -> None:
+        """Closed to make room for a new connection at the cap."""
+        log.debug("gateway: at the connection cap; closing one unserved for %.1fs",
+                  time.monotonic() - self.since)
+        if self.transport is not None:
+            self.transport.close()
 
     def _head_late(self) -> None:
         self._head_timer = None
@@ -96,15 +123,29 @@ class ConnectionCap:
         self.header_timeout = header_timeout
         self.keepalive = keepalive
         self.refused = 0
+        self.displaced = 0
 
     def __call__(self) -> asyncio.Protocol:
-        if len(self.server.connections) >= self.max_connections:
-            self.refused += 1
-            return _Refuse()
+        conns = self.server.connections
+        if len(conns) >= self.max_connections and sum(
+                not _closing(c) for c in conns) >= self.max_connections:
+            victim = min((c for c in conns if isinstance(c, GatewayConnection)
+                          and not c.serving and not _closing(c)),
+                         key=lambda c: c.since, default=None)
+            if victim is None:  # every one is being served: the new one waits its turn
+                self.refused += 1
+                return _Refuse()
+            self.displaced += 1
+            victim.displace()
         return GatewayConnection(self.server, loop=asyncio.get_running_loop(),
                                  header_timeout=self.header_timeout,
                                  keepalive_timeout=self.keepalive, access_log=None,
-                                 max_field_size=MAX_FIELD_SIZE)
+                                 max_field_size=MAX_FIELD_SIZE, lingering_time=0)
+
+
+def _closing(conn) -> bool:
+    transport = getattr(conn, "transport", None)
+    return transport is None or transport.is_closing()
 
 
 class _Refuse(asyncio.Protocol):
@@ -116,8 +157,24 @@ class _Refuse(asyncio.Protocol):
 
 @web.middleware
 async def mark_request(request: web.Request, handler):
-    """Tells the connection its request head arrived (stops the header deadline)."""
+    """Tells the connection its request head arrived (stops the header deadline), and when its
+    handler is done (it waits on its client again)."""
     proto = request.protocol
+    if not isinstance(proto, GatewayConnection):
+        return await handler(request)
+    proto.request_arrived()
+    try:
+        return await handler(request)
+    finally:
+        proto.request_done()
+
+
+async def read_body(request: web.Request, timeout: float) -> bytes:
+    """The whole request body within `timeout` seconds (TimeoutError after it: the body left
+    unread closes the connection once answered, as connections never linger); the connection
+    is then being served. aiohttp keeps the bytes: a handler's `request.read()` gets them."""
+    proto = request.protocol
+    raw = await asyncio.wait_for(request.read(), timeout) if request.body_exists else b""
     if isinstance(proto, GatewayConnection):
-        proto.request_arrived()
-    return await handler(request)
+        proto.body_read()
+    return raw

@@ -59,6 +59,7 @@ class GatewayMetrics:
         self.failovers = 0
         self.cancelled = 0
         self.stream_errors = 0
+        self.body_timeouts = 0  # requests whose body did not arrive in time (408)
         self.stats_refused = 0  # telemetry from a sender that is not a member
         self.per_verifier: dict[str, dict[str, float]] = Bounded(
             MAX_TRACKED, lambda: defaultdict(float))
@@ -133,7 +134,9 @@ class GatewayMetrics:
                 ("failovers", "Generations resumed on another verifier", self.failovers),
                 ("cancelled", "Generations cancelled because the client went away",
                  self.cancelled),
-                ("stream_errors", "Streams ended by an error event", self.stream_errors)):
+                ("stream_errors", "Streams ended by an error event", self.stream_errors),
+                ("body_timeouts", "Requests answered 408: their body did not arrive within "
+                 "the deadline", self.body_timeouts)):
             yield family(f"specbus_gateway_{name}_total", "counter", help_, (), [((), value)])
         yield family("specbus_gateway_queued", "gauge",
                      "Requests waiting in the gateway's queue for a verifier slot", (),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -120,15 +121,21 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
 def _nesting(text: str) -> int:
-    """Deepest bracket nesting of a JSON text (brackets inside strings count too: an upper
-    bound, which is all the check needs, and linear without recursion)."""
+    """Deepest bracket nesting of a JSON text, read as JSON: brackets inside strings (a chat
+    message holding 40 `[`) are text, not nesting, so strings go first (escapes included).
+    Linear and without recursion; an invalid text gets some figure and is then refused by the
+    parser itself."""
     depth = deepest = 0
-    for ch in text:
-        if ch in "[{":
+    for m in _BRACKET.finditer(_JSON_STRING.sub('""', text)):
+        if m.group() in "[{":
             depth += 1
             deepest = max(deepest, depth)
-        elif ch in "]}":
+        else:
             depth -= 1
     return deepest
 

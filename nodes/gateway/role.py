@@ -21,12 +21,14 @@ from nodes.client_tokenizers import TokenizerCache
 from nodes.cluster_client.choice import Balancer
 from nodes.gateway.app import GatewayApp
 from nodes.gateway.http_server import (
+    BODY_TIMEOUT_S,
     HEADER_TIMEOUT_S,
     KEEPALIVE_S,
     MAX_CONNECTIONS,
     ConnectionCap,
 )
 from nodes.gateway.metrics import GatewayMetrics
+from nodes.gateway.origins import Origins
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +58,14 @@ class GatewayRole:
     def __init__(self, host: str = "127.0.0.1", port: int = 8000,
                  max_inflight: int | None = None, stall_s: float = 15.0, tokenize: bool = True,
                  cors_origins: tuple[str, ...] = (), queue: int = QUEUE,
-                 queue_wait_s: float = QUEUE_WAIT_S) -> None:
-        self.cors_origins = tuple(cors_origins)
+                 queue_wait_s: float = QUEUE_WAIT_S, allow_hosts: tuple[str, ...] = (),
+                 max_connections: int = MAX_CONNECTIONS,
+                 header_timeout: float = HEADER_TIMEOUT_S,
+                 body_timeout: float = BODY_TIMEOUT_S) -> None:
+        self.origins = Origins(host, tuple(cors_origins), tuple(allow_hosts))
+        self.max_connections = max_connections
+        self.header_timeout = header_timeout
+        self.body_timeout = body_timeout
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -124,6 +132,9 @@ class GatewayRole:
                             "stats_refused": m.stats_refused,
                             "connections_refused": self.connections.refused
                             if self.connections is not None else 0,
+                            "connections_displaced": self.connections.displaced
+                            if self.connections is not None else 0,
+                            "body_timeouts": m.body_timeouts,
                             "cancelled": m.cancelled, "completion_tokens": m.completion_tokens}}
 
     # -- gateway thread -----------------------------------------------------------------------
@@ -133,14 +144,14 @@ class GatewayRole:
         self._loop = loop
         try:
             app = GatewayApp(self._node, self.balancer, self.metrics, self.tokenizers,
-                             self.stall_s, self.cors_origins).build()
+                             self.stall_s, self.origins, self.body_timeout).build()
             # on close, streams still open get a second to end, then their handlers are
             # cancelled (which cancels their verifier work)
             self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                          shutdown_timeout=1.0)
             loop.run_until_complete(self._runner.setup())
-            self.connections = ConnectionCap(self._runner.server, MAX_CONNECTIONS,
-                                             HEADER_TIMEOUT_S, KEEPALIVE_S)
+            self.connections = ConnectionCap(self._runner.server, self.max_connections,
+                                             self.header_timeout, KEEPALIVE_S)
             self._http = loop.run_until_complete(
                 loop.create_server(self.connections, sock=self._sock, backlog=128))
         except Exception as exc:  # noqa: BLE001 - reported to start() in the main thread

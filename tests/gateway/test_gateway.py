@@ -297,12 +297,13 @@ def test_cors_only_for_the_origins_named(text_gateway, raw):
     status, headers, _ = text_gateway.request("GET", "/v1/models", None,
                                               {"Origin": "http://ui.example"})
     assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://ui.example"
-    # another origin, or a gateway without --cors-origin: nothing is allowed
+    # another origin, or a gateway without --cors-origin: refused, naming the flag (issue 47)
     status, headers, _ = text_gateway.request("OPTIONS", "/v1/chat/completions", None,
                                               {**pre, "Origin": "http://evil.example"})
-    assert "Access-Control-Allow-Origin" not in headers
-    status, headers, _ = raw.request("OPTIONS", "/v1/chat/completions", None, pre)
-    assert status == 405 and "Access-Control-Allow-Origin" not in headers
+    assert status == 403 and "Access-Control-Allow-Origin" not in headers
+    status, headers, body = raw.request("OPTIONS", "/v1/chat/completions", None, pre)
+    assert status == 403 and "Access-Control-Allow-Origin" not in headers
+    assert "--cors-origin" in json.loads(body)["error"]["message"]
 
 
 # -- hostile requests (issue 21) ------------------------------------------------------------------
