@@ -5,8 +5,8 @@ Three limits, each refused with a typed error (nodes/engine/errors.py) and count
   serves (`RateLimiter`, in `Node._on_request`): `rate_limited`;
 - generations queued or running per connection on a verifier (`PeerSlots`; the batch plus
   `generations_per_peer` queued): `busy`;
-- draft sessions per connection and in total on a proposer, and their state in bytes with a
-  fair share per connection (`SessionBook`): `too_many_sessions`; a session belongs to the
+- draft sessions per connection and in total on a proposer, and their state in bytes, each
+  with a fair share per connection (`SessionBook`): `too_many_sessions`; a session belongs to the
   connection that opened it, and another connection naming its id gets `forbidden` (ids are
   unguessable anyway). Sessions also die with their connection (nodes/roles/liveness.py).
 A "peer" is the ZeroMQ routing identity the ROUTER gave the connection. With a cluster secret
@@ -124,14 +124,16 @@ class SessionBook:
     """Which connection owns which draft session, what each holds, and who must make room
     (one owner thread: the proposer's worker).
 
-    Sessions are counted (per connection, in total) and weighed in bytes (an estimate of the
-    drafter's state: tokens x bytes per token). The bytes of all sessions stay within
-    `limits.session_bytes`; when a new session (or a session that grew) does not fit, room is
-    made by closing the least recently used sessions of connections holding more than their
-    fair share (the budget split evenly between the connections holding sessions, the asking
-    one included). A connection that is over its own share is refused instead: 17 connections
-    each opening 16 sessions of 8,000 tokens once took a proposer from 97 MB to 3.67 GB and
-    starved the real verifier.
+    Sessions are counted (per connection, in total) and weighed in bytes (the drafter's state:
+    tokens x bytes per token, measured; nodes/roles/proposer.py). Both the count and the bytes
+    of all sessions stay within their limits (`sessions_total`, `session_bytes`) by the same
+    rule: when a new session (or a session that grew) does not fit, room is made by closing
+    the least recently used sessions of connections holding more than their fair share (the
+    limit split evenly between the connections holding sessions, the asking one included); a
+    connection at or over its own share is refused instead. 16 connections x 16 one-token
+    sessions once filled the 256 sessions and the real verifier's opens failed for the whole
+    hold; 17 connections each opening 16 sessions of 8,000 tokens took a proposer from 97 MB
+    to 3.67 GB and starved the real verifier.
     """
 
     def __init__(self, limits: AdmissionLimits) -> None:
@@ -161,16 +163,24 @@ class SessionBook:
 
     def share(self, peer: bytes) -> int:
         """Bytes `peer` may hold when the budget is contended."""
-        holders = set(self._held) | {peer}
-        return self.limits.session_bytes // len(holders)
+        return self.limits.session_bytes // self._holders(peer)
+
+    def count_share(self, peer: bytes) -> int:
+        """Sessions `peer` may hold when every one of `sessions_total` is taken (at least 1)."""
+        return max(1, self.limits.sessions_total // self._holders(peer))
+
+    def _holders(self, peer: bytes) -> int:
+        return len(self._count) + (peer not in self._count)
 
     def refusal(self, peer: bytes, nbytes: int = 0) -> str | None:
         """Why `peer` may not open one more session of `nbytes` (None: it may, possibly after
         `make_room`)."""
-        if self._count.get(peer, 0) >= self.limits.sessions_per_peer:
+        held = self._count.get(peer, 0)
+        if held >= self.limits.sessions_per_peer:
             why = f"this connection has {self.limits.sessions_per_peer} draft sessions open"
-        elif len(self._owner) >= self.limits.sessions_total:
-            why = f"proposer has {self.limits.sessions_total} draft sessions open"
+        elif len(self._owner) >= self.limits.sessions_total and held >= self.count_share(peer):
+            why = (f"proposer has {self.limits.sessions_total} draft sessions open and this "
+                   f"connection holds {held}, its fair share")
         elif (self.total_bytes + nbytes > self.limits.session_bytes
               and self._held.get(peer, 0) + nbytes > self.share(peer)):
             why = (f"draft sessions of this connection would hold "
@@ -181,23 +191,30 @@ class SessionBook:
         self.refused[TOO_MANY_SESSIONS] += 1
         return why
 
-    def make_room(self, peer: bytes, nbytes: int) -> list[str]:
-        """Sessions to close (least recently used first, of connections over their fair share,
-        never `peer`'s) so that `nbytes` more fit the budget; may fall short."""
+    def make_room(self, peer: bytes, nbytes: int, opening: bool = False) -> list[str]:
+        """Sessions to close (least recently used first, of connections over their fair share
+        of the count or of the bytes, never `peer`'s) so that `nbytes` more, and one more
+        session when `opening`, fit the limits; may fall short."""
         out: list[str] = []
-        need = self.total_bytes + nbytes - self.limits.session_bytes
-        if need <= 0:
+        need_bytes = self.total_bytes + nbytes - self.limits.session_bytes
+        need_count = len(self._owner) + 1 - self.limits.sessions_total if opening else 0
+        if need_bytes <= 0 and need_count <= 0:
             return out
-        held = dict(self._held)
-        share = self.share(peer)
+        held, count = dict(self._held), dict(self._count)
+        share, count_share = self.share(peer), self.count_share(peer)
         for sid, size in self._bytes.items():
             owner = self._owner[sid]
-            if owner == peer or held.get(owner, 0) <= share:
+            if owner == peer:
+                continue
+            if not ((need_count > 0 and count[owner] > count_share)
+                    or (need_bytes > 0 and held[owner] > share)):
                 continue
             out.append(sid)
             held[owner] -= size
-            need -= size
-            if need <= 0:
+            count[owner] -= 1
+            need_bytes -= size
+            need_count -= 1
+            if need_bytes <= 0 and need_count <= 0:
                 break
         self.evicted += len(out)
         return out

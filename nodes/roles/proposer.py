@@ -143,7 +143,7 @@ class ProposerRole:
         self._book = SessionBook(admission or AdmissionLimits())  # worker thread only
         self.stats.refused = self._book.refused
         self._sweep_every = sweep_every
-        self.bytes_per_token = session_bytes_per_token(drafter)
+        self._bytes_per_token: int | None = None  # measured at the first session's open
         self._clients = None  # ConnectionSweep, once attached (I/O thread)
         #: bad input refused on the I/O thread (ProposerStats is the worker's alone)
         self.input_errors = Counters(("input_errors",), is_owner=lambda: True)
@@ -165,6 +165,13 @@ class ProposerRole:
         self._stop.set()
         self._queue.put(None)
         self._worker.join(5)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What a token of a session costs this drafter (`session_bytes_per_token`)."""
+        if self._bytes_per_token is None:
+            self._bytes_per_token = session_bytes_per_token(self.drafter, self.vocab_size)
+        return self._bytes_per_token
 
     @property
     def open_sessions(self) -> int:
@@ -275,8 +282,14 @@ class ProposerRole:
         if why is not None:
             req.fail(TOO_MANY_SESSIONS, why)
             return
-        for victim in self._book.make_room(req.peer, nbytes):
+        for victim in self._book.make_room(req.peer, nbytes, opening=True):
             self._close(self._sessions[victim], "evicted")  # an over-share connection's
+        total = self._book.limits.sessions_total
+        if len(self._book) >= total:  # nobody held more than their share: no room made
+            self._book.refused[TOO_MANY_SESSIONS] += 1
+            req.fail(TOO_MANY_SESSIONS, f"proposer has {total} draft sessions open, none of "
+                     "them beyond its connection's fair share")
+            return
         if parsed.tokenizer:
             self.drafter.check_compatible(parsed.tokenizer)
         params = parsed.sampling
@@ -326,8 +339,8 @@ class ProposerRole:
                 raise OutOfSyncError(  # so a peer cannot grow a session past its tokens
                     f"session {s.sid}: {s.hidden_rows + len(rows)} hidden-state rows for "
                     f"{committed - 1} cached positions")
+            s.draft.features(rows)  # checks their width first: refused rows are not counted
             s.hidden_rows += len(rows)
-            s.draft.features(rows)
         n = 0
         while n < len(new) and n < len(s.assumed) and new[n] == s.assumed[n]:
             n += 1
@@ -431,10 +444,17 @@ class ProposerRole:
             log.exception("closing session %s", session.sid)
 
 
-def session_bytes_per_token(drafter: Drafter) -> int:
+#: tokens of the session `measured_bytes_per_token` opens (a few tens of ms for an index)
+MEASURE_TOKENS = 2048
+
+
+def session_bytes_per_token(drafter: Drafter, vocab_size: int = 0) -> int:
     """What one token of a draft session costs this drafter, for the session budget: its own
     figure when it states one (`bytes_per_token`), else a model drafter's KV cache per token
-    (2 x layers x KV heads x head size x 4 bytes), else an index's few hundred bytes."""
+    (2 x layers x KV heads x head size x 4 bytes), else what a session of a model-free drafter
+    (an index) was measured to hold, worst case: 256 bytes once assumed, an n-gram session of
+    8,000 tokens held ~737 B a token and 17 x 16 of them took a proposer from 48 MB to 3 GB
+    against its 512 MiB budget."""
     own = getattr(drafter, "bytes_per_token", None)
     if isinstance(own, int) and own > 0:
         return own
@@ -445,7 +465,41 @@ def session_bytes_per_token(drafter: Drafter) -> int:
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         return 2 * layers * kv * head_dim * 4 + 256
+    if getattr(drafter, "backend", None) is None and vocab_size > 1:
+        measured = measured_bytes_per_token(drafter, vocab_size)
+        if measured is not None:
+            return max(256, measured)
     return 256
+
+
+def measured_bytes_per_token(drafter: Drafter, vocab_size: int,
+                             tokens: int = MEASURE_TOKENS) -> int | None:
+    """Bytes a session of `drafter` allocates per token (Python's allocator, traced), opened
+    as a proposer opens one (the committed ids as a list, then the drafter's state) on ids
+    drawn at random: no repeats to share, a hostile session's worst case. The session is left
+    to the collector unclosed (closing a suffix session would hand its text to the shared
+    index). None when the drafter cannot be measured so."""
+    import tracemalloc
+
+    from nodes.engine.sampling import SamplingParams
+
+    ids = np.random.default_rng(0).integers(0, vocab_size, tokens)
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        committed = ids.tolist()
+        session = drafter.open(committed, SamplingParams())
+        grown = tracemalloc.get_traced_memory()[0] - before
+    except Exception:  # noqa: BLE001 - a drafter that cannot open this way: the default
+        log.debug("cannot measure a session of %s", type(drafter).__name__, exc_info=True)
+        return None
+    finally:
+        if started:
+            tracemalloc.stop()
+    del session, committed
+    return max(grown, 0) // tokens
 
 
 def _chunk(s: _Session) -> DraftChunk:
