@@ -34,6 +34,7 @@ from nodes.engine.sampling import (
     position_noise,
     probs_from_logits,
 )
+from nodes.engine.scheduler import BATCHED_PROMPT_ROWS, Fill, Scheduler
 from nodes.engine.sources import DraftSource, Feedback, SourceOpener
 from nodes.engine.state import (
     Block,
@@ -45,7 +46,6 @@ from nodes.engine.state import (
     drop_source,
 )
 from nodes.engine.tree import Candidate, TokenTree
-from nodes.prefixes import as_ids, common_prefix
 
 if TYPE_CHECKING:
     from nodes.backends.base import Backend
@@ -53,20 +53,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: without `prefill_chunk`, the most prompt rows one batched forward takes from whole prompts
-#: (a longer prompt is prefilled in a forward of its own)
-BATCHED_PROMPT_ROWS = 1024
-#: positions of a batch-mate's prompt worth waiting one step for instead of computing them
-#: again (`Engine._defer_for_prefix`): ~0.25 s of prefill on SmolLM2 here, against a decode
-#: step's ~0.1-0.2 s of waiting
-PREFIX_DEFER_ROWS = 64
 #: rows a sequence at which `Engine.learn_batch_cost` times batched forwards
 BATCH_COST_ROWS = (1, 4)
-#: without `prefill_chunk`, the most prompt rows a step feeds from whole prompts beyond its
-#: first (`Engine.prefill_step_rows`): prompts that arrive together start over several steps,
-#: first come first, so the median of 8 chat prompts arriving together answers in about half
-#: the time, at the same aggregate tok/s (docs/benchmarks.md, "Prompts that arrive together")
-PREFILL_STEP_ROWS = 256
+
+
+class _Part:
+    """An engine setting that one of its parts owns (`scheduler`, ...), read and set through
+    the engine as before (`engine.prefill_chunk = 8`, `engine.prefix_cache = ...`)."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: Any, owner: type | None = None) -> Any:
+        return self if engine is None else getattr(getattr(engine, self.part), self.name)
+
+    def __set__(self, engine: Any, value: Any) -> None:
+        setattr(getattr(engine, self.part), self.name, value)
 
 
 class Engine:
@@ -96,23 +101,24 @@ class Engine:
             raise BadRequestError(f"max draft length must be >= 1, got {max_draft}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise BadRequestError(f"prefill chunk must be >= 1, got {prefill_chunk}")
-        #: None: a prompt is prefilled in one forward; N: in chunks of N positions, at most
-        #: one chunk's worth of prompt rows per step (`_prefill`)
-        self.prefill_chunk = prefill_chunk
-        #: without chunks, the prompt rows a step feeds beyond its first prompt (the rest wait)
-        self.prefill_step_rows = PREFILL_STEP_ROWS
-        #: a new prompt waits a step for a batch-mate's prompt computed in this one when that
-        #: gives it at least this many more positions to copy (`_defer_for_prefix`)
-        self.prefix_defer_rows = PREFIX_DEFER_ROWS
+        #: which prompt rows each step feeds, and how (`nodes/engine/scheduler.py`); the
+        #: module's `BATCHED_PROMPT_ROWS` read here, when the engine is made
+        self.scheduler = Scheduler(backend, prefill_chunk=prefill_chunk,
+                                   prefix_cache=prefix_cache,
+                                   batched_prompt_rows=BATCHED_PROMPT_ROWS)
         self.backend = backend
         self.drafter = drafter
         self.max_draft = max_draft
         self.fixed_k = fixed_k
         self.tree = tree and getattr(backend, "supports_tree", False)
         self.cost = CostModel(max_k=max_draft)
-        #: earlier sequences' caches a new prompt starts from (None: every prompt prefilled
-        #: whole; `nodes/engine/prefix_cache.py`); shared by engines on the same backend
-        self.prefix_cache = prefix_cache
+
+    #: the scheduler's settings (`Scheduler`): None or a chunk size; prompt rows a step feeds
+    #: beyond its first; positions worth waiting a step for; earlier sequences' caches
+    prefill_chunk = _Part("scheduler")
+    prefill_step_rows = _Part("scheduler")
+    prefix_defer_rows = _Part("scheduler")
+    prefix_cache = _Part("scheduler")
 
     # ---- public API -------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
@@ -201,52 +207,6 @@ class Engine:
             self.prefix_cache.store(seq.committed, seq.cache)
             seq.cache = None  # the prefix cache's now: never fed again
 
-    def _may_reuse(self, seq: SequenceState) -> bool:
-        """Whether `seq` may still start from another cache: a prefix cache is kept, nothing of
-        its prompt has been computed for it yet, the backend is not `batch_invariant` (its
-        promise is bit for bit solo output) and no source of it reads hidden states (they
-        need every prompt row's)."""
-        return (self.prefix_cache is not None and not seq.started
-                and seq.prefilled == seq.reused and seq.hidden_layers is None
-                and not getattr(self.backend, "batch_invariant", False))
-
-    def _reuse_prefix(self, seq: SequenceState, mates: Sequence[SequenceState]) -> None:
-        """Start the prompt from the cache sharing its longest prefix, kept (`PrefixCache`) or
-        held by a sequence of this batch (running, or prefilled in an earlier step, or given
-        a prefix just now): the prefill then feeds only the rest. Looked up again each step
-        until the sequence's own prefill starts, so one that waited for a batch-mate's shared
-        prefix (`_defer_for_prefix`) takes it."""
-        live = []
-        for mate in mates:
-            if mate is not seq and mate.cache is not None:
-                n = self.backend.cache_length(mate.cache)
-                if n > seq.reused:
-                    live.append((mate.committed[:n], mate.cache))
-        hit = self.prefix_cache.lookup(seq.prompt, live, better_than=seq.reused)
-        if hit is None:
-            return
-        src, n = hit
-        if seq.reused:
-            seq.cache = self.backend.new_cache()
-        self.backend.copy_prefix(src, seq.cache, n)
-        seq.prefilled = seq.reused = seq.stats.reused = n
-        log.info("prompt of %d positions: %d reused from %s", len(seq.prompt), n,
-                 "a running sequence" if any(c is src for _, c in live) else "the prefix cache")
-
-    def _defer_for_prefix(self, seq: SequenceState, feeding: list[tuple[list[int], int]]
-                          ) -> bool:
-        """Whether `seq` should wait a step for a prompt this step computes (`feeding`: its
-        tokens and the positions its cache covers after this step) that shares at least
-        `prefix_defer_rows` more positions with it than it already has: next step it copies
-        them (`_reuse_prefix`) instead of computing them again beside it. Why: requests with
-        one long system prompt or tool schema (an agent's parallel calls) arrive together."""
-        prompt = as_ids(seq.prompt)
-        for tokens, covered in feeding:
-            shared = common_prefix(as_ids(tokens), prompt, min(covered, len(prompt) - 1))
-            if shared >= seq.reused + self.prefix_defer_rows:
-                return True
-        return False
-
     def _capture_for(self, seq: SequenceState) -> None:
         """Opt the sequence's cache into hidden-state capture when a source reads them (the
         union of their layers, captured once); each such source gets its own columns."""
@@ -274,7 +234,7 @@ class Engine:
 
         Every started sequence plans its own tree (possibly just the pending token); new
         sequences feed their prompt (whole, or its next chunk, within the step's prefill
-        budget: `_prefill_size`). On a backend that batches rows (`_batches_rows`) all of it
+        budget: `Scheduler`). On a backend that batches rows (`Scheduler.batches_rows`) all of it
         goes through ONE forward (`Backend.forward_batch`; a prompt chunk is a chain whose last
         row alone matters); elsewhere each prefill runs alone first, as before. Then each
         sequence accepts and commits on its own, exactly as alone. A batch of one takes the
@@ -284,85 +244,32 @@ class Engine:
             raise RuntimeError("step on a finished sequence")
         if len({id(seq) for seq in seqs}) != len(seqs):
             raise ValueError("a sequence appears twice in one batch")
-        blocks: dict[int, Block] = {}
-        going = [i for i, seq in enumerate(seqs) if seq.started]
-        budget = self.prefill_chunk  # prompt rows this step may still feed (None: any)
-        fills: list[tuple[int, int]] = []  # (sequence, prompt rows it feeds now)
-        feeding: list[tuple[list[int], int]] = []  # prompts computed this step, how far
-        for i, seq in enumerate(seqs):
-            if not seq.started:
-                if self._may_reuse(seq):
-                    self._reuse_prefix(seq, seqs)
-                    if self._defer_for_prefix(seq, feeding):
-                        blocks[i] = self._no_block(seq, 0)  # a batch-mate computes it now
-                        continue
-                size = self._prefill_size(seq, budget)
-                if not size:
-                    blocks[i] = self._no_block(seq, 0)  # the step's prompt rows are spent
-                    continue
-                fills.append((i, size))
-                feeding.append((seq.prompt, seq.prefilled + size))
-                if budget is not None:
-                    budget = max(0, budget - size)
-        together = len(going) + len(fills) > 1 and self._batches_rows()
-        if together and self.prefill_chunk is None and fills:
-            # no chunking: whole prompts, first come first, while the step's prompt rows stay
-            # within `prefill_step_rows` (the first always runs); the rest wait for a later
-            # step. A prompt too long to pack (packed attention is quadratic in the rows)
-            # goes in a forward of its own.
-            packed, fed, waiting, joined = 0, 0, False, []
-            for i, size in fills:
-                if waiting or (fed and fed + size > self.prefill_step_rows):
-                    waiting = True  # and so does every later one: first come, first served
-                    blocks[i] = self._no_block(seqs[i], 0)
-                    continue
-                fed += size
-                if packed + size <= BATCHED_PROMPT_ROWS:
-                    joined.append((i, size))
-                    packed += size
-                else:
-                    blocks[i] = self._prefill(seqs[i], size)
-            fills = joined
-            together = len(going) + len(fills) > 1
-        if not together:
-            for i, size in fills:
-                blocks[i] = self._prefill(seqs[i], size)
-            fills = []
-        if not going and not fills:
+        plan = self.scheduler.schedule(seqs)
+        blocks = {i: self._no_block(seqs[i], 0) for i in plan.waiting}
+        for fill in plan.alone:
+            blocks[fill.index] = self._prefill(seqs[fill.index], fill)
+        if not plan.forward:
             return [blocks[i] for i in range(len(seqs))]
-        # sequences sharing this step's forward: an in-process source's drafting makes all
-        # of them wait (`CostModel.fit_draft_to_batch`)
-        sharing = len(going) + len(fills) if together else 1
-        trees = [self._plan(seqs[i], sharing) for i in going]
+        going, fills, together = plan.decode, plan.fills, plan.together
+        trees = [self._plan(seqs[i], plan.sharing) for i in going]
         if together:
-            self._fit_to_batch([seqs[i] for i in going], trees,
-                               sum(size for _, size in fills), len(seqs) - len(going))
+            self._fit_to_batch([seqs[i] for i in going], trees, plan.prompt_rows, plan.new)
         bases = [self.backend.cache_length(seqs[i].cache) for i in going]
         feeds: list[Any] = [(t.tokens, t.parents) for t in trees]
-        feeds += [_PromptRows(self._prompt_rows(seqs[i], size)) for i, size in fills]
+        feeds += [_PromptRows(fill.rows) for fill in fills]
         t0 = time.perf_counter()
         logits = self.backend.forward_batch(
-            [seqs[i].cache for i in going] + [seqs[i].cache for i, _ in fills], feeds)
+            [seqs[i].cache for i in going] + [seqs[f.index].cache for f in fills], feeds)
         dt = time.perf_counter() - t0
-        alone = len(feeds) == 1
+        alone = plan.solo
         if together and not fills and self.fixed_k is None:
             # a sample of the batch's cost per row fed (prompt rows skip the LM head: not one)
             self.cost.record_batch(sum(len(t) for t in trees), dt)
         for i, tree, base, rows in zip(going, trees, bases, logits[:len(going)], strict=True):
             blocks[i] = self._settle(seqs[i], tree, base, rows, dt, alone=alone)
-        for (i, size), rows in zip(fills, logits[len(going):], strict=True):
-            blocks[i] = self._prefilled(seqs[i], size, rows[-1], dt)
+        for fill, rows in zip(fills, logits[len(going):], strict=True):
+            blocks[fill.index] = self._prefilled(seqs[fill.index], fill, rows[-1], dt)
         return [blocks[i] for i in range(len(seqs))]
-
-    def _batches_rows(self) -> bool:
-        """Whether the backend's `forward_batch` feeds several sequences in one call (torch,
-        outside `batch_invariant`); the default one at a time (MLX) gains nothing from prompt
-        rows beside the others and loses `prefill`'s own split, so there prefills run alone."""
-        from nodes.backends.base import Backend as Base  # (imports the engine: not at the top)
-
-        backend = self.backend
-        return (type(backend).forward_batch is not Base.forward_batch
-                and not getattr(backend, "batch_invariant", False))
 
     def learn_batch_cost(self, prompt_ids: Sequence[int], batch: int) -> None:
         """Give the batch curve (`CostModel.batch_cost`) its first points before any user:
@@ -374,7 +281,7 @@ class Engine:
         curve, whose slope is the few-row kernel's (about 2 ms a row on SmolLM2 here, against
         5 in a batch), and drafts rode its prefill steps as if nearly free. Nothing to learn
         where forwards do not batch rows (MLX, `batch_invariant`) or for `batch` < 2."""
-        if batch < 2 or not prompt_ids or not self._batches_rows():
+        if batch < 2 or not prompt_ids or not self.scheduler.batches_rows():
             return
         backend = self.backend
         caches = [backend.new_cache() for _ in range(batch)]
@@ -430,51 +337,22 @@ class Engine:
             for slot in seq.slots:
                 slot.offered = tree.offered_by(slot.tag)
 
-    def _prefill_size(self, seq: SequenceState, budget: int | None) -> int:
-        """Prompt rows `seq` feeds this step: the whole prompt, or with `prefill_chunk` set
-        and a prompt longer than it, its next chunk; 0 when `budget` (prompt rows this step
-        may still feed) is spent. A step's first prefill always runs.
-
-        Chunk boundaries depend on the prompt alone (multiples of `prefill_chunk`), so a
-        sequence's cache, hence its output, is the same whatever it is batched with; the
-        budget only decides whether its next chunk runs now. A sequence whose sources read
-        hidden states is prefilled whole (they get every prompt row's states in one piece)."""
-        prompt, chunk = seq.prompt, self.prefill_chunk
-        left = len(prompt) - seq.prefilled
-        size = left if chunk is None or self._whole(seq) else min(chunk, left)
-        if budget is not None and size > budget and budget < (chunk or 0):
-            return 0
-        return size
-
-    def _whole(self, seq: SequenceState) -> bool:
-        """Whether the prompt goes in whole, from position 0 (not in chunks, nothing reused)."""
-        if seq.reused:
-            return False
-        chunk = self.prefill_chunk
-        return chunk is None or len(seq.prompt) <= chunk or seq.hidden_layers is not None
-
-    def _prompt_rows(self, seq: SequenceState, size: int) -> list[int]:
-        """The prompt tokens a prefill of `size` rows feeds now."""
-        if self._whole(seq):
-            return seq.prompt
-        return seq.prompt[seq.prefilled:seq.prefilled + size]
-
-    def _prefill(self, seq: SequenceState, size: int) -> Block:
+    def _prefill(self, seq: SequenceState, fill: Fill) -> Block:
         """A new sequence's prompt (or its next chunk) in a forward of its own: the whole
         prompt through `Backend.prefill` (the reference generator's split: HF-identical), a
         chunk through `forward_last`."""
         t0 = time.perf_counter()
-        if self._whole(seq):
+        if fill.whole:
             row = self.backend.prefill(seq.cache, seq.prompt)
         else:
-            row = self.backend.forward_last(seq.cache, self._prompt_rows(seq, size))
-        return self._prefilled(seq, size, row, time.perf_counter() - t0)
+            row = self.backend.forward_last(seq.cache, fill.rows)
+        return self._prefilled(seq, fill, row, time.perf_counter() - t0)
 
-    def _prefilled(self, seq: SequenceState, size: int, row: np.ndarray, dt: float) -> Block:
-        """After `size` prompt rows went in (`row`: the logits after the last): a block with
+    def _prefilled(self, seq: SequenceState, fill: Fill, row: np.ndarray, dt: float) -> Block:
+        """After `fill`'s prompt rows went in (`row`: the logits after the last): a block with
         no tokens while chunks remain, else the first token, committed."""
-        prompt = seq.prompt
-        if not self._whole(seq):
+        prompt, size = seq.prompt, fill.size
+        if not fill.whole:
             seq.prefilled += size
             if self.prefill_chunk is not None:  # chunks: show progress
                 log.info("prefill %d/%d positions", seq.prefilled, len(prompt))
