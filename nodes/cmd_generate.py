@@ -19,7 +19,8 @@ from nodes.engine.errors import GenerationError
 log = logging.getLogger(__name__)
 
 
-LOCAL_ONLY = ("model", "drafter", "backend", "max_draft")  # the cluster's verifier decides these
+#: flags of --local alone: the cluster's verifier decides these
+LOCAL_ONLY = ("model", "drafter", "backend", "max_draft", "weights")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "smollm2-135m)")
     local.add_argument("--backend", default=None, choices=("torch", "mlx"),
                        help="default: torch")
+    local.add_argument("--weights", default=None, choices=("fp32", "q8", "q4"),
+                       help="the verifier's weights (default fp32, identical to HF; q8/q4: the "
+                            "quantized CPU forward, speculation identical to its plain decoding)")
     local.add_argument("--max-draft", type=int, default=None,
                        help="longest draft block (default 16)")
     parser.add_argument("--max-tokens", type=int, default=128,
@@ -177,6 +181,7 @@ def _run_local(args: argparse.Namespace) -> int:
             args.backend or "torch",
             None if drafter == "none" else drafter,
             16 if args.max_draft is None else args.max_draft,
+            args.weights or "fp32",
         )
     )
     if req.messages is not None:

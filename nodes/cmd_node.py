@@ -73,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "64; the same as --drafter suffix:budget=MB)")
     parser.add_argument("--backend", default=None, choices=("torch", "mlx"),
                         help="torch (default) or mlx")
+    parser.add_argument("--weights", default="fp32", choices=("fp32", "q8", "q4"),
+                        help="a torch verifier's weights on a CPU: fp32 (default: the reference "
+                             "mode, identical to Hugging Face generate), q8 (Q8_0 blocks) or q4 "
+                             "(the embedded model's shipped Q4_1 file as it is); speculation "
+                             "stays bit-identical to the same weights' plain decoding")
     parser.add_argument("--max-draft", type=int, default=16,
                         help="longest draft block a verifier asks for (default 16)")
     parser.add_argument("--tree-width", type=_tree_width, default=None, metavar="N",
@@ -360,7 +365,7 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
 
     default = DEFAULT_PROPOSER_DRAFTER if "proposer" in config.roles else "none"
     drafter = _with_suffix_budget(args.drafter or default, args.suffix_budget)
-    spec = RoleSpec(roles=config.roles, model=args.model or None,
+    spec = RoleSpec(roles=config.roles, model=args.model or None, weights=args.weights,
                     backend=args.backend or "torch", drafter=drafter,
                     max_draft=args.max_draft, tree_width=args.tree_width,
                     lease_s=args.session_lease,

@@ -19,6 +19,7 @@ class LocalConfig:
     backend: str = "torch"
     drafter: str | None = "ngram"  # none | ngram | int8 | model:<ref>
     max_draft: int = 16
+    weights: str = "fp32"  # the verifier's weights: fp32 | q8 | q4 (quant_forward)
 
 
 def load_engine(cfg: LocalConfig) -> Engine:
@@ -26,7 +27,8 @@ def load_engine(cfg: LocalConfig) -> Engine:
     from nodes.backends.base import load_backend
     from nodes.drafters.registry import make_drafter
 
-    backend = load_backend(cfg.backend, cfg.model)
+    backend = load_backend(cfg.backend, cfg.model,
+                           **({"weights": cfg.weights} if cfg.weights != "fp32" else {}))
     drafter = make_drafter(cfg.drafter, backend)
     return Engine(backend, drafter, max_draft=cfg.max_draft)
 

@@ -72,6 +72,12 @@ def _smollm2_gguf() -> Path:
     )
 
 
+def shipped_gguf(ref: ModelRef) -> Path | None:
+    """The GGUF file a model came from as a package ships it (the embedded model's), whose
+    quantized blocks a q4 verifier serves as they are; None for other models."""
+    return _smollm2_gguf() if ref.name == DEFAULT_MODEL else None
+
+
 def atomic_build(target: Path, build) -> Path:
     """Run `build(tmp_dir)`, then rename it to `target`: a killed build leaves no half folder."""
     if _is_model_folder(target):

@@ -153,5 +153,8 @@ def load_backend(name: str, model_ref: str | None = None, **kwargs: Any) -> Back
     if name == "mlx":
         from nodes.backends.mlx_backend import MlxBackend
 
+        if kwargs.pop("weights", "fp32") != "fp32":
+            raise BadRequestError("--weights q8|q4 is the torch backend's CPU forward; the mlx "
+                                  "backend takes the model's own weights")
         return MlxBackend.load(model_ref, **kwargs)
     raise BadRequestError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -238,7 +238,10 @@ torch::Tensor linear_w8(const torch::Tensor& x, const torch::Tensor& q, const to
 
 }  // namespace
 
+void register_quant(pybind11::module& m);  // quant_rows.cpp: the quantized verifier
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_quant(m);
   m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX2 and FMA");
   m.def("linear", &linear, "y = x w^T (+ b) for a few rows of x",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());

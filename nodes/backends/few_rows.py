@@ -43,6 +43,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("few_rows.cpp")
+#: every source of the extension: the few-row matmuls and the quantized verifier's forward
+SOURCES = (SOURCE, Path(__file__).with_name("quant_rows.cpp"))
 NAME = "specbus_few_rows"
 #: rows served by the kernel; more rows (prefill chunks, big batches) go to torch, which packs
 #: them well. Measured on SmolLM2-135M (`specbus bench forward`, one thread): the kernel leads
@@ -58,7 +60,8 @@ _tried = False
 
 def build_dir() -> Path:
     """Where this virtualenv's build lives: one per torch version and source text."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:12]
+    text = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(text + " ".join(_FLAGS).encode()).hexdigest()[:12]
     torch_version = torch.__version__.replace("+", "_")
     return Path(sys.prefix) / "share" / "specbus" / "kernels" / f"{NAME}-{torch_version}-{key}"
 
@@ -80,7 +83,7 @@ def build(verbose: bool = False) -> Path:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    load(NAME, [str(SOURCE)], extra_cflags=_FLAGS, build_directory=str(directory),
+    load(NAME, [str(path) for path in SOURCES], extra_cflags=_FLAGS, build_directory=str(directory),
          verbose=verbose)
     return _library(directory)
 

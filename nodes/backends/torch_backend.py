@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from nodes import models
-from nodes.backends import few_rows, growing_cache, torch_batch, torch_lean
+from nodes.backends import few_rows, growing_cache, quant_forward, torch_batch, torch_lean
 from nodes.backends.base import Backend, tree_layout
 from nodes.backends.tokenizer import Tokenizer
 from nodes.engine.errors import BadRequestError, ModelNotFoundError
@@ -48,11 +48,21 @@ class TorchBackend(Backend):
         #: run a batch one sequence at a time, so each sequence's logits are bit for bit
         #: those it gets alone (docs/engine.md, "Batching": batched CPU matmuls differ)
         self.batch_invariant = False
-        #: the lean float32 forward (`torch_lean`), where it reproduces the model's own
-        self.lean: torch_lean.LeanForward | None = None
+        #: the lean float32 forward (`torch_lean`), where it reproduces the model's own, or
+        #: the quantized forward (`quant_forward`) under `--weights q8|q4`
+        self.lean: torch_lean.LeanForward | quant_forward.QuantForward | None = None
+        #: the weights the forward computes with: "fp32" (the reference mode) or a quantized
+        #: form as `quant_forward` names it
+        self.weights = "fp32"
 
     @classmethod
-    def load(cls, model_ref: str | None = None, device: str | None = None) -> TorchBackend:
+    def load(cls, model_ref: str | None = None, device: str | None = None,
+             weights: str = "fp32") -> TorchBackend:
+        """Load `model_ref`; `weights` "q8" or "q4" serves it through the quantized forward
+        (CPU, Llama layouts: `quant_forward` says why), "fp32" keeps the reference mode."""
+        if weights not in quant_forward.WEIGHTS:
+            raise BadRequestError(f"--weights {weights!r}: choose one of "
+                                  f"{', '.join(quant_forward.WEIGHTS)}")
         ref = models.resolve(model_ref)
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -72,7 +82,11 @@ class TorchBackend(Backend):
         if device == "cpu":
             few_rows.install(model)  # verify forwards' 2-16 rows at ~1-token cost (why: there)
         backend = cls(model, tokenizer, ref.name, device)
-        backend.lean = _lean_forward(model)
+        if weights == "fp32":
+            backend.lean = _lean_forward(model)
+        else:
+            backend.lean = _quant_forward(model, ref, weights, device)
+            backend.weights = backend.lean.form
         return backend
 
     @classmethod
@@ -258,6 +272,23 @@ class TorchBackend(Backend):
         extra = self.cache_length(cache) - length
         if extra > 0:
             cache.crop(-extra)
+
+
+def _quant_forward(model: Any, ref: Any, weights: str,
+                   device: str) -> quant_forward.QuantForward:
+    """The quantized forward (said in the log), or a BadRequestError saying why it cannot
+    serve. q4 on the embedded model takes its shipped GGUF's blocks as they are."""
+    if device != "cpu":
+        raise BadRequestError(f"--weights {weights} runs on CPUs (this verifier is on {device}); "
+                              "--weights fp32 serves other devices")
+    gguf = models.shipped_gguf(ref) if weights == "q4" else None
+    try:
+        forward = quant_forward.build(model, weights, gguf)
+    except quant_forward.QuantError as exc:
+        raise BadRequestError(f"model {ref.name!r}: --weights {weights}: {exc}") from None
+    log.info("forward: quantized %s, %.0f MB of weights (quant_forward; --weights fp32 is "
+             "the reference mode)", forward.form, forward.nbytes() / 1e6)
+    return forward
 
 
 def _lean_forward(model: Any) -> torch_lean.LeanForward | None:

@@ -37,6 +37,9 @@ class RoleSpec:
     roles: tuple[str, ...]
     model: str | None = None  # None: the embedded default
     backend: str = "torch"
+    #: the verifier's weights: fp32 (the reference mode, identical to HF) or q8 / q4 (the
+    #: quantized forward: nodes/backends/quant_forward.py)
+    weights: str = "fp32"
     drafter: str = DEFAULT_PROPOSER_DRAFTER  # the proposer's drafter (or a verifier's own)
     max_draft: int = 16
     #: a proposer's candidates per drafted position (None: the drafter's default; 1: chains)
@@ -150,7 +153,10 @@ def assemble(spec: RoleSpec) -> Roles:
         from nodes.backends.base import load_backend
 
         t0 = time.perf_counter()
-        backend = spec.prebuilt or load_backend(spec.backend, spec.model)
+        backend = spec.prebuilt or load_backend(
+            spec.backend, spec.model,
+            **({"weights": spec.weights} if "verifier" in spec.roles and spec.weights != "fp32"
+               else {}))
         log.info("loaded %s on %s in %.1fs", backend.model_name, backend.name,
                  time.perf_counter() - t0)
         from nodes.models import served_name
