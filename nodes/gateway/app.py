@@ -24,6 +24,15 @@ from nodes.gateway.logprobs import chat_logprobs, completion_logprobs
 from nodes.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from nodes.gateway.openai_schema import ApiError, ApiRequest, parse_json, parse_request
 from nodes.gateway.origins import Origins
+from nodes.gateway.responses import (
+    ResponseMemory,
+    message_item,
+    new_ids,
+    parse_responses,
+    remember,
+    response_object,
+    status_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +54,7 @@ class GatewayApp:
         self.stall_s = stall_s
         self.origins = origins or Origins("127.0.0.1")
         self.body_timeout = body_timeout
+        self.responses_memory = ResponseMemory()  # previous_response_id (bounded)
 
     def build(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY,
@@ -52,6 +62,7 @@ class GatewayApp:
                                            self._body])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
@@ -104,11 +115,45 @@ class GatewayApp:
         return await self._generate(request, "completion")
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        arrived = time.perf_counter()
         raw = await request.read()  # already read, within its deadline (`_body`)
         api = parse_request(kind, parse_json(raw))
+
+        async def answer(events, first, plan):
+            if api.stream:
+                return await self._stream(request, api, events, first, plan.tokenizer)
+            return await self._collect(request, api, events, plan.tokenizer)
+
+        return await self._run(api, arrived, answer)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """`POST /v1/responses` (responses.py): text, plain or streamed."""
+        arrived = time.perf_counter()
+        req = parse_responses(parse_json(await request.read()), self.responses_memory)
+
+        async def answer(events, first, plan):
+            if req.api.stream:
+                return await self._responses_stream(request, req, events)
+            final = None
+            async for ev in events:
+                if isinstance(ev, Final):
+                    final = ev
+            if final is None:  # pragma: no cover - events() ends with Final or raises
+                raise ApiError(502, "the generation ended without a result",
+                               type_="server_error")
+            rid, msg_id, created = new_ids()
+            remember(self.responses_memory, req, rid, final.text)
+            return self._json(request, 200, response_object(
+                req, rid, created, status_of(final), [message_item(msg_id, final.text)], final))
+
+        return await self._run(req.api, arrived, answer)
+
+    async def _run(self, api: ApiRequest, arrived: float, answer) -> web.StreamResponse:
+        """One generation: planned, queued for a verifier, then `answer(events, first, plan)`
+        writes the response; a client leaving cancels the verifier's work."""
         plan = await self._plan(api)
         gen = Generation(self.node, self.balancer, self.metrics, plan, self.stall_s,
-                         asyncio.get_running_loop())
+                         asyncio.get_running_loop(), arrived=arrived)
         events = gen.events()
         try:
             # picks the verifier, waiting in the queue while every one is full: 429/503
@@ -121,14 +166,67 @@ class GatewayApp:
             await events.aclose()
             raise
         try:
-            if api.stream:
-                return await self._stream(request, api, events, first, plan.tokenizer)
-            return await self._collect(request, api, events, plan.tokenizer)
+            return await answer(events, first, plan)
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.cancelled += 1  # the client went away
             raise
         finally:
             await events.aclose()  # its `finally` cancels the verifier's work
+
+    async def _responses_stream(self, request: web.Request, req,
+                                events) -> web.StreamResponse:
+        """The Responses API's streamed events (responses.py), ending with the response."""
+        origin = request.get(CORS_ORIGIN)
+        resp = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no", **(_cors_headers(origin) if origin else {})})
+        await resp.prepare(request)
+        self.metrics.count_request(_endpoint(request), 200)
+        rid, msg_id, created = new_ids()
+        seq = 0
+
+        async def send(kind: str, **fields) -> None:
+            nonlocal seq
+            data = json.dumps({"type": kind, "sequence_number": seq, **fields},
+                              separators=(",", ":"))
+            seq += 1
+            await resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
+
+        where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+        await send("response.created",
+                   response=response_object(req, rid, created, "in_progress", []))
+        await send("response.in_progress",
+                   response=response_object(req, rid, created, "in_progress", []))
+        await send("response.output_item.added", output_index=0,
+                   item=message_item(msg_id, None, "in_progress"))
+        await send("response.content_part.added", **where,
+                   part={"type": "output_text", "text": "", "annotations": []})
+        text = []
+        try:
+            async for ev in events:
+                if isinstance(ev, Piece) and ev.text:
+                    text.append(ev.text)
+                    await send("response.output_text.delta", **where, delta=ev.text,
+                               logprobs=[])
+                elif isinstance(ev, Final):
+                    done = "".join(text)
+                    status = status_of(ev)
+                    await send("response.output_text.done", **where, text=done, logprobs=[])
+                    await send("response.content_part.done", **where,
+                               part={"type": "output_text", "text": done, "annotations": []})
+                    item = message_item(msg_id, done, status)
+                    await send("response.output_item.done", output_index=0, item=item)
+                    remember(self.responses_memory, req, rid, done)
+                    await send(f"response.{status}", response=response_object(
+                        req, rid, created, status, [item], ev))
+        except StreamFailed as exc:
+            self.metrics.stream_errors += 1
+            log.warning("gateway: response %s ended by an error: %s", rid, exc.error.message)
+            err = {"code": exc.error.code or "server_error", "message": exc.error.message}
+            await send("response.failed", response=response_object(
+                req, rid, created, "failed", [], error=err))
+        await resp.write_eof()
+        return resp
 
     async def _plan(self, api: ApiRequest) -> Plan:
         models = self.served_models()
@@ -179,7 +277,8 @@ class GatewayApp:
             obj = "text_completion"
         return self._json(request, 200, {
             "id": rid, "object": obj, "created": created, "model": api.model,
-            "choices": [choice], "usage": _usage(final), "specbus": final.specbus})
+            "choices": [choice], "usage": _usage(final), "timings": final.timings,
+            "specbus": final.specbus})
 
     async def _stream(self, request: web.Request, api: ApiRequest, events,
                       first: Started, tok) -> web.StreamResponse:
@@ -229,7 +328,7 @@ class GatewayApp:
                     verifier = None
                 elif isinstance(ev, Final):
                     await send(chunk(None if chat else "", ev.finish_reason,
-                                     {"specbus": ev.specbus}))
+                                     {"timings": ev.timings, "specbus": ev.specbus}))
                     if api.include_usage:
                         await send({"id": rid, "object": obj, "created": created,
                                     "model": api.model, "choices": [], "usage": _usage(ev),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,8 @@ class Final:
     logprobs: ReceivedLogprobs | None = None  # of the completion's tokens, when asked for
     #: prompt positions the (last) verifier started from its prefix cache
     cached_tokens: int = 0
+    #: llama-server's per-response `timings` (`_timings`)
+    timings: dict[str, Any] = field(default_factory=dict)
 
 
 class StreamFailed(Exception):
@@ -78,13 +81,18 @@ class StreamFailed(Exception):
 
 class Generation:
     def __init__(self, node, balancer: Balancer, metrics: GatewayMetrics, plan: Plan,
-                 stall_s: float, loop: asyncio.AbstractEventLoop) -> None:
+                 stall_s: float, loop: asyncio.AbstractEventLoop,
+                 arrived: float | None = None) -> None:
         self.node = node
         self.balancer = balancer
         self.metrics = metrics
         self.plan = plan
         self.stall_s = stall_s
         self.loop = loop
+        #: when the request arrived, a verifier took it, its first token came (perf_counter)
+        self.t_arrived = time.perf_counter() if arrived is None else arrived
+        self.t_started: float | None = None
+        self.t_first: float | None = None
 
     async def events(self) -> AsyncIterator[Started | Piece | Final]:
         """Started (again after a failover), Piece..., then Final; StreamFailed on an error
@@ -100,6 +108,10 @@ class Generation:
                 elif isinstance(ev, Finished):
                     yield self._final(ev)
                 else:
+                    if isinstance(ev, Started) and self.t_started is None:
+                        self.t_started = time.perf_counter()
+                    elif isinstance(ev, Piece) and self.t_first is None:
+                        self.t_first = time.perf_counter()
                     yield ev
         except ClusterError as exc:
             raise StreamFailed(_api_error(exc, plan)) from None
@@ -128,15 +140,53 @@ class Generation:
         stats, verifier = done.stats, done.verifiers[-1]
         drafted, accepted = _int(stats.get("drafted")), _int(stats.get("accepted"))
         completion = len(done.token_ids)
-        self.metrics.count_done(verifier, done.prompt_tokens, completion, stats)
+        model = self.plan.api.model
+        self.metrics.count_done(verifier, done.prompt_tokens, completion, stats, model=model)
+        timings, seconds = self._timings(done.prompt_tokens, completion, stats)
+        self.metrics.observe_request(model, seconds)
         proposers = stats.get("proposers") if isinstance(stats.get("proposers"), dict) else {}
         return Final(FINISH.get(done.finish_reason, "stop"), done.prompt_tokens, completion,
-                     done.text, cached_tokens=_int(stats.get("cached_tokens")), specbus={
+                     done.text, cached_tokens=_int(stats.get("cached_tokens")),
+                     timings=timings, specbus={
                          "acceptance": round(accepted / drafted, 4) if drafted else 0.0,
                          "drafted": drafted, "accepted": accepted, "proposers": proposers,
                          "verifier": verifier, "verifiers": list(done.verifiers),
                          "failovers": done.failovers,
                      }, logprobs=done.logprobs)
+
+
+    def _timings(self, prompt_tokens: int, completion: int,
+                 stats: dict) -> tuple[dict[str, Any], dict[str, float]]:
+        """llama-server's `timings` of this response, and the request's latencies for the
+        histograms, as measured here: queued until a verifier took it, the prompt phase until
+        the first token, the generation phase after it. `prompt_n` counts the positions
+        prefilled (the prefix cache's are `cache_n`), `draft_n` the draft tokens verified."""
+        end = time.perf_counter()
+        started = self.t_started if self.t_started is not None else self.t_arrived
+        first = self.t_first if self.t_first is not None else end
+        cached = min(_int(stats.get("cached_tokens")), prompt_tokens)
+        prompt_n, prompt_ms = prompt_tokens - cached, (first - started) * 1e3
+        predicted_ms = (end - first) * 1e3
+        per_token = predicted_ms / (completion - 1) if completion > 1 else 0.0
+        timings = {
+            "cache_n": cached,
+            "prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
+            "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
+            "prompt_per_second": round(prompt_n / prompt_ms * 1e3, 3) if prompt_ms > 0 else 0.0,
+            "predicted_n": completion, "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_token_ms": round(per_token, 3),
+            "predicted_per_second": round((completion - 1) / predicted_ms * 1e3, 3)
+            if completion > 1 and predicted_ms > 0 else 0.0,
+            "draft_n": _int(stats.get("drafted")),
+            "draft_n_accepted": _int(stats.get("accepted")),
+            "queue_ms": round((started - self.t_arrived) * 1e3, 3),
+        }
+        seconds = {"queue": started - self.t_arrived, "e2e": end - self.t_arrived}
+        if self.t_first is not None:
+            seconds["ttft"] = self.t_first - self.t_arrived
+            if completion > 1:
+                seconds["tpot"] = per_token / 1e3
+        return timings, seconds
 
 
 def _int(v: Any) -> int:

@@ -1,9 +1,15 @@
 """Gateway figures and their Prometheus text rendering (`GET /metrics`).
 
 Two sources: what the gateway counts itself (requests by endpoint and status, tokens, failovers,
-cancellations, speculation figures from each `done`), and what the cluster's nodes publish in
-their telemetry (verifier active/queued/tok/s/acceptance, proposer drafts). Owned by the
-gateway's asyncio thread; telemetry arrives there as messages, never as a shared dict.
+cancellations, speculation figures from each `done`, request latencies), and what the cluster's
+nodes publish in their telemetry (verifier active/queued/tok/s/acceptance, proposer drafts).
+Owned by the gateway's asyncio thread; telemetry arrives there as messages, never as a shared
+dict.
+
+Beside the `specbus_*` names, the figures dashboards already read are served under vLLM's own
+names (`vllm:` prefix, `model_name` label): its speculative-decoding counters and its request
+histograms (time to first token, time per output token, end-to-end latency, queue time), as
+measured at this gateway (docs/api.md, Metrics).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from collections import OrderedDict, defaultdict
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -22,6 +28,59 @@ def _num(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         return None
     return float(v)
+
+
+#: vLLM's buckets for its request histograms (vllm/v1/metrics/loggers.py), so that its
+#: dashboards' quantiles read the same
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+#: name, help, buckets of each request histogram, keyed as `observe_request` takes them
+HISTOGRAMS = {
+    "ttft": ("vllm:time_to_first_token_seconds",
+             "Time from the request's arrival to its first output token", TTFT_BUCKETS),
+    "tpot": ("vllm:time_per_output_token_seconds",
+             "Mean time per output token after the first, per request", TPOT_BUCKETS),
+    "e2e": ("vllm:e2e_request_latency_seconds",
+            "Time from the request's arrival to its last token", LATENCY_BUCKETS),
+    "queue": ("vllm:request_queue_time_seconds",
+              "Time from the request's arrival until a verifier took it (the gateway's queue)",
+              LATENCY_BUCKETS),
+}
+#: draft positions counted per position (vLLM's num_accepted_tokens_per_pos); deeper ones are
+#: left out
+MAX_POSITIONS = 32
+
+
+class Histogram:
+    """Counts per bucket, a sum and a count (one label set)."""
+
+    __slots__ = ("bounds", "counts", "sum", "count")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+        self.sum += value
+        self.count += 1
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, n in zip(self.bounds, self.counts, strict=True):
+            running += n
+            out.append((repr(float(bound)), running))
+        out.append(("+Inf", self.count))
+        return out
 
 
 #: entries kept in each table keyed by something a peer chooses (node ids in telemetry and in
@@ -68,15 +127,40 @@ class GatewayMetrics:
         self.proposer_names: dict[str, str] = Bounded(MAX_TRACKED)
         #: node id -> its last `stats` payload
         self.telemetry: dict[str, dict[str, Any]] = Bounded(MAX_TRACKED)
+        #: per served model: vLLM's spec-decode counters and request histograms
+        self.per_model: dict[str, dict[str, Any]] = Bounded(MAX_TRACKED, _model_figures)
 
     # -- counting (asyncio thread) ------------------------------------------------------------
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
 
+    def observe_request(self, model: str, seconds: dict[str, float]) -> None:
+        """A finished request's latencies (`HISTOGRAMS` keys; the ones measured)."""
+        m = self.per_model[model]
+        for key, value in seconds.items():
+            if key in HISTOGRAMS and value is not None and math.isfinite(value) and value >= 0:
+                m[key].observe(value)
+
     def count_done(self, verifier: str, prompt_tokens: int, completion_tokens: int,
-                   stats: dict[str, Any]) -> None:
+                   stats: dict[str, Any], model: str | None = None) -> None:
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += completion_tokens
+        if model is not None:
+            m = self.per_model[model]
+            m["prompt_tokens"] += prompt_tokens
+            m["generation_tokens"] += completion_tokens
+            m["requests"] += 1
+            for key, name in (("spec_blocks", "drafts"), ("drafted", "draft_tokens"),
+                              ("accepted", "accepted_tokens")):
+                n = _num(stats.get(key))
+                if n is not None and n >= 0:
+                    m[name] += n
+            per_pos = stats.get("accepted_per_pos")  # when the verifier reports it
+            if isinstance(per_pos, list):
+                for pos, n in enumerate(per_pos[:MAX_POSITIONS]):
+                    n = _num(n)
+                    if n is not None and n >= 0:
+                        m["per_pos"][pos] += n
         v = self.per_verifier[verifier]
         v["generations"] += 1
         v["tokens"] += completion_tokens
@@ -153,6 +237,8 @@ class GatewayMetrics:
                      "Accepted / drafted tokens over all generations served", (),
                      [((), accepted / drafted if drafted else 0.0)])
 
+        yield from self._vllm_families()
+
         names = {v.node_id: v for v in verifiers}
         ids = sorted(set(names) | set(self.per_verifier))
         vlabels = ("verifier", "name", "model")
@@ -179,7 +265,8 @@ class GatewayMetrics:
                 ("queued", "queued", "Generations queued (verifier telemetry)"),
                 ("completed", "generations", "Generations completed, all clients (telemetry)"),
                 ("tok_s", "tok_s", "Tokens/s of its last generation (verifier telemetry)"),
-                ("acceptance", "acceptance", "Acceptance of its last generation (telemetry)"),
+                ("acceptance", "acceptance", "Acceptance of its last generation, any client's "
+                 "(telemetry); specbus_verifier_acceptance_cumulative is the running figure"),
                 ("orphans_dropped", "orphans_dropped",
                  "Requests dropped because their client left or died (verifier telemetry)"),
                 ("max_batch", "max_batch", "Generations it steps together (--max-batch)"),
@@ -214,7 +301,16 @@ class GatewayMetrics:
                     samples.append((vl(i), a / b))
             yield family(f"specbus_verifier_{name}", "gauge", help_, vlabels, samples)
 
+        yield family("specbus_verifier_acceptance_cumulative", "gauge",
+                     "Accepted / drafted tokens over every generation served via this gateway",
+                     vlabels, [(vl(i), _ratio(self.per_verifier[i])) for i in ids
+                               if i in self.per_verifier])
         pids = sorted(self.per_proposer)
+        yield family("specbus_proposer_acceptance_cumulative", "gauge",
+                     "Accepted / drafted tokens of the proposer's drafts over every generation "
+                     "served via this gateway", ("proposer", "name"),
+                     [((p, self.proposer_names.get(p, "")), _ratio(self.per_proposer[p]))
+                      for p in pids])
         for key in ("drafted", "accepted", "verified", "timeouts"):
             yield family(f"specbus_proposer_{key}_total", "counter",
                          f"Per-proposer {key} tokens/replies in generations served via this "
@@ -233,6 +329,51 @@ class GatewayMetrics:
         yield family("specbus_proposer_telemetry", "gauge",
                      "Proposer figures from its telemetry (draft_tokens, drafts_served, "
                      "sessions_open)", ("proposer", "figure"), samples)
+
+
+    def _vllm_families(self):
+        """vLLM's names for the same figures, per served model (`model_name`)."""
+        models = sorted(self.per_model)
+        label = ["model_name"]
+        for name, key, help_ in (
+                ("vllm:spec_decode_num_drafts", "drafts",
+                 "Speculative blocks verified (drafts), as vLLM counts them"),
+                ("vllm:spec_decode_num_draft_tokens", "draft_tokens", "Draft tokens verified"),
+                ("vllm:spec_decode_num_accepted_tokens", "accepted_tokens",
+                 "Draft tokens accepted"),
+                ("vllm:prompt_tokens", "prompt_tokens", "Prompt tokens of finished requests"),
+                ("vllm:generation_tokens", "generation_tokens", "Tokens generated"),
+                ("vllm:request_success", "requests", "Requests finished")):
+            fam = CounterMetricFamily(name, help_, labels=label)
+            for model in models:
+                fam.add_metric([model[:100]], self.per_model[model][key])
+            yield fam
+        fam = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Drafts whose token at `position` was accepted (when the "
+                                  "verifiers report it)", labels=["model_name", "position"])
+        for model in models:
+            for pos, n in sorted(self.per_model[model]["per_pos"].items()):
+                fam.add_metric([model[:100], str(pos)], n)
+        yield fam
+        for key, (name, help_, _) in HISTOGRAMS.items():
+            fam = HistogramMetricFamily(name, help_, labels=label)
+            for model in models:
+                h = self.per_model[model][key]
+                fam.add_metric([model[:100]], h.buckets(), sum_value=h.sum)
+            yield fam
+
+
+def _model_figures() -> dict[str, Any]:
+    out: dict[str, Any] = defaultdict(float)
+    out["per_pos"] = defaultdict(float)
+    for key, (_, _, bounds) in HISTOGRAMS.items():
+        out[key] = Histogram(bounds)
+    return out
+
+
+def _ratio(figures: dict[str, float]) -> float:
+    drafted = figures.get("drafted", 0.0)
+    return figures.get("accepted", 0.0) / drafted if drafted else 0.0
 
 
 class _Snapshot:
