@@ -243,7 +243,11 @@ def from_gguf(path: Path, model: Any) -> Weights:
     along rows, so it is exact)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # noqa: BLE001 - the reader raises many types on a bad file
+        raise QuantError(f"{path}: not a readable GGUF file ({type(exc).__name__}: "
+                         f"{str(exc)[:200]})") from None
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise QuantError(f"{path}: architecture {arch!r}; the quantized forward serves llama")

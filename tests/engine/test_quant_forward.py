@@ -1,0 +1,265 @@
+"""The quantized verifier (nodes/backends/quant_forward.py, quant_rows.cpp): its blocks read as
+gguf's reference reader reads them, its rows independent of what shares a forward (bit for bit),
+speculation identical to its own plain decoding, and bad input refused by name."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nodes.backends import quant_forward as qf
+from nodes.engine import Engine, GenerationParams
+from nodes.engine.errors import BadRequestError
+from tests.engine.conftest import ScriptedDrafter, needs_kernel
+
+pytestmark = needs_kernel
+
+gguf = pytest.importorskip("gguf")
+
+
+def _gguf_quantized(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 2.0, (n, 1))
+    return gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType[type_name])
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_served_blocks_dequantize_as_ggufs_reader(type_name):
+    """The block types served as they are: the weights they stand for are gguf's, exactly."""
+    raw = _gguf_quantized(type_name, 12, 96)
+    mat = qf.from_blocks(type_name, raw, 12, 96)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(12, 96)
+    assert mat.source == type_name
+    assert torch.equal(mat.dequantized(), torch.from_numpy(ref.astype(np.float32)))
+
+
+def _random_k_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random K-quant blocks with sane float16 scales (where gguf has no quantizer for them)."""
+    size = {"Q4_K": 144, "Q6_K": 210}[type_name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    scale = np.full((n, k // 256, 1), 0.01, dtype=np.float16).view(np.uint8)
+    if type_name == "Q4_K":  # d, dmin first
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = scale
+    else:  # d last
+        raw[..., -2:] = scale
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_other_block_types_are_requantized_once_to_q8_0(type_name):
+    raw = _random_k_blocks(type_name, 8, 256)
+    mat = qf.from_blocks(type_name, raw, 8, 256)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(8, 256)
+    assert mat.kind == qf.KIND_Q8_0 and mat.source == f"{type_name} -> Q8_0"
+    step = np.abs(ref).reshape(8, -1, 32).max(axis=-1, keepdims=True) / 127  # a Q8_0 step
+    err = np.abs(mat.dequantized().numpy().reshape(8, -1, 32) - ref.reshape(8, -1, 32))
+    # half a step, and the float16 rounding of the scale (127 x 2^-11 of a step at most)
+    assert (err <= step * 0.57 + 1e-6).all()
+
+
+def _matrix(kind: str, n: int, k: int, seed: int) -> qf.Matrix:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    return qf.quantize(w, kind) if kind != "F32" else qf.from_blocks("F32", w, n, k)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["Q8_0", "Q4_1", "F32"]), n=st.integers(1, 70),
+       blocks=st.integers(1, 6), rows=st.integers(1, 32), seed=st.integers(0, 2**16))
+def test_each_rows_product_is_its_one_row_product_bit_for_bit(kernel, kind, n, blocks, rows,
+                                                               seed):
+    """Row independence of the products: any number of rows (1-32), any shape, every kind."""
+    k = 32 * blocks
+    mat = _matrix(kind, n, k, seed)
+    q = kernel.QMat(mat.kind, mat.qs, mat.d, mat.m, mat.n, mat.k)
+    x = torch.from_numpy(np.random.default_rng(seed + 1).standard_normal((rows, k))
+                         .astype(np.float32))
+    together = kernel.qlinear(q, x)
+    for i in range(rows):
+        assert torch.equal(together[i], kernel.qlinear(q, x[i:i + 1])[0]), f"row {i} of {rows}"
+    # and it is the product it stands for (activations quantized per block: ~1 % of a row)
+    ref = x @ mat.dequantized().T
+    tol = 0.03 * ref.abs().max().item() + 1e-4
+    assert (together - ref).abs().max().item() <= tol
+
+
+# ---- the whole forward, on the tiny random Llama --------------------------------------------
+@pytest.fixture(scope="module", params=["q8", "q4"])
+def tiny_quant(request, tiny_folder):
+    from nodes.backends.torch_backend import TorchBackend
+
+    backend = TorchBackend.load(str(tiny_folder), device="cpu", weights=request.param)
+    assert isinstance(backend.lean, qf.QuantForward)
+    return backend
+
+
+def _solo_chain(backend, past, tokens):
+    """Each token's logits fed one at a time after `past`."""
+    cache = backend.new_cache()
+    backend.forward(cache, past)
+    return np.stack([backend.forward(cache, [t])[0] for t in tokens])
+
+
+def test_a_verify_chain_gives_each_token_its_one_row_logits(tiny_quant, prompt_ids):
+    past, chain = prompt_ids[:-1], [prompt_ids[-1], 11, 12, 13, 14, 15, 16, 17]
+    cache = tiny_quant.new_cache()
+    tiny_quant.forward(cache, past)
+    together = tiny_quant.forward(cache, chain)
+    assert np.array_equal(together, _solo_chain(tiny_quant, past, chain))
+
+
+def test_a_tree_gives_each_node_its_path_fed_alone(tiny_quant, prompt_ids):
+    past = prompt_ids[:-1]
+    tokens, parents = [prompt_ids[-1], 5, 6, 7, 8, 9], [-1, 0, 0, 1, 2, 4]
+    cache = tiny_quant.new_cache()
+    tiny_quant.forward(cache, past)
+    tree = tiny_quant.forward_tree(cache, tokens, parents)
+    for node in range(len(tokens)):
+        path, p = [], node
+        while p >= 0:
+            path.append(tokens[p])
+            p = parents[p]
+        assert np.array_equal(tree[node], _solo_chain(tiny_quant, past, path[::-1])[-1])
+
+
+def test_a_batch_gives_each_sequence_its_solo_logits(tiny_quant, prompt_ids):
+    prompts = [prompt_ids, prompt_ids[:4], prompt_ids[2:], prompt_ids[:7]]
+    shapes = [([], [-1]), ([11, 12], [-1, 0, 1]), ([5, 6, 7, 8], [-1, 0, 0, 1, 2]),
+              ([21, 22], [-1, 0, 1])]
+    feeds = [([p[-1], *extra], parents) for p, (extra, parents) in
+             zip(prompts, shapes, strict=True)]
+
+    def primed():
+        caches = []
+        for ids in prompts:
+            cache = tiny_quant.new_cache()
+            tiny_quant.forward(cache, ids[:-1])
+            caches.append(cache)
+        return caches
+
+    solo = [tiny_quant.forward_batch([c], [f])[0] for c, f in zip(primed(), feeds, strict=True)]
+    batched = tiny_quant.forward_batch(primed(), feeds)
+    for got, want in zip(batched, solo, strict=True):
+        assert np.array_equal(got, want)
+
+
+PARAMS = GenerationParams(max_tokens=24, eos_token_ids=frozenset())
+
+
+@pytest.mark.parametrize("mode", ["perfect", "random", "wrong"])
+def test_speculation_is_the_quantized_verifiers_plain_decoding(tiny_quant, prompt_ids, mode):
+    plain = Engine(tiny_quant, None).generate(prompt_ids, PARAMS).token_ids
+    drafter = ScriptedDrafter(list(prompt_ids) + list(plain), mode, tiny_quant.vocab_size)
+    gen = Engine(tiny_quant, drafter, max_draft=8).generate(prompt_ids, PARAMS)
+    assert gen.token_ids == plain
+    if mode == "perfect":
+        assert gen.stats.accepted > 0  # it did speculate
+
+
+class _PerPrompt(ScriptedDrafter):
+    """A scripted drafter for several prompts: each session drafts from its own reference."""
+
+    def __init__(self, references, mode, vocab):
+        super().__init__([], mode, vocab)
+        self.references = references
+
+    def open(self, prompt_ids, params):
+        ref = next(r for r in self.references if r[:len(prompt_ids)] == list(prompt_ids))
+        drafter = ScriptedDrafter(ref, self.mode, self.vocab, seed=len(prompt_ids))
+        return drafter.open(prompt_ids, params)
+
+
+def test_batched_speculation_is_each_plain_decoding(tiny_quant, prompt_ids):
+    prompts = [list(prompt_ids), list(prompt_ids[:5]), list(prompt_ids[3:]),
+               list((prompt_ids * 3)[:30])]
+    plain = [Engine(tiny_quant, None).generate(p, PARAMS).token_ids for p in prompts]
+    drafter = _PerPrompt([p + out for p, out in zip(prompts, plain, strict=True)], "random",
+                         tiny_quant.vocab_size)
+    engine = Engine(tiny_quant, drafter, max_draft=6)
+    live = {i: engine.start(p, PARAMS) for i, p in enumerate(prompts)}
+    out = {i: [] for i in live}
+    while live:
+        order = sorted(live)
+        for i, block in zip(order, engine.step_batch([live[i] for i in order]), strict=True):
+            out[i] += block.token_ids
+        for i in order:
+            if live[i].finish_reason is not None:
+                live.pop(i).close()
+    assert [out[i] for i in range(len(prompts))] == plain
+
+
+# ---- bad input ------------------------------------------------------------------------------
+def test_unknown_weights_are_refused(tiny_folder):
+    from nodes.backends.torch_backend import TorchBackend
+
+    with pytest.raises(BadRequestError, match="--weights 'q3'"):
+        TorchBackend.load(str(tiny_folder), device="cpu", weights="q3")
+
+
+def test_a_truncated_gguf_is_refused_by_name(tmp_path, smollm2_folder):
+    from nodes import models
+    from nodes.backends.torch_backend import TorchBackend
+
+    shipped = models.shipped_gguf(models.resolve(models.DEFAULT_MODEL))
+    cut = tmp_path / "cut.gguf"
+    with open(shipped, "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(3_000_000))
+    backend = TorchBackend.load(None, device="cpu")
+    with pytest.raises(qf.QuantError, match="cut.gguf"):
+        qf.from_gguf(cut, backend.model)
+
+
+def test_an_architecture_it_does_not_serve_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(qf.QuantError, match="Llama-layout"):
+        qf.build(model, "q8")
+
+
+def test_without_a_compiler_it_says_so_and_fp32_serves(monkeypatch, tiny_folder):
+    """A kernel build failure (here: the build switched off) falls back with a clear error for
+    q8/q4, and the reference mode still loads."""
+    from nodes.backends import few_rows
+    from nodes.backends.torch_backend import TorchBackend
+
+    monkeypatch.setattr(few_rows, "_tried", True)
+    monkeypatch.setattr(few_rows, "_loaded", None)
+    monkeypatch.setenv(few_rows.ENV, "torch")
+    with pytest.raises(BadRequestError, match="kernels"):
+        TorchBackend.load(str(tiny_folder), device="cpu", weights="q8")
+    assert TorchBackend.load(str(tiny_folder), device="cpu").weights == "fp32"
+
+
+# ---- the embedded model's shipped file, as it is --------------------------------------------
+@pytest.mark.slow
+def test_shipped_q4_1_file_is_the_fp32_export_exactly_and_speculation_is_lossless():
+    from nodes import models
+    from nodes.backends.torch_backend import TorchBackend
+    from nodes.drafters.registry import make_drafter
+
+    backend = TorchBackend.load(None, device="cpu", weights="q4")
+    assert "Q4_1" in backend.weights and "Q8_0" in backend.weights
+    # the export came from this file: its blocks dequantized are the fp32 model's weights
+    w = qf.from_gguf(models.shipped_gguf(models.resolve(None)), backend.model)
+    layer = backend.model.model.layers[3]
+    for mat, lin in ((w.layers[3].q, layer.self_attn.q_proj), (w.layers[3].k, layer.self_attn.k_proj),
+                     (w.layers[3].down, layer.mlp.down_proj)):
+        assert torch.equal(mat.dequantized(), lin.weight.detach())
+    prompt = backend.tokenizer.encode("List the planets of the solar system in order.")
+    params = GenerationParams(max_tokens=64, eos_token_ids=frozenset())
+    plain = Engine(backend, None).generate(prompt, params).token_ids
+    spec = Engine(backend, make_drafter("ngram", backend)).generate(prompt, params)
+    assert spec.token_ids == plain
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs the kernels")
+def test_card_weights_form_is_named(tiny_quant):
+    assert tiny_quant.weights.startswith(("q8", "q4"))
