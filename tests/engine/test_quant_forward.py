@@ -250,7 +250,8 @@ def test_shipped_q4_1_file_is_the_fp32_export_exactly_and_speculation_is_lossles
     # the export came from this file: its blocks dequantized are the fp32 model's weights
     w = qf.from_gguf(models.shipped_gguf(models.resolve(None)), backend.model)
     layer = backend.model.model.layers[3]
-    for mat, lin in ((w.layers[3].q, layer.self_attn.q_proj), (w.layers[3].k, layer.self_attn.k_proj),
+    att = layer.self_attn
+    for mat, lin in ((w.layers[3].q, att.q_proj), (w.layers[3].k, att.k_proj),
                      (w.layers[3].down, layer.mlp.down_proj)):
         assert torch.equal(mat.dequantized(), lin.weight.detach())
     prompt = backend.tokenizer.encode("List the planets of the solar system in order.")
