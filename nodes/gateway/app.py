@@ -395,7 +395,7 @@ class GatewayApp:
         """Every request's whole body within `body_timeout` of its head (http_server.py), and
         at most MAX_BODY bytes, before its handler runs."""
         if request.content_length is not None and request.content_length > MAX_BODY:
-            # its body is never read: the connection closes once answered (no lingering)
+            # its body is never read: the connection closes once answered (and LINGER_S)
             raise ApiError(413, f"request body over {MAX_BODY} bytes", code="body_too_large")
         try:
             await read_body(request, self.body_timeout)

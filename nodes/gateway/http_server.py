@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 1024
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0  # a whole request body (at most 1 MiB), from its head
+#: after answering a request whose body was not read (413, 408), the rest of it is read and
+#: dropped this long, so that a client still sending reads its answer (no broken pipe); then
+#: the connection closes (aiohttp's own default is 10 s)
+LINGER_S = 2.0
 KEEPALIVE_S = 15.0
 MAX_FIELD_SIZE = 8190  # bytes per header line (aiohttp's default, stated)
 
@@ -140,7 +144,7 @@ class ConnectionCap:
         return GatewayConnection(self.server, loop=asyncio.get_running_loop(),
                                  header_timeout=self.header_timeout,
                                  keepalive_timeout=self.keepalive, access_log=None,
-                                 max_field_size=MAX_FIELD_SIZE, lingering_time=0)
+                                 max_field_size=MAX_FIELD_SIZE, lingering_time=LINGER_S)
 
 
 def _closing(conn) -> bool:
@@ -171,7 +175,7 @@ async def mark_request(request: web.Request, handler):
 
 async def read_body(request: web.Request, timeout: float) -> bytes:
     """The whole request body within `timeout` seconds (TimeoutError after it: the body left
-    unread closes the connection once answered, as connections never linger); the connection
+    unread closes the connection once answered, after at most LINGER_S); the connection
     is then being served. aiohttp keeps the bytes: a handler's `request.read()` gets them."""
     proto = request.protocol
     raw = await asyncio.wait_for(request.read(), timeout) if request.body_exists else b""

@@ -218,3 +218,13 @@ def test_brackets_inside_strings_are_not_nesting():
     assert err.value.body()["error"]["code"] == "invalid_json"
     with pytest.raises(ApiError):  # a quote escaped inside a string does not end it
         parse_json(('{"a": "\\"' + "]" * 3 + '", "b": ' + "[" * 40 + "]" * 40 + "}").encode())
+
+
+def test_a_body_over_the_limit_is_answered_413_while_it_is_still_being_sent():
+    role = start()
+    try:
+        big = {"model": "m", "prompt": "x" * (1024 * 1024 + 10)}
+        status, _, raw = request(role.url, "POST", "/v1/completions", big)
+        assert status == 413 and json.loads(raw)["error"]["code"] == "body_too_large"
+    finally:
+        role.close()
