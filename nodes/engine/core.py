@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nodes.engine.cost import CostModel, class_key
 from nodes.engine.errors import BadRequestError
 from nodes.engine.logprobs import token_logprobs
+from nodes.engine.planner import DraftPlanner, Verified
 from nodes.engine.sampling import (
     accept_tree_greedy,
     accept_tree_keyed,
@@ -45,7 +45,7 @@ from nodes.engine.state import (
     Stats,
     drop_source,
 )
-from nodes.engine.tree import Candidate, TokenTree
+from nodes.engine.tree import TokenTree
 
 if TYPE_CHECKING:
     from nodes.backends.base import Backend
@@ -106,12 +106,11 @@ class Engine:
         self.scheduler = Scheduler(backend, prefill_chunk=prefill_chunk,
                                    prefix_cache=prefix_cache,
                                    batched_prompt_rows=BATCHED_PROMPT_ROWS)
+        #: which draft tokens each step verifies, from the learnt costs it owns (`cost`)
+        self.planner = DraftPlanner(backend, max_draft=max_draft, fixed_k=fixed_k,
+                                    tree=tree and getattr(backend, "supports_tree", False))
         self.backend = backend
         self.drafter = drafter
-        self.max_draft = max_draft
-        self.fixed_k = fixed_k
-        self.tree = tree and getattr(backend, "supports_tree", False)
-        self.cost = CostModel(max_k=max_draft)
 
     #: the scheduler's settings (`Scheduler`): None or a chunk size; prompt rows a step feeds
     #: beyond its first; positions worth waiting a step for; earlier sequences' caches
@@ -119,6 +118,12 @@ class Engine:
     prefill_step_rows = _Part("scheduler")
     prefix_defer_rows = _Part("scheduler")
     prefix_cache = _Part("scheduler")
+    #: the planner's (`DraftPlanner`): the cost model (its record: verify, draft and batch
+    #: costs, long-run acceptance), the longest draft, a pinned budget, tree verification
+    cost = _Part("planner")
+    max_draft = _Part("planner")
+    fixed_k = _Part("planner")
+    tree = _Part("planner")
 
     # ---- public API -------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
@@ -191,7 +196,7 @@ class Engine:
             eos=eos,
             noise_seed=sp.seed if sp.seed is not None else 0,  # greedy: no noise
             cache=self.backend.new_cache(),
-            cost=self.cost.fork(),
+            cost=self.planner.estimates(),
             stats=stats if stats is not None else Stats(),
             slots=slots,
         )
@@ -253,7 +258,8 @@ class Engine:
         going, fills, together = plan.decode, plan.fills, plan.together
         trees = [self._plan(seqs[i], plan.sharing) for i in going]
         if together:
-            self._fit_to_batch([seqs[i] for i in going], trees, plan.prompt_rows, plan.new)
+            self.planner.fit_to_batch([seqs[i] for i in going], trees, plan.prompt_rows,
+                                      plan.new)
         bases = [self.backend.cache_length(seqs[i].cache) for i in going]
         feeds: list[Any] = [(t.tokens, t.parents) for t in trees]
         feeds += [_PromptRows(fill.rows) for fill in fills]
@@ -262,9 +268,7 @@ class Engine:
             [seqs[i].cache for i in going] + [seqs[f.index].cache for f in fills], feeds)
         dt = time.perf_counter() - t0
         alone = plan.solo
-        if together and not fills and self.fixed_k is None:
-            # a sample of the batch's cost per row fed (prompt rows skip the LM head: not one)
-            self.cost.record_batch(sum(len(t) for t in trees), dt)
+        self.planner.observe_forward(trees, dt, together=together, prompt_rows=plan.prompt_rows)
         for i, tree, base, rows in zip(going, trees, bases, logits[:len(going)], strict=True):
             blocks[i] = self._settle(seqs[i], tree, base, rows, dt, alone=alone)
         for fill, rows in zip(fills, logits[len(going):], strict=True):
@@ -288,54 +292,17 @@ class Engine:
         chain = list(range(-1, len(prompt_ids) - 1))
         backend.forward_batch(caches, [(list(prompt_ids), chain)] * batch)
         base = backend.cache_length(caches[0])
+        samples = []
         for k, timed in [(1, False)] + [(k, True) for k in BATCH_COST_ROWS]:
             # (a one-row step takes another path than the prompt's: its first call is cold)
             feed = ((list(prompt_ids) * k)[:k], list(range(-1, k - 1)))
             t0 = time.perf_counter()
             backend.forward_batch(caches, [feed] * batch)
             if timed:
-                self.cost.record_batch(batch * k, time.perf_counter() - t0)
+                samples.append((batch * k, time.perf_counter() - t0))
             for cache in caches:
                 backend.crop(cache, base)
-        log.info("batch curve from %d throwaway sequences: %s", batch, ", ".join(
-            f"{batch * k} rows {self.cost.batch_cost(batch * k) * 1000:.0f} ms"
-            for k in BATCH_COST_ROWS))
-
-    def _fit_to_batch(self, seqs: list[SequenceState], trees: list[TokenTree],
-                      prompt_rows: int, new: int) -> None:
-        """Trim the batch's least valuable draft nodes while their rows cost the batch more
-        than they buy (`CostModel.fit_batch`, on the learnt rows -> seconds curve of batched
-        forwards). `prompt_rows` ride along in this forward; `new` sequences (their prompt in
-        it, or waiting for a later step) are delayed by every draft row too. Only greedy
-        sequences' planned trees with node values are trimmed (a sampling sequence's tree
-        stays as proposed); trimming drafts never changes outputs."""
-        plans, which = [], []
-        for s, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
-            values = seq.plan_values
-            if tree.drafted and values is not None and len(values) == len(tree):
-                plans.append((values, seq.plan_forced))
-                which.append(s)
-        if not plans:
-            return
-        fixed = sum(len(t) for s, t in enumerate(trees) if s not in which)
-        keeps = self.cost.fit_batch(plans, fixed_rows=fixed + len(plans),
-                                    tokens=len(seqs) + new, prompt_rows=prompt_rows)
-        if log.isEnabledFor(logging.DEBUG):
-            planned = sum(len(v) - 1 for v, _ in plans)
-            log.debug("batch of %d (+%d new, %d fixed rows, %d prompt rows): keeps %d of %d "
-                      "planned draft nodes", len(seqs), new, fixed + len(plans), prompt_rows,
-                      sum(map(len, keeps)), planned)
-        for s, keep in zip(which, keeps, strict=True):
-            tree = trees[s]
-            if len(keep) == tree.drafted:
-                continue
-            seq = seqs[s]
-            hist = seq.stats.k_hist
-            hist[tree.drafted] -= 1
-            trees[s] = tree = tree.subtree(keep)
-            hist[tree.drafted] = hist.get(tree.drafted, 0) + 1
-            for slot in seq.slots:
-                slot.offered = tree.offered_by(slot.tag)
+        self.planner.learn_batch_curve(batch, samples)
 
     def _prefill(self, seq: SequenceState, fill: Fill) -> Block:
         """A new sequence's prompt (or its next chunk) in a forward of its own: the whole
@@ -370,32 +337,23 @@ class Engine:
         return Block(token_ids=[], drafted=0, accepted=0, committed_len=len(seq.prompt),
                      cache_len=self.backend.cache_length(seq.cache), fed=fed)
 
+    def _plan(self, seq: SequenceState, sharing: int = 1) -> TokenTree:
+        """The sequence's draft tree for this step (`DraftPlanner.plan`)."""
+        return self.planner.plan(seq, sharing)
+
     def _settle(self, seq: SequenceState, tree: TokenTree, base: int, logits: np.ndarray,
                 dt: float, *, alone: bool) -> Block:
-        """Accept the deepest path of `tree` the verifier's `logits` prove, compact the cache
-        to it and commit. `dt`: the forward's time, a verify-cost sample only when `seq` had
-        it to itself (a batch's time is not its own tree's cost)."""
-        backend, stats, sp = self.backend, seq.stats, seq.params.sampling
+        """Accept the deepest path of `tree` the verifier's `logits` prove, tell the planner,
+        compact the cache to it and commit. `alone`: the forward was this tree's alone."""
+        path, nxt = self._accept(seq, tree, logits)
+        self.planner.observe(seq, Verified(tree, path, dt, alone))
+        backend, stats = self.backend, seq.stats
         stats.verify_s += dt
-        if self.fixed_k is None and alone:
-            seq.cost.record_verify(len(tree), dt)
-        if sp.greedy:
-            path, nxt = accept_tree_greedy(logits, tree)
-        else:
-            at = len(seq.prompt) + len(seq.generated)  # the position node 0's row predicts
-            path, nxt = accept_tree_keyed(logits, tree, sp,
-                                          lambda depth: self._noise(seq, at + depth))
         hidden = self._take_hidden(seq, [0, *path])
         if not tree.is_chain():
             backend.compact(seq.cache, base, [0, *path])
             stats.tree_blocks += 1
         new = [*(tree.tokens[i] for i in path), nxt]
-        if log.isEnabledFor(logging.DEBUG):  # once per step: no formatting unless asked
-            log.debug("step at %d: fed %d (%s), accepted %d, verify %.1f ms; %s",
-                      len(seq.committed), len(tree), "chain" if tree.is_chain() else "tree",
-                      len(path), dt * 1000, ", ".join(
-                          f"{s.key} k={s.budget} offered {s.offered} "
-                          f"a={seq.cost.acceptance_of(s.key):.2f}" for s in seq.slots))
         if tree.drafted:
             stats.spec_blocks += 1
             stats.drafted += tree.drafted
@@ -405,6 +363,17 @@ class Engine:
         return replace(self._commit(seq, new, drafted=tree.drafted, accepted=len(path),
                                     tree=tree, path=path, base=base, hidden=hidden,
                                     rows=logits[[0, *path]]), fed=len(tree))
+
+    def _accept(self, seq: SequenceState, tree: TokenTree, logits: np.ndarray
+                ) -> tuple[list[int], int]:
+        """The deepest path of `tree` the verifier's `logits` prove (tree indices) and the
+        token after it (the correction, or a bonus): greedy, or keyed by the sequence's noise
+        (`sampling.accept_tree_keyed`: the text never depends on the drafts)."""
+        sp = seq.params.sampling
+        if sp.greedy:
+            return accept_tree_greedy(logits, tree)
+        at = len(seq.prompt) + len(seq.generated)  # the position node 0's row predicts
+        return accept_tree_keyed(logits, tree, sp, lambda depth: self._noise(seq, at + depth))
 
     def _noise(self, seq: SequenceState, position: int) -> np.ndarray:
         """The sampling noise of `position` in `seq` (a function of its seed and the position
@@ -419,187 +388,6 @@ class Engine:
         if hidden is None or rows is None:
             return hidden
         return hidden[rows]
-
-    # ---- the step's parts -------------------------------------------------------------------
-    def _plan(self, seq: SequenceState, sharing: int = 1) -> TokenTree:
-        """Ask every source for candidates, each within the budget its own record earns (and,
-        `sharing` sequences in the step, that the batch's rate leaves it), merge them into one
-        tree (the likeliest source first) and keep the nodes worth a forward."""
-        remaining = seq.params.max_tokens - len(seq.generated)
-        cap = max(0, min(self.max_draft, remaining - 1))
-        adaptive = self.fixed_k is None
-        committed = seq.committed
-        tree = TokenTree(seq.generated[-1])
-        found: list[tuple[int, Candidate]] = []
-        probes: set[int] = set()
-        for i, slot in enumerate(list(seq.slots)):
-            slot.asked, slot.offered, slot.tag, slot.budget = False, 0, i, 0
-            try:
-                label = slot.source.draft_class(committed) if adaptive else None
-            except Exception as exc:  # noqa: BLE001 - same policy as propose
-                drop_source(seq, slot, "failed", exc)
-                continue
-            slot.key = class_key(slot.name, label)
-            budget = seq.cost.choose_k(slot.key) if adaptive else self.fixed_k
-            if adaptive and sharing > 1:
-                budget = seq.cost.fit_draft_to_batch(budget, slot.name, sharing,
-                                                     key=slot.key)
-            budget = slot.budget = max(0, min(budget, cap))
-            t0 = time.perf_counter()
-            try:
-                cands = slot.source.propose(committed, budget)
-            except Exception as exc:  # noqa: BLE001 - a broken source must not end generation
-                drop_source(seq, slot, "failed", exc)
-                continue
-            dt = time.perf_counter() - t0
-            slot.asked = True
-            if budget <= 0:
-                continue
-            cands = [c for c in (self._clean(c, budget, seq.eos) for c in cands)
-                     if len(c.tokens)]
-            seq.stats.draft_s += dt
-            if adaptive:
-                seq.cost.record_draft(sum(len(c.tokens) for c in cands), dt, slot.name)
-                if seq.cost.probing(slot.key):
-                    probes.add(i)
-            found += [(i, c) for c in cands]
-        if adaptive and not found:
-            found = self._wait_for_drafts(seq, committed, cap)
-        elif adaptive:
-            found = self._top_up(seq, committed, found)
-        if adaptive:  # the source most likely to be right goes first (and wins ties)
-            rank = {s.tag: seq.cost.acceptance_of(s.key) for s in seq.slots}
-            found.sort(key=lambda pair: -rank[pair[0]])
-        if found and not self.tree:
-            found = found[:1]  # single-path verification: the best source's first candidate
-        tree.add(found, cap if adaptive else min(cap, self.fixed_k),
-                 max_depth=max(remaining - 1, 0))
-        seq.plan_values = seq.plan_forced = None
-        if adaptive and tree.drafted and seq.params.sampling.greedy:
-            # greedy only: which proposals survive must not depend on sampled draft tokens
-            values = tree.node_values({s.tag: seq.cost.chain_acceptance(s.key, tree.depth)
-                                       for s in seq.slots})
-            forced = [bool(probes & owners) for owners in tree.owners]
-            keep = seq.cost.select(values, forced)
-            tree = tree.subtree(keep)
-            # what the batch may still trim by (`_fit_to_batch`), in the kept tree's order
-            seq.plan_values = [values[0], *(values[i] for i in keep)]
-            seq.plan_forced = [forced[0], *(forced[i] for i in keep)]
-        for slot in seq.slots:
-            slot.offered = tree.offered_by(slot.tag)
-            if adaptive and slot.budget > 0 and not slot.offered:
-                seq.cost.record_unheard(slot.key)
-        if tree.drafted or found:
-            seq.stats.k_hist[tree.drafted] = seq.stats.k_hist.get(tree.drafted, 0) + 1
-        return tree
-
-    def _wait_for_drafts(self, seq: SequenceState, committed: list[int],
-                         cap: int) -> list[tuple[int, Candidate]]:
-        """Nothing to verify but a plain step: wait for the one source whose announced drafts
-        pay for the wait (the likeliest first), bounded by twice its announcement.
-
-        A source being probed is waited for even when the wait does not pay on its current
-        estimate: a remote proposer no faster than the verifier's plain step is never ahead of
-        it, so without a wait its drafts never arrive in time to be judged and its estimate
-        (the prior, at first) never moves. Probes back off while they fail, so a useless
-        source costs a bounded wait every 8-32 steps."""
-        ranked = sorted(seq.slots, key=lambda s: -seq.cost.acceptance_of(s.key))
-        for slot in ranked:
-            k = min(slot.budget, cap)
-            wait = slot.source.expected_wait() if k > 0 else None
-            if wait is None or not (seq.cost.wait_pays(slot.key, k, wait)
-                                    or seq.cost.probing(slot.key)):
-                continue
-            return self._wait_then_propose(seq, slot, committed, k, wait) or []
-        return []
-
-    def _wait_then_propose(self, seq: SequenceState, slot, committed: list[int], k: int,
-                           wait: float) -> list[tuple[int, Candidate]] | None:
-        """Wait at most twice the announced `wait` for a source's drafts, then ask it for k;
-        None when the source failed (it is dropped)."""
-        t0 = time.perf_counter()
-        try:
-            came = slot.source.wait(2 * wait + 0.001)
-            cands = slot.source.propose(committed, k) if came else []
-        except Exception as exc:  # noqa: BLE001 - same policy as propose
-            drop_source(seq, slot, "failed", exc)
-            return None
-        waited = time.perf_counter() - t0
-        seq.stats.waited_s += waited
-        seq.stats.waits += 1
-        out = [(slot.tag, c) for c in (self._clean(c, k, seq.eos) for c in cands)
-               if len(c.tokens)]
-        if self.fixed_k is None:
-            seq.cost.record_delivered(slot.key, max((len(c.tokens) for _, c in out), default=0),
-                                      k)
-        if log.isEnabledFor(logging.DEBUG):  # no formatting on the wait path unless asked
-            log.debug("waited %.1f ms (announced %.1f) for %s: %s", waited * 1000,
-                      wait * 1000, slot.name,
-                      f"longest {max(len(c.tokens) for _, c in out)}" if out else "nothing")
-        return out
-
-    def _top_up(self, seq: SequenceState, committed: list[int],
-                found: list[tuple[int, Candidate]]) -> list[tuple[int, Candidate]]:
-        """Something to verify, but short: a source whose fresh drafts (answering the last
-        commit) are due may offer its whole budget after a short wait, where what it has now
-        continues an older guess and runs out a few tokens in (a proposer's drafts stop at its
-        horizon past the commit it last knew). Wait, bounded by twice the announcement, when
-        the cost model says the longer draft pays for the wait; the source's candidates are
-        then replaced by what it has after the wait."""
-        longest: dict[int, int] = {}
-        for tag, cand in found:
-            longest[tag] = max(longest.get(tag, 0), len(cand.tokens))
-        for slot in sorted(seq.slots, key=lambda s: -seq.cost.acceptance_of(s.key)):
-            have, k = longest.get(slot.tag, 0), slot.budget
-            if k <= have:
-                continue
-            wait = slot.source.expected_wait()
-            if wait is None or not seq.cost.top_up_pays(slot.key, have, k, wait):
-                continue
-            fresh = self._wait_then_propose(seq, slot, committed, k, wait)
-            if fresh is None:  # the source failed and was dropped
-                return [(tag, c) for tag, c in found if tag != slot.tag]
-            if fresh:
-                slot.asked = True
-                return [(tag, c) for tag, c in found if tag != slot.tag] + fresh
-            return found
-        return found
-
-    def _clean(self, cand: Candidate, budget: int, eos: frozenset[int]) -> Candidate:
-        """A hostile or buggy source must not break the verifier: cut at the first bad id and
-        at the budget it was given, ignore probabilities of the wrong shape (the draft is then
-        deterministic) and draft confidences that are not probabilities.
-
-        And cut after the first of the sequence's EOS ids: a token drafted past it can never
-        commit (an accepted EOS ends the generation, a rejected one rejects what follows),
-        so its row would be paid for nothing. Drafters that match the prompt run into it
-        whenever a match continues across the chat template's end of a turn (a one-token
-        match on an open-ended answer drafting the system prompt's end and the user turn)."""
-        vocab = self.backend.vocab_size
-        ids = np.asarray(cand.tokens, dtype=np.int64).reshape(-1)[: min(budget, self.max_draft)]
-        bad = np.nonzero((ids < 0) | (ids >= vocab))[0]
-        if bad.size:
-            ids = ids[: bad[0]]
-        if eos:
-            ends = np.nonzero(np.isin(ids, np.fromiter(eos, dtype=np.int64)))[0]
-            if ends.size:
-                ids = ids[: ends[0] + 1]
-        probs = cand.probs
-        if probs is not None:
-            probs = np.asarray(probs)
-            if probs.ndim != 2 or probs.shape[0] < len(ids) or probs.shape[1] < vocab:
-                probs = None
-            else:
-                probs = probs[: len(ids), :vocab]
-        conf = cand.conf
-        if conf is not None:
-            conf = np.asarray(conf, dtype=np.float64).reshape(-1)
-            if len(conf) < len(ids) or not np.all((conf[: len(ids)] >= 0)
-                                                  & (conf[: len(ids)] <= 1)):
-                conf = None  # NaN fails the range check too
-            else:
-                conf = conf[: len(ids)]
-        return Candidate(ids, probs, conf)
 
     def _commit(
         self,
@@ -637,8 +425,6 @@ class Engine:
                 hidden=None if hidden is None or slot.columns is None
                 else hidden[:, slot.columns],
             )
-            if fb.offered and self.fixed_k is None:
-                seq.cost.record_acceptance(tree.depth_of(slot.tag), fb.accepted, slot.key)
             try:
                 slot.source.feedback(fb)
             except Exception as exc:  # noqa: BLE001 - same policy as propose
