@@ -9,9 +9,15 @@ into place and crops the rest. No second forward is ever needed. An empty tree i
 decode step, which is how a slow, absent or unhelpful drafter degrades to decoding alone.
 
 All per-sequence state lives in one `SequenceState` (committed ids, cache, sources, acceptance
-and cost estimates), never in generator locals, so `Engine.step_batch` steps several sequences
-in one forward (each plans, accepts and commits on its own); `Engine.step` is a batch of one and
-`Engine.stream` a thin loop over it.
+and cost estimates; `nodes/engine/state.py`), never in generator locals, so `Engine.step_batch`
+steps several sequences in one forward (each plans, accepts and commits on its own);
+`Engine.step` is a batch of one and `Engine.stream` a thin loop over it.
+
+A step is named parts, each in a module of its own (as mlx-lm's `speculative_generate_step` and
+vLLM v1's `EngineCore.step` read): the scheduler (`scheduler.py`: which prompt rows go in, prefix
+reuse, packing) -> the draft planner (`planner.py`: each sequence's tree, from the cost model it
+owns) -> ONE forward (here) -> accept (here: the verification rule) -> the planner observes ->
+settle (`settle.py`: commit, stop rules, feedback to the sources). This module assembles them.
 """
 
 from __future__ import annotations
@@ -19,23 +25,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from nodes.engine.errors import BadRequestError
-from nodes.engine.logprobs import token_logprobs
 from nodes.engine.planner import DraftPlanner, Verified
 from nodes.engine.sampling import (
     accept_tree_greedy,
     accept_tree_keyed,
-    keyed_sample,
-    position_noise,
-    probs_from_logits,
 )
-from nodes.engine.scheduler import BATCHED_PROMPT_ROWS, Fill, Scheduler
-from nodes.engine.sources import DraftSource, Feedback, SourceOpener
+from nodes.engine.scheduler import BATCHED_PROMPT_ROWS, Fill, Scheduler, StepPlan
+from nodes.engine.settle import Settler, noise
+from nodes.engine.sources import DraftSource, SourceOpener
 from nodes.engine.state import (
     Block,
     Generation,
@@ -43,7 +45,6 @@ from nodes.engine.state import (
     SequenceState,
     Slot,
     Stats,
-    drop_source,
 )
 from nodes.engine.tree import TokenTree
 
@@ -109,6 +110,8 @@ class Engine:
         #: which draft tokens each step verifies, from the learnt costs it owns (`cost`)
         self.planner = DraftPlanner(backend, max_draft=max_draft, fixed_k=fixed_k,
                                     tree=tree and getattr(backend, "supports_tree", False))
+        #: turns what a forward proved into committed tokens (`nodes/engine/settle.py`)
+        self.settler = Settler(backend)
         self.backend = backend
         self.drafter = drafter
 
@@ -245,34 +248,24 @@ class Engine:
         sequence accepts and commits on its own, exactly as alone. A batch of one takes the
         solo code paths. Greedy outputs equal the solo ones whenever the backend's batched
         logits equal its solo logits (docs/engine.md, "Batching")."""
-        if any(seq.finish_reason is not None for seq in seqs):
-            raise RuntimeError("step on a finished sequence")
-        if len({id(seq) for seq in seqs}) != len(seqs):
-            raise ValueError("a sequence appears twice in one batch")
+        _check_batch(seqs)
         plan = self.scheduler.schedule(seqs)
-        blocks = {i: self._no_block(seqs[i], 0) for i in plan.waiting}
+        blocks = {i: self.settler.nothing(seqs[i], 0) for i in plan.waiting}
         for fill in plan.alone:
             blocks[fill.index] = self._prefill(seqs[fill.index], fill)
-        if not plan.forward:
-            return [blocks[i] for i in range(len(seqs))]
-        going, fills, together = plan.decode, plan.fills, plan.together
-        trees = [self._plan(seqs[i], plan.sharing) for i in going]
-        if together:
-            self.planner.fit_to_batch([seqs[i] for i in going], trees, plan.prompt_rows,
-                                      plan.new)
-        bases = [self.backend.cache_length(seqs[i].cache) for i in going]
-        feeds: list[Any] = [(t.tokens, t.parents) for t in trees]
-        feeds += [_PromptRows(fill.rows) for fill in fills]
-        t0 = time.perf_counter()
-        logits = self.backend.forward_batch(
-            [seqs[i].cache for i in going] + [seqs[f.index].cache for f in fills], feeds)
-        dt = time.perf_counter() - t0
-        alone = plan.solo
-        self.planner.observe_forward(trees, dt, together=together, prompt_rows=plan.prompt_rows)
-        for i, tree, base, rows in zip(going, trees, bases, logits[:len(going)], strict=True):
-            blocks[i] = self._settle(seqs[i], tree, base, rows, dt, alone=alone)
-        for fill, rows in zip(fills, logits[len(going):], strict=True):
-            blocks[fill.index] = self._prefilled(seqs[fill.index], fill, rows[-1], dt)
+        if plan.forward:
+            decoding = [seqs[i] for i in plan.decode]
+            trees = [self._plan(seq, plan.sharing) for seq in decoding]
+            if plan.together:
+                self.planner.fit_to_batch(decoding, trees, plan.prompt_rows, plan.new)
+            bases, logits, dt = self._forward(seqs, plan, trees)
+            self.planner.observe_forward(trees, dt, together=plan.together,
+                                         prompt_rows=plan.prompt_rows)
+            for seq, i, tree, base, rows in zip(decoding, plan.decode, trees, bases,
+                                                logits[:len(trees)], strict=True):
+                blocks[i] = self._verified(seq, tree, base, rows, dt, alone=plan.solo)
+            for fill, rows in zip(plan.fills, logits[len(trees):], strict=True):
+                blocks[fill.index] = self._prefilled(seqs[fill.index], fill, rows[-1], dt)
         return [blocks[i] for i in range(len(seqs))]
 
     def learn_batch_cost(self, prompt_ids: Sequence[int], batch: int) -> None:
@@ -316,53 +309,34 @@ class Engine:
         return self._prefilled(seq, fill, row, time.perf_counter() - t0)
 
     def _prefilled(self, seq: SequenceState, fill: Fill, row: np.ndarray, dt: float) -> Block:
-        """After `fill`'s prompt rows went in (`row`: the logits after the last): a block with
-        no tokens while chunks remain, else the first token, committed."""
-        prompt, size = seq.prompt, fill.size
-        if not fill.whole:
-            seq.prefilled += size
-            if self.prefill_chunk is not None:  # chunks: show progress
-                log.info("prefill %d/%d positions", seq.prefilled, len(prompt))
-        seq.stats.verify_s += dt
-        if seq.prefilled and seq.prefilled < len(prompt):
-            return self._no_block(seq, size)
-        sp = seq.params.sampling
-        first = int(np.argmax(row)) if sp.greedy else keyed_sample(
-            probs_from_logits(row, sp)[0], self._noise(seq, len(prompt)))
-        return replace(self._commit(seq, [first], drafted=0, accepted=0, base=0,
-                                    hidden=self._take_hidden(seq, None), rows=row), fed=size)
+        """After `fill`'s prompt rows went in (`row`: the logits after the last)."""
+        self.scheduler.advance(seq, fill)
+        return self.settler.prefilled(seq, fill.size, row, dt)
 
-    def _no_block(self, seq: SequenceState, fed: int) -> Block:
-        """A step that committed nothing for `seq` (a prefill chunk, or its turn to wait)."""
-        return Block(token_ids=[], drafted=0, accepted=0, committed_len=len(seq.prompt),
-                     cache_len=self.backend.cache_length(seq.cache), fed=fed)
+    def _forward(self, seqs: Sequence[SequenceState], plan: StepPlan, trees: list[TokenTree]
+                 ) -> tuple[list[int], list[np.ndarray], float]:
+        """The step's ONE forward: the decoding sequences' trees, then the prompt rows, each
+        on its own cache. Returns where each tree starts in its cache, every feed's logits (a
+        prompt's: its last row's at least) and the forward's time."""
+        bases = [self.backend.cache_length(seqs[i].cache) for i in plan.decode]
+        feeds: list[Any] = [(t.tokens, t.parents) for t in trees]
+        feeds += [_PromptRows(fill.rows) for fill in plan.fills]
+        caches = [seqs[i].cache for i in plan.decode] + [seqs[f.index].cache for f in plan.fills]
+        t0 = time.perf_counter()
+        logits = self.backend.forward_batch(caches, feeds)
+        return bases, logits, time.perf_counter() - t0
 
     def _plan(self, seq: SequenceState, sharing: int = 1) -> TokenTree:
         """The sequence's draft tree for this step (`DraftPlanner.plan`)."""
         return self.planner.plan(seq, sharing)
 
-    def _settle(self, seq: SequenceState, tree: TokenTree, base: int, logits: np.ndarray,
-                dt: float, *, alone: bool) -> Block:
-        """Accept the deepest path of `tree` the verifier's `logits` prove, tell the planner,
-        compact the cache to it and commit. `alone`: the forward was this tree's alone."""
+    def _verified(self, seq: SequenceState, tree: TokenTree, base: int, logits: np.ndarray,
+                  dt: float, *, alone: bool) -> Block:
+        """Accept the deepest path of `tree` the verifier's `logits` prove, tell the planner
+        (before the tokens are committed) and settle. `alone`: the forward was this tree's."""
         path, nxt = self._accept(seq, tree, logits)
         self.planner.observe(seq, Verified(tree, path, dt, alone))
-        backend, stats = self.backend, seq.stats
-        stats.verify_s += dt
-        hidden = self._take_hidden(seq, [0, *path])
-        if not tree.is_chain():
-            backend.compact(seq.cache, base, [0, *path])
-            stats.tree_blocks += 1
-        new = [*(tree.tokens[i] for i in path), nxt]
-        if tree.drafted:
-            stats.spec_blocks += 1
-            stats.drafted += tree.drafted
-            stats.accepted += len(path)
-        else:
-            stats.plain_steps += 1
-        return replace(self._commit(seq, new, drafted=tree.drafted, accepted=len(path),
-                                    tree=tree, path=path, base=base, hidden=hidden,
-                                    rows=logits[[0, *path]]), fed=len(tree))
+        return self.settler.verified(seq, tree, path, nxt, base, logits, dt)
 
     def _accept(self, seq: SequenceState, tree: TokenTree, logits: np.ndarray
                 ) -> tuple[list[int], int]:
@@ -373,72 +347,8 @@ class Engine:
         if sp.greedy:
             return accept_tree_greedy(logits, tree)
         at = len(seq.prompt) + len(seq.generated)  # the position node 0's row predicts
-        return accept_tree_keyed(logits, tree, sp, lambda depth: self._noise(seq, at + depth))
-
-    def _noise(self, seq: SequenceState, position: int) -> np.ndarray:
-        """The sampling noise of `position` in `seq` (a function of its seed and the position
-        alone: the text never depends on drafts, batching or the verifier that served it)."""
-        return position_noise(seq.noise_seed, position, self.backend.vocab_size)
-
-    def _take_hidden(self, seq: SequenceState, rows: list[int] | None) -> Any:
-        """The captured hidden states of the fed rows `rows` (None: all), in path order."""
-        if seq.hidden_layers is None:
-            return None
-        hidden = self.backend.take_hidden(seq.cache)
-        if hidden is None or rows is None:
-            return hidden
-        return hidden[rows]
-
-    def _commit(
-        self,
-        seq: SequenceState,
-        new: list[int],
-        *,
-        drafted: int,
-        accepted: int,
-        tree: TokenTree | None = None,
-        path: list[int] | None = None,
-        base: int = 0,
-        hidden: Any = None,
-        rows: Any = None,
-    ) -> Block:
-        """`rows[i]`: the verifier's logits `new[i]` was chosen from."""
-        new, finish, text = self._finish(seq.generated, new, seq.params, seq.eos)
-        top = seq.params.logprobs
-        logprobs = None if top is None or not new else token_logprobs(
-            np.atleast_2d(rows)[: len(new)], new, min(top, self.backend.vocab_size))
-        seq.generated.extend(new)
-        seq.finish_reason = finish
-        seq.stats.blocks += 1
-        committed = len(seq.prompt) + len(seq.generated)
-        if hidden is not None:  # the rows of what stays cached (a stop rule may cut the path)
-            hidden = hidden[: max(0, committed - 1 - base)]
-        # roll back rejected (or cut-off) drafts: keep all committed but the pending one
-        self.backend.crop(seq.cache, committed - 1)
-        for slot in list(seq.slots):
-            asked = slot.asked and tree is not None and path is not None
-            fb = Feedback(
-                committed=tuple(new),
-                committed_len=committed,
-                offered=slot.offered if asked else 0,
-                accepted=tree.accepted_by(slot.tag, path) if asked else 0,
-                hidden=None if hidden is None or slot.columns is None
-                else hidden[:, slot.columns],
-            )
-            try:
-                slot.source.feedback(fb)
-            except Exception as exc:  # noqa: BLE001 - same policy as propose
-                drop_source(seq, slot, "failed on feedback", exc)
-        return Block(
-            token_ids=new,
-            drafted=drafted,
-            accepted=accepted,
-            committed_len=committed,
-            cache_len=self.backend.cache_length(seq.cache),
-            finish_reason=finish,
-            text=text,
-            logprobs=logprobs,
-        )
+        vocab = self.backend.vocab_size
+        return accept_tree_keyed(logits, tree, sp, lambda depth: noise(seq, at + depth, vocab))
 
     # ---- helpers ----------------------------------------------------------------------------
     def _check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
@@ -450,33 +360,11 @@ class Engine:
             raise BadRequestError(f"prompt token id {bad[0]} outside vocabulary")
         return prompt
 
-    def _finish(
-        self,
-        generated: list[int],
-        new: list[int],
-        params: GenerationParams,
-        eos: frozenset[int],
-    ) -> tuple[list[int], str | None, str | None]:
-        """Cut a block's new tokens at EOS, max tokens or a stop string; say why it ended."""
-        finish = None
-        for i, t in enumerate(new):
-            if t in eos:
-                new, finish = new[: i + 1], "eos"
-                break
-        room = params.max_tokens - len(generated)
-        if len(new) > room:
-            new, finish = new[:room], "length"
-        elif len(new) == room and finish is None:
-            finish = "length"
-        if not params.stop:
-            return new, finish, None
-        decode = self.backend.tokenizer.decode
-        for i in range(len(new)):
-            text = decode(generated + new[: i + 1])
-            cut = min((p for p in (text.find(s) for s in params.stop) if p >= 0), default=-1)
-            if cut >= 0:
-                return new[: i + 1], "stop", text[:cut]
-        return new, finish, decode(generated + new) if finish else None
+def _check_batch(seqs: Sequence[SequenceState]) -> None:
+    if any(seq.finish_reason is not None for seq in seqs):
+        raise RuntimeError("step on a finished sequence")
+    if len({id(seq) for seq in seqs}) != len(seqs):
+        raise ValueError("a sequence appears twice in one batch")
 
 
 class _PromptRows(tuple):

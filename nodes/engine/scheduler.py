@@ -178,6 +178,14 @@ class Scheduler:
                 plan.alone.append(fill)
         return joined
 
+    def advance(self, seq: SequenceState, fill: Fill) -> None:
+        """`fill` went in: count the prompt positions now cached (a whole prompt is counted by
+        its first token), and show a chunked prefill's progress."""
+        if not fill.whole:
+            seq.prefilled += fill.size
+            if self.prefill_chunk is not None:
+                log.info("prefill %d/%d positions", seq.prefilled, len(seq.prompt))
+
     def batches_rows(self) -> bool:
         """Whether the backend's `forward_batch` feeds several sequences in one call (torch,
         outside `batch_invariant`); the default one at a time (MLX) gains nothing from prompt

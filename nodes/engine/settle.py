@@ -1,0 +1,168 @@
+"""Settling a step: what the verifier proved becomes committed tokens.
+
+Once a sequence's tree is accepted (`Engine._accept`: the path and the token after it) or its
+prompt is in, settling commits the tokens: the cache compacted to the accepted path and cropped
+to what is committed, stop rules applied (EOS, max tokens, stop strings), log probabilities and
+stats, and every draft source told what was committed and what of its offer was right
+(`Feedback`; a source that fails on it is dropped). Kept apart from planning and scheduling
+because it is the one place a step changes what a sequence has said: a new rule about what may
+be committed (a grammar constraint, say) enters here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from nodes.engine.logprobs import token_logprobs
+from nodes.engine.sampling import keyed_sample, position_noise, probs_from_logits
+from nodes.engine.sources import Feedback
+from nodes.engine.state import Block, GenerationParams, SequenceState, drop_source
+from nodes.engine.tree import TokenTree
+
+if TYPE_CHECKING:
+    from nodes.backends.base import Backend
+
+
+def noise(seq: SequenceState, position: int, vocab_size: int) -> np.ndarray:
+    """The sampling noise of `position` in `seq` (a function of its seed and the position
+    alone: the text never depends on drafts, batching or the verifier that served it)."""
+    return position_noise(seq.noise_seed, position, vocab_size)
+
+
+class Settler:
+    """Commits what a step proved for one sequence (module docstring); returns its `Block`."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def nothing(self, seq: SequenceState, fed: int) -> Block:
+        """A step that committed nothing for `seq` (a prefill chunk, or its turn to wait)."""
+        return Block(token_ids=[], drafted=0, accepted=0, committed_len=len(seq.prompt),
+                     cache_len=self.backend.cache_length(seq.cache), fed=fed)
+
+    def prefilled(self, seq: SequenceState, fed: int, row: np.ndarray, dt: float) -> Block:
+        """After `fed` prompt rows went in (`row`: the logits after the last; the scheduler
+        has counted them): a block with no tokens while chunks remain, else the first token,
+        committed."""
+        prompt = seq.prompt
+        seq.stats.verify_s += dt
+        if seq.prefilled and seq.prefilled < len(prompt):
+            return self.nothing(seq, fed)
+        sp = seq.params.sampling
+        first = int(np.argmax(row)) if sp.greedy else keyed_sample(
+            probs_from_logits(row, sp)[0], noise(seq, len(prompt), self.backend.vocab_size))
+        return replace(self._commit(seq, [first], drafted=0, accepted=0, base=0,
+                                    hidden=self._take_hidden(seq, None), rows=row), fed=fed)
+
+    def verified(self, seq: SequenceState, tree: TokenTree, path: list[int], nxt: int,
+                 base: int, logits: np.ndarray, dt: float) -> Block:
+        """Commit the accepted `path` of `tree` and `nxt` after it: compact the cache (fed
+        from position `base`) to the path, count the block, commit. `logits`: the tree's rows,
+        `dt`: the forward's time."""
+        backend, stats = self.backend, seq.stats
+        stats.verify_s += dt
+        hidden = self._take_hidden(seq, [0, *path])
+        if not tree.is_chain():
+            backend.compact(seq.cache, base, [0, *path])
+            stats.tree_blocks += 1
+        new = [*(tree.tokens[i] for i in path), nxt]
+        if tree.drafted:
+            stats.spec_blocks += 1
+            stats.drafted += tree.drafted
+            stats.accepted += len(path)
+        else:
+            stats.plain_steps += 1
+        return replace(self._commit(seq, new, drafted=tree.drafted, accepted=len(path),
+                                    tree=tree, path=path, base=base, hidden=hidden,
+                                    rows=logits[[0, *path]]), fed=len(tree))
+
+    def _take_hidden(self, seq: SequenceState, rows: list[int] | None) -> Any:
+        """The captured hidden states of the fed rows `rows` (None: all), in path order."""
+        if seq.hidden_layers is None:
+            return None
+        hidden = self.backend.take_hidden(seq.cache)
+        if hidden is None or rows is None:
+            return hidden
+        return hidden[rows]
+
+    def _commit(
+        self,
+        seq: SequenceState,
+        new: list[int],
+        *,
+        drafted: int,
+        accepted: int,
+        tree: TokenTree | None = None,
+        path: list[int] | None = None,
+        base: int = 0,
+        hidden: Any = None,
+        rows: Any = None,
+    ) -> Block:
+        """`rows[i]`: the verifier's logits `new[i]` was chosen from."""
+        new, finish, text = self._finish(seq.generated, new, seq.params, seq.eos)
+        top = seq.params.logprobs
+        logprobs = None if top is None or not new else token_logprobs(
+            np.atleast_2d(rows)[: len(new)], new, min(top, self.backend.vocab_size))
+        seq.generated.extend(new)
+        seq.finish_reason = finish
+        seq.stats.blocks += 1
+        committed = len(seq.prompt) + len(seq.generated)
+        if hidden is not None:  # the rows of what stays cached (a stop rule may cut the path)
+            hidden = hidden[: max(0, committed - 1 - base)]
+        # roll back rejected (or cut-off) drafts: keep all committed but the pending one
+        self.backend.crop(seq.cache, committed - 1)
+        for slot in list(seq.slots):
+            asked = slot.asked and tree is not None and path is not None
+            fb = Feedback(
+                committed=tuple(new),
+                committed_len=committed,
+                offered=slot.offered if asked else 0,
+                accepted=tree.accepted_by(slot.tag, path) if asked else 0,
+                hidden=None if hidden is None or slot.columns is None
+                else hidden[:, slot.columns],
+            )
+            try:
+                slot.source.feedback(fb)
+            except Exception as exc:  # noqa: BLE001 - same policy as propose
+                drop_source(seq, slot, "failed on feedback", exc)
+        return Block(
+            token_ids=new,
+            drafted=drafted,
+            accepted=accepted,
+            committed_len=committed,
+            cache_len=self.backend.cache_length(seq.cache),
+            finish_reason=finish,
+            text=text,
+            logprobs=logprobs,
+        )
+
+    def _finish(
+        self,
+        generated: list[int],
+        new: list[int],
+        params: GenerationParams,
+        eos: frozenset[int],
+    ) -> tuple[list[int], str | None, str | None]:
+        """Cut a block's new tokens at EOS, max tokens or a stop string; say why it ended."""
+        finish = None
+        for i, t in enumerate(new):
+            if t in eos:
+                new, finish = new[: i + 1], "eos"
+                break
+        room = params.max_tokens - len(generated)
+        if len(new) > room:
+            new, finish = new[:room], "length"
+        elif len(new) == room and finish is None:
+            finish = "length"
+        if not params.stop:
+            return new, finish, None
+        decode = self.backend.tokenizer.decode
+        for i in range(len(new)):
+            text = decode(generated + new[: i + 1])
+            cut = min((p for p in (text.find(s) for s in params.stop) if p >= 0), default=-1)
+            if cut >= 0:
+                return new[: i + 1], "stop", text[:cut]
+        return new, finish, decode(generated + new) if finish else None
