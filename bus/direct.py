@@ -39,23 +39,26 @@ from __future__ import annotations
 
 import collections
 import heapq
-import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
 
 import zmq
 
-from bus.loop import frames_ready, send_frames
-from bus.sockets import SocketFactory
-from bus.streams import (
+from bus.calls import (
+    BadReply,
     BusError,
+    CallTable,
     PeerUnavailable,
-    RemoteError,
+    Replies,
+    Reply,
     RequestCancelled,
     RequestTimeout,
+    streams,
+    unwrap,
 )
+from bus.loop import frames_ready, send_frames
+from bus.sockets import SocketFactory
 from codec.errors import CodecError
 from codec.messages import (
     DEFAULT_LIMITS,
@@ -71,24 +74,15 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUED = 256  # streamed replies buffered per call before the newest are dropped
 
-Reply = Message | BusError
 _RCVTIMEO = int(zmq.RCVTIMEO)  # plain ints: pyzmq's enums cost ~1 us per use
 _NOBLOCK = int(zmq.NOBLOCK)
-
-
-class BadReply(BusError):
-    """The peer answered this request with a malformed message (a codec error)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
 
 
 class WrongThread(RuntimeError):
     """A DirectClient (or one of its calls) was used from a thread that does not own it."""
 
 
-class DirectCall:
+class DirectCall(Replies):
     """One request in flight on a DirectClient. Owner thread only, like its client."""
 
     __slots__ = ("client", "endpoint", "rid", "deadline", "done", "overflowed", "_inbox")
@@ -126,22 +120,7 @@ class DirectCall:
         item = self._inbox.popleft()
         if not self._inbox:
             client._ready.pop(self.rid, None)
-        return _unwrap(item)
-
-    def replies(self, timeout: float | None = None) -> Iterator[Message]:
-        """Every reply until the final one (each waited for at most `timeout`)."""
-        while True:
-            msg = self.next(timeout)
-            yield msg
-            if not msg.more:
-                return
-
-    def result(self, timeout: float | None = None) -> Message:
-        """The final reply (earlier streamed replies are discarded)."""
-        while True:
-            msg = self.next(timeout)
-            if not msg.more:
-                return msg
+        return unwrap(item)
 
     def cancel(self) -> None:
         """Stop waiting and tell the server; the call finishes with RequestCancelled."""
@@ -167,14 +146,6 @@ def _recv_waiting(sock: zmq.Socket) -> list[zmq.Frame]:
     return parts
 
 
-def _unwrap(item: Reply) -> Message:
-    if isinstance(item, BusError):
-        raise item
-    if item.type == "error":
-        raise RemoteError(str(item.get("code")), str(item.get("message")))
-    return item
-
-
 class DirectClient:
     """Requests to any number of peers, one DEALER each, all owned by the creating thread."""
 
@@ -187,11 +158,11 @@ class DirectClient:
         self.limits = limits
         self.max_queued = max_queued
         self.owner = threading.get_ident()
-        self._rids = itertools.count(1)
         self._dealers: dict[str, zmq.Socket] = {}
         self._rcvtimeo: dict[zmq.Socket, int] = {}  # RCVTIMEO last set on each socket
         self._poller = zmq.Poller()
-        self._pending: dict[int, DirectCall] = {}
+        #: request ids and the calls in flight (`bus/calls.py`, shared with StreamClient)
+        self._calls = CallTable()
         self._deadlines: list[tuple[float, int, DirectCall]] = []  # lazy-deleted heap
         # calls with unread replies, in order of their first unread reply (dict: ordered set)
         self._ready: dict[int, DirectCall] = {}
@@ -213,7 +184,7 @@ class DirectClient:
             raise BusError("DirectClient is closed")
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be positive or None, got {timeout!r}")
-        rid = next(self._rids)
+        rid = self._calls.next_rid()
         msg.rid = rid
         if not msg.sender:
             msg.sender = self.sender
@@ -232,7 +203,7 @@ class DirectClient:
             self._finish(call, PeerUnavailable(f"{endpoint}: {exc}"))
             return call
         self.sent += 1
-        self._pending[rid] = call
+        self._calls.add(call)
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, rid, call))
         return call
@@ -276,7 +247,7 @@ class DirectClient:
             self._poller.unregister(sock)
             self._rcvtimeo.pop(sock, None)
             sock.close(linger=0)
-        for call in [c for c in self._pending.values() if c.endpoint == endpoint]:
+        for call in self._calls.on(endpoint):
             self._finish(call, PeerUnavailable(f"{endpoint} was closed"))
 
     def close(self) -> None:
@@ -284,7 +255,7 @@ class DirectClient:
         self._check_owner()
         if self._closed:
             return
-        for call in list(self._pending.values()):
+        for call in self._calls.all():
             self.cancel(call)
         for sock in self._dealers.values():
             sock.close(linger=0)
@@ -295,7 +266,7 @@ class DirectClient:
 
     @property
     def in_flight(self) -> int:
-        return len(self._pending)
+        return len(self._calls)
 
     @property
     def peers(self) -> list[str]:
@@ -390,11 +361,11 @@ class DirectClient:
             self.dropped += 1
             self._reject(frames, exc)
             return
-        call = self._pending.get(msg.rid)
+        call = self._calls.get(msg.rid)
         if call is None:
             self.late += 1
             return
-        if msg.more and msg.type != "error":
+        if streams(msg):
             if len(call._inbox) >= self.max_queued:
                 call.overflowed += 1
                 self.overflowed += 1
@@ -410,7 +381,7 @@ class DirectClient:
             rid = int(decode_header(frames[0], self.limits).get("rid", 0))
         except (CodecError, TypeError, ValueError):
             rid = 0
-        call = self._pending.get(rid)
+        call = self._calls.get(rid)
         log.debug("malformed reply (rid %s): %s", rid, exc)
         if call is not None:
             self._finish(call, BadReply(exc.code, str(exc)[:300]))
@@ -421,12 +392,10 @@ class DirectClient:
             self._ready[call.rid] = call
 
     def _finish(self, call: DirectCall, item: Reply) -> None:
-        if call.done:
+        if not self._calls.finish(call):
             return
-        call.done = True
-        self._pending.pop(call.rid, None)
         self._deliver(call, item)  # the final item is always kept: a call always ends
-        if len(self._deadlines) > 64 and len(self._deadlines) > 4 * len(self._pending):
+        if len(self._deadlines) > 64 and len(self._deadlines) > 4 * len(self._calls):
             self._deadlines = [d for d in self._deadlines if not d[2].done]
             heapq.heapify(self._deadlines)
 

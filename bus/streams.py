@@ -16,17 +16,27 @@ stable per DEALER (bus/sockets.py), so that answer is exact.
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from bus.calls import (
+    BusError,
+    CallTable,
+    PeerUnavailable,
+    RemoteError,
+    Replies,
+    RequestCancelled,
+    RequestTimeout,
+    streams,
+    unwrap,
+)
 from bus.loop import IOLoop, Timer, frames_ready, send_frames
 from bus.sockets import SocketFactory, bind
 from codec.errors import CodecError
@@ -34,31 +44,6 @@ from codec.messages import DEFAULT_LIMITS, Limits, Message, decode, decode_heade
 from codec.structs import Cancel, ErrorReply, Pong
 
 log = logging.getLogger(__name__)
-
-
-class BusError(Exception):
-    """A request did not get a normal reply."""
-
-
-class RequestTimeout(BusError):
-    """The deadline passed before the final reply."""
-
-
-class RequestCancelled(BusError):
-    """The caller cancelled the request."""
-
-
-class PeerUnavailable(BusError):
-    """The peer is not connected, its queue is full, or it was forgotten."""
-
-
-class RemoteError(BusError):
-    """The peer answered with an `error` message."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 # -- client side ---------------------------------------------------------------------------
@@ -74,7 +59,7 @@ def _link_address() -> str:
     return f"inproc://specbus-link-{os.urandom(8).hex()}"
 
 
-class Call:
+class Call(Replies):
     """One request in flight. Read replies with `next()`, `replies()` or `result()`."""
 
     def __init__(self, client: StreamClient, endpoint: str, rid: int,
@@ -100,24 +85,7 @@ class Call:
             item = self._queue.get(timeout=timeout)
         except queue.Empty:
             raise RequestTimeout(f"no reply to request {self.rid} within {timeout}s") from None
-        if isinstance(item, BusError):
-            raise item
-        if item.type == "error":
-            raise RemoteError(str(item.get("code")), str(item.get("message")))
-        return item
-
-    def replies(self, timeout: float | None = None) -> Iterator[Message]:
-        """Every reply until the final one (each waited for at most `timeout`)."""
-        while True:
-            msg = self.next(timeout)
-            yield msg
-            if not msg.more:
-                return
-
-    def result(self, timeout: float | None = None) -> Message:
-        """The final reply (earlier streamed replies are discarded)."""
-        *_, last = self.replies(timeout)
-        return last
+        return unwrap(item)
 
     def cancel(self) -> None:
         """Stop waiting, and tell the server (thread-safe)."""
@@ -133,13 +101,13 @@ class StreamClient:
         self.factory = factory
         self.sender = sender
         self.limits = limits
-        self._rids = itertools.count(1)
         self._rid_lock = threading.Lock()
         self._dealers: dict[str, zmq.Socket] = {}
         self._monitors: dict[str, zmq.Socket] = {}  # endpoint -> its DEALER's monitor (PAIR)
         #: endpoints whose connection is up now: an immutable set the loop thread replaces
         self._up: frozenset[str] = frozenset()
-        self._pending: dict[int, Call] = {}
+        #: request ids and the calls in flight (the I/O thread's; ids drawn under the lock)
+        self._calls = CallTable()
         self._closed = False
         loop.on_close(self._close_dealers)  # monitors are stopped before their sockets close
         self.sent = 0
@@ -154,7 +122,7 @@ class StreamClient:
         being queued for `Call.next()`.
         """
         with self._rid_lock:
-            rid = next(self._rids)
+            rid = self._calls.next_rid()
         msg.rid = rid
         if not msg.sender:
             msg.sender = self.sender
@@ -201,7 +169,7 @@ class StreamClient:
 
     @property
     def in_flight(self) -> int:
-        return len(self._pending)
+        return len(self._calls)
 
     # -- loop thread ------------------------------------------------------------------------
     def _dealer(self, endpoint: str) -> zmq.Socket:
@@ -248,8 +216,8 @@ class StreamClient:
 
     def _close(self) -> None:
         self._closed = True
-        cancelled = {call.endpoint for call in self._pending.values()}
-        for call in list(self._pending.values()):
+        cancelled = {call.endpoint for call in self._calls.all()}
+        for call in self._calls.all():
             self._cancel(call)
         for endpoint in list(self._dealers):
             if endpoint in cancelled:  # let the cancels go out after the socket is closed
@@ -269,15 +237,13 @@ class StreamClient:
             self._finish(call, PeerUnavailable(f"{call.endpoint}: {exc}"))
             return
         self.sent += 1
-        self._pending[call.rid] = call
+        self._calls.add(call)
         if timeout is not None:
             call.timer = self.loop.call_later(timeout, lambda: self._expire(call, timeout))
 
     def _finish(self, call: Call, item: Message | BusError) -> None:
-        if call.done:
+        if not self._calls.finish(call):
             return
-        call.done = True
-        self._pending.pop(call.rid, None)
         if call.timer is not None:
             call.timer.cancel()
         call._deliver(item)
@@ -297,12 +263,11 @@ class StreamClient:
         self._finish(call, RequestCancelled(f"request {call.rid} cancelled"))
 
     def _release(self, endpoint: str) -> None:
-        if endpoint in self._dealers and not any(
-                c.endpoint == endpoint for c in self._pending.values()):
+        if endpoint in self._dealers and not self._calls.on(endpoint):
             self._close_dealer(endpoint)
 
     def _forget(self, endpoint: str) -> None:
-        calls = [c for c in self._pending.values() if c.endpoint == endpoint]
+        calls = self._calls.on(endpoint)
         keep = [c for c in calls if c.streaming] if endpoint in self._up else []
         if keep:
             log.debug("%s: keeping the connection, %d call(s) mid-stream on it", endpoint,
@@ -323,11 +288,11 @@ class StreamClient:
                 continue
             if msg.rid == PROBE_RID:
                 continue  # a server checking that we are still connected
-            call = self._pending.get(msg.rid)
+            call = self._calls.get(msg.rid)
             if call is None:
                 self.late += 1
                 continue
-            if msg.more and msg.type != "error":
+            if streams(msg):
                 call.streaming = True
                 call._deliver(msg)
             else:
