@@ -26,7 +26,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 
 # the few-row verify matmul (nodes/backends/few_rows.py says why): a torch extension compiled
 # once into the virtualenv; where it cannot be built, torch's matmul serves and setup goes on.
-$(KERNEL): $(STAMP) nodes/backends/few_rows.cpp nodes/backends/quant_rows.cpp nodes/backends/few_rows.py
+$(KERNEL): $(STAMP) nodes/backends/few_rows.cpp nodes/backends/quant_rows.cpp nodes/backends/quant_tiles.h nodes/backends/few_rows.py
 	$(PY) -m nodes.backends.few_rows build
 	@touch $@
 

@@ -155,7 +155,8 @@ void panel_q8(const float* x, const int8_t* q, const float* s, const float* b, f
 
 bool cpu_supported() {
 #if defined(__x86_64__)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
 #else
   return false;
 #endif

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("few_rows.cpp")
 #: every source of the extension: the few-row matmuls and the quantized verifier's forward
 SOURCES = (SOURCE, Path(__file__).with_name("quant_rows.cpp"))
+#: files the sources include: part of the build's key, not compiled on their own
+HEADERS = (Path(__file__).with_name("quant_tiles.h"),)
 NAME = "specbus_few_rows"
 #: rows served by the kernel; more rows (prefill chunks, big batches) go to torch, which packs
 #: them well. Measured on SmolLM2-135M (`specbus bench forward`, one thread): the kernel leads
@@ -52,7 +54,7 @@ NAME = "specbus_few_rows"
 MAX_ROWS = 24
 #: the environment switch that keeps torch's matmul everywhere (benchmarks compare both)
 ENV = "SPECBUS_MATMUL"
-_FLAGS = ["-O3", "-mavx2", "-mfma"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
 
 _loaded: Any = None
 _tried = False
@@ -60,7 +62,7 @@ _tried = False
 
 def build_dir() -> Path:
     """Where this virtualenv's build lives: one per torch version and source text."""
-    text = b"".join(path.read_bytes() for path in SOURCES)
+    text = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(text + " ".join(_FLAGS).encode()).hexdigest()[:12]
     torch_version = torch.__version__.replace("+", "_")
     return Path(sys.prefix) / "share" / "specbus" / "kernels" / f"{NAME}-{torch_version}-{key}"

@@ -16,6 +16,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <chrono>
+#include <atomic>
+#include <string>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -68,10 +71,22 @@ inline __m256 exp8(__m256 x) {
 // stores them: element j in the low nibble of byte j, element j + 16 in its high nibble), or
 // F32. Given unpacked (qs [N, K] / [N, K/2], d and m [N, K/32] float32) and packed here for
 // the kernels: groups of 4 rows (zero rows pad the last), and within a group, block by block,
-// the 4 rows' scales (Q4_1: then their minimums) and then the 4 rows' quants, so that a group
+// the 4 rows' float16 scales (Q4_1: then their minimums) and the 4 rows' quants, so that a group
 // is one sequential stream (read as 4 row streams plus their scales, one core reached about a
 // third of the bandwidth).
 constexpr int64_t RG = 4;  // rows per group
+
+// Block scales travel as GGUF keeps them, float16 (exact: every scale comes from a float16
+// field, and a float16 converts to float32 exactly); a Q4_1 block is then 20 bytes, not 24.
+inline void put_half(uint8_t* p, float v) {
+  const uint16_t bits = c10::Half(v).x;
+  std::memcpy(p, &bits, 2);
+}
+inline float get_half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
 
 struct QMat {
   int kind = F32;
@@ -95,31 +110,31 @@ struct QMat {
     const float* dp = d.data_ptr<float>();
     if (kind == Q8_0) {
       TORCH_CHECK(qs.scalar_type() == torch::kChar && qs.numel() == N * K, "quant: Q8_0 qs");
-      block_bytes = RG * 4 + RG * QK;
+      block_bytes = RG * 2 + RG * QK;
       packed = torch::zeros({groups * nb * block_bytes}, torch::kByte);
       uint8_t* out = packed.data_ptr<uint8_t>();
       const int8_t* q = qs.data_ptr<int8_t>();
       for (int64_t n = 0; n < N; n++)
         for (int64_t b = 0; b < nb; b++) {
           uint8_t* blk = out + ((n / RG) * nb + b) * block_bytes;
-          std::memcpy(blk + (n % RG) * 4, dp + n * nb + b, 4);
-          std::memcpy(blk + RG * 4 + (n % RG) * QK, q + n * K + b * QK, QK);
+          put_half(blk + (n % RG) * 2, dp[n * nb + b]);
+          std::memcpy(blk + RG * 2 + (n % RG) * QK, q + n * K + b * QK, QK);
         }
     } else {
       TORCH_CHECK(qs.scalar_type() == torch::kByte && qs.numel() == N * K / 2, "quant: Q4_1 qs");
       m = m.contiguous();
       TORCH_CHECK(m.scalar_type() == torch::kFloat && m.numel() == N * nb, "quant: bad m");
       const float* mp = m.data_ptr<float>();
-      block_bytes = RG * 8 + RG * QK / 2;
+      block_bytes = RG * 4 + RG * QK / 2;
       packed = torch::zeros({groups * nb * block_bytes}, torch::kByte);
       uint8_t* out = packed.data_ptr<uint8_t>();
       const uint8_t* q = qs.data_ptr<uint8_t>();
       for (int64_t n = 0; n < N; n++)
         for (int64_t b = 0; b < nb; b++) {
           uint8_t* blk = out + ((n / RG) * nb + b) * block_bytes;
-          std::memcpy(blk + (n % RG) * 4, dp + n * nb + b, 4);
-          std::memcpy(blk + RG * 4 + (n % RG) * 4, mp + n * nb + b, 4);
-          std::memcpy(blk + RG * 8 + (n % RG) * (QK / 2), q + n * (K / 2) + b * (QK / 2), QK / 2);
+          put_half(blk + (n % RG) * 2, dp[n * nb + b]);
+          put_half(blk + RG * 2 + (n % RG) * 2, mp[n * nb + b]);
+          std::memcpy(blk + RG * 4 + (n % RG) * (QK / 2), q + n * (K / 2) + b * (QK / 2), QK / 2);
         }
     }
   }
@@ -144,6 +159,44 @@ void quantize_act(const float* x, int64_t M, int64_t K, Act& a) {
   a.q.resize(M * K);
   a.d.resize(M * nb);
   a.s.resize(M * nb);
+#if defined(__x86_64__)
+  // the scalar loop's arithmetic, 8 lanes at a time: an exact max, the same product and the
+  // same round-half-to-even, so the same integers and scales
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t r = 0; r < M; r++) {
+    for (int64_t b = 0; b < nb; b++) {
+      const float* xb = x + r * K + b * QK;
+      __m256 v[4];
+      for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      const float d = amax / 127.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      const __m256 idv = _mm256_set1_ps(id);
+      __m256i q[4];
+      for (int i = 0; i < 4; i++) {
+        q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        q[i] = _mm256_max_epi32(_mm256_min_epi32(q[i], _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+      }
+      const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      const int sum = _mm_cvtsi128_si32(s4);
+      const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + r * K + b * QK),
+                          _mm256_permutevar8x32_epi32(p16, order));
+      a.d[r * nb + b] = d;
+      a.s[r * nb + b] = d * static_cast<float>(sum);
+    }
+  }
+#else
   for (int64_t r = 0; r < M; r++) {
     for (int64_t b = 0; b < nb; b++) {
       const float* xb = x + r * K + b * QK;
@@ -162,87 +215,48 @@ void quantize_act(const float* x, int64_t M, int64_t K, Act& a) {
       a.s[r * nb + b] = d * static_cast<float>(sum);
     }
   }
+#endif
 }
 
 #if defined(__x86_64__)
 constexpr int PREFETCH = 768;  // bytes ahead in a group's stream
 
-// MT activation rows from m0 against weight group g (4 rows), Q8_0: y[m, 4g + r].
-template <int MT>
-inline void tile_q8(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t m0, int64_t g) {
-  const int64_t K = w.K, nb = K / QK;
-  __m256 acc[RG][MT];
-  for (int r = 0; r < RG; r++)
-    for (int m = 0; m < MT; m++) acc[r][m] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  const uint8_t* blk = w.block(g, 0);
-  for (int64_t b = 0; b < nb; b++, blk += w.block_bytes) {
-    _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH + 64), _MM_HINT_T0);
-    __m256i xv[MT];
-    __m256 xd[MT];
-    for (int m = 0; m < MT; m++) {
-      xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m0 + m) * K + b * QK));
-      xd[m] = _mm256_set1_ps(a.d[(m0 + m) * nb + b]);
-    }
-    const float* dw = reinterpret_cast<const float*>(blk);
-    for (int r = 0; r < RG; r++) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + RG * 4 + r * QK));
-      const __m256i aw = _mm256_sign_epi8(wv, wv);
-      const __m256 dwv = _mm256_set1_ps(dw[r]);
-      for (int m = 0; m < MT; m++) {
-        const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[m], wv)), ones);
-        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_mul_ps(dwv, xd[m]), acc[r][m]);
-      }
-    }
-  }
-  for (int r = 0; r < RG; r++) {
-    if (g * RG + r >= w.N) break;
-    for (int m = 0; m < MT; m++) y[(m0 + m) * ldy + g * RG + r] = hsum8(acc[r][m]);
-  }
+// The block tiles, compiled twice: for AVX2 and, where the CPU has it, AVX-512 VNNI (one
+// instruction for a block's integer dot product, and 32 vector registers for wider tiles).
+// Both compute the same integers and the same float operations in the same order, so their
+// results are identical, bit for bit; only their speed differs.
+namespace avx2 {
+#define QDOT(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
+constexpr int MT_MAX = 2;  // input rows a tile: 16 registers hold 8 sums, 2 inputs, 2 scales
+#include "quant_tiles.h"
+#undef QDOT
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")
+namespace vnni {
+#define QDOT(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
+constexpr int MT_MAX = 4;  // 32 registers: 16 sums, 4 inputs, 4 scales
+#include "quant_tiles.h"
+#undef QDOT
+}  // namespace vnni
+#pragma GCC pop_options
+
+bool cpu_has_vnni() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
 }
 
-// The same for Q4_1 weights: y = sum_b d_w d_x (q_w . q_x) [vector lanes] + sum_b m_w s_x
-// [one scalar, block order], the two added last.
-template <int MT>
-inline void tile_q4(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t m0, int64_t g) {
-  const int64_t K = w.K, nb = K / QK;
-  __m256 acc[RG][MT];
-  __m128 mins[MT];  // the 4 rows' minimum terms, one lane each
-  for (int m = 0; m < MT; m++) mins[m] = _mm_setzero_ps();
-  for (int r = 0; r < RG; r++)
-    for (int m = 0; m < MT; m++) acc[r][m] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
-  const uint8_t* blk = w.block(g, 0);
-  for (int64_t b = 0; b < nb; b++, blk += w.block_bytes) {
-    _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
-    __m256i xv[MT];
-    __m256 xd[MT];
-    const __m128 mw = _mm_loadu_ps(reinterpret_cast<const float*>(blk + RG * 4));
-    for (int m = 0; m < MT; m++) {
-      xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m0 + m) * K + b * QK));
-      xd[m] = _mm256_set1_ps(a.d[(m0 + m) * nb + b]);
-      mins[m] = _mm_fmadd_ps(mw, _mm_set1_ps(a.s[(m0 + m) * nb + b]), mins[m]);
-    }
-    const float* dw = reinterpret_cast<const float*>(blk);
-    for (int r = 0; r < RG; r++) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + RG * 8 + r * (QK / 2)));
-      const __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-      const __m256 dwv = _mm256_set1_ps(dw[r]);
-      for (int m = 0; m < MT; m++) {
-        const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv[m]), ones);
-        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_mul_ps(dwv, xd[m]), acc[r][m]);
-      }
-    }
+// Which tiles run: the CPU's best unless `isa` pinned one (tests compare the two).
+std::atomic<int> vnni_on{-1};
+
+bool has_vnni() {
+  int v = vnni_on.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = cpu_has_vnni() ? 1 : 0;
+    vnni_on.store(v);
   }
-  for (int m = 0; m < MT; m++) {
-    alignas(16) float mn[4];
-    _mm_store_ps(mn, mins[m]);
-    for (int r = 0; r < RG; r++) {
-      if (g * RG + r >= w.N) break;
-      y[(m0 + m) * ldy + g * RG + r] = hsum8(acc[r][m]) + mn[r];
-    }
-  }
+  return v == 1;
 }
 
 // Float32 weights: 8 lanes over k, then the lanes, then the tail (as few_rows.cpp's `tile`).
@@ -269,31 +283,28 @@ inline void tile_f32(const QMat& w, const float* x, float* y, int64_t ldy, int64
     }
 }
 
-// Weight groups [g_begin, g_end) (F32: rows [4 g_begin, 4 g_end)) against every input row;
-// the same tiles whatever M.
-template <int MT>
-inline void group_tile(const QMat& w, const Act& a, const float* x, float* y, int64_t m0, int64_t g) {
-  if (w.kind == Q8_0) {
-    tile_q8<MT>(w, a, y, w.N, m0, g);
-  } else if (w.kind == Q4_1) {
-    tile_q4<MT>(w, a, y, w.N, m0, g);
-  } else {
+// F32 weight rows [4 g_begin, 4 g_end) against every input row.
+void rows_range_f32(const QMat& w, const float* x, float* y, int64_t M, int64_t g_begin,
+                    int64_t g_end) {
+  for (int64_t g = g_begin; g < g_end; g++) {
     const int64_t n0 = g * RG;
-    if (n0 + RG <= w.N) tile_f32<MT, 4>(w, x, y, w.N, m0, n0);
-    else for (int64_t n = n0; n < w.N; n++) tile_f32<MT, 1>(w, x, y, w.N, m0, n);
+    int64_t m = 0;
+    for (; m + 3 <= M; m += 3) {
+      if (n0 + RG <= w.N) tile_f32<3, 4>(w, x, y, w.N, m, n0);
+      else for (int64_t n = n0; n < w.N; n++) tile_f32<3, 1>(w, x, y, w.N, m, n);
+    }
+    for (; m < M; m++) {
+      if (n0 + RG <= w.N) tile_f32<1, 4>(w, x, y, w.N, m, n0);
+      else for (int64_t n = n0; n < w.N; n++) tile_f32<1, 1>(w, x, y, w.N, m, n);
+    }
   }
 }
 
 void rows_range(const QMat& w, const Act& a, const float* x, float* y, int64_t M,
                 int64_t g_begin, int64_t g_end) {
-  int64_t m = 0;
-  for (; m + 3 <= M; m += 3)
-    for (int64_t g = g_begin; g < g_end; g++) group_tile<3>(w, a, x, y, m, g);
-  const int64_t rest = M - m;
-  for (int64_t g = g_begin; g < g_end; g++) {
-    if (rest == 2) group_tile<2>(w, a, x, y, m, g);
-    else if (rest == 1) group_tile<1>(w, a, x, y, m, g);
-  }
+  if (w.kind == F32) rows_range_f32(w, x, y, M, g_begin, g_end);
+  else if (has_vnni()) vnni::rows_range(w, a, y, M, g_begin, g_end);
+  else avx2::rows_range(w, a, y, M, g_begin, g_end);
 }
 #endif
 
@@ -358,6 +369,55 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 #endif
 
+// Where a forward's time goes (`quant_profile`): off unless asked, then nanoseconds per phase
+// summed over forwards. Phases: 0 embed+rope tables, 1 norms, 2 q/k/v products, 3 rotary + cache
+// writes, 4 attention, 5 output products, 6 gate/up products, 7 SiLU, 8 down products, 9 LM head.
+constexpr int PHASES = 10;
+std::atomic<bool> profiling{false};
+std::atomic<int64_t> phase_ns[PHASES];
+
+struct PhaseClock {
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  void lap(int phase) {
+    if (!profiling.load(std::memory_order_relaxed)) return;
+    const auto now = std::chrono::steady_clock::now();
+    phase_ns[phase].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count());
+    last = now;
+  }
+};
+
+#if defined(__x86_64__)
+// o = sum of p_j v_j over the visible positions j < last, in position order; returns the sum of
+// their p_j (same order). DV: the head width, so the DV / 8 running sums stay in registers.
+template <int DV>
+float weigh_values(const float* p, const char* vis, int64_t last, const float* v, float* o) {
+  __m256 acc[DV / 8];
+  for (int d = 0; d < DV / 8; d++) acc[d] = _mm256_setzero_ps();
+  float sum = 0.f;
+  for (int64_t j = 0; j < last; j++) {
+    if (!vis[j]) continue;
+    sum += p[j];
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = v + j * DV;
+    for (int d = 0; d < DV / 8; d++) acc[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * d), acc[d]);
+  }
+  for (int d = 0; d < DV / 8; d++) _mm256_storeu_ps(o + 8 * d, acc[d]);
+  return sum;
+}
+
+float weigh_values_any(const float* p, const char* vis, int64_t last, const float* v, int64_t D,
+                       float* o) {
+  std::fill(o, o + D, 0.f);
+  float sum = 0.f;
+  for (int64_t j = 0; j < last; j++) {
+    if (!vis[j]) continue;
+    sum += p[j];
+    for (int64_t d = 0; d < D; d++) o[d] += p[j] * v[j * D + d];
+  }
+  return sum;
+}
+#endif
+
 struct Layer {
   torch::Tensor attn_norm, ffn_norm;
   QMat qkv, o, gate_up, down;
@@ -416,13 +476,13 @@ struct Model {
     }
     for (int64_t b = 0; b < K / QK; b++) {
       const uint8_t* blk = embed.block(g, b);
-      const float d = reinterpret_cast<const float*>(blk)[r];
+      const float d = get_half(blk + r * 2);
       if (embed.kind == Q8_0) {
-        const int8_t* q = reinterpret_cast<const int8_t*>(blk + RG * 4 + r * QK);
+        const int8_t* q = reinterpret_cast<const int8_t*>(blk + RG * 2 + r * QK);
         for (int j = 0; j < QK; j++) out[b * QK + j] = d * static_cast<float>(q[j]);
       } else {
-        const float m = reinterpret_cast<const float*>(blk + RG * 4)[r];
-        const uint8_t* q = blk + RG * 8 + r * (QK / 2);
+        const float m = get_half(blk + RG * 2 + r * 2);
+        const uint8_t* q = blk + RG * 4 + r * (QK / 2);
         for (int j = 0; j < 16; j++) {
           out[b * QK + j] = d * static_cast<float>(q[j] & 0x0F) + m;
           out[b * QK + j + 16] = d * static_cast<float>(q[j] >> 4) + m;
@@ -431,16 +491,19 @@ struct Model {
     }
   }
 
-  // Rotary for one row's heads in place (HF layout: the two halves of each head rotate).
-  void rope(float* x, int64_t nheads, int64_t pos) const {
-    const int64_t half = head_dim / 2;
+  // cos and sin of each rotary frequency at `pos` (scaled), into c and s [head_dim / 2].
+  void rope_table(int64_t pos, float* c, float* s) const {
     const float* f = inv_freq.data_ptr<float>();
-    std::vector<float> c(half), s(half);
-    for (int64_t i = 0; i < half; i++) {
+    for (int64_t i = 0; i < head_dim / 2; i++) {
       const float a = static_cast<float>(pos) * f[i];
       c[i] = std::cos(a) * rope_scale;
       s[i] = std::sin(a) * rope_scale;
     }
+  }
+
+  // Rotary for one row's heads in place (HF layout: the two halves of each head rotate).
+  void rope(float* x, int64_t nheads, const float* c, const float* s) const {
+    const int64_t half = head_dim / 2;
     for (int64_t h = 0; h < nheads; h++) {
       float* v = x + h * head_dim;
       for (int64_t i = 0; i < half; i++) {
@@ -503,12 +566,16 @@ struct Model {
         gu(T * 2 * I), act(T * I);
     Act scratch;
     for (int64_t t = 0; t < T; t++) embed_row(idp[t], h.data() + t * H);
+    std::vector<float> rc(T * (D / 2)), rs(T * (D / 2));
+    for (int64_t t = 0; t < T; t++) rope_table(pp[t], rc.data() + t * (D / 2), rs.data() + t * (D / 2));
     const int64_t group = heads / kv_heads;
     int64_t max_ctx = 0;
     for (int64_t b = 0; b < B; b++) max_ctx = std::max(max_ctx, pasts[b] + offs[b + 1] - offs[b]);
     std::vector<float> score((max_ctx + 7) / 8 * 8), prob((max_ctx + 7) / 8 * 8);
     std::vector<char> vis(max_ctx);
 
+    PhaseClock clock;
+    clock.lap(0);
     for (int64_t l = 0; l < L; l++) {
       const Layer& ly = layers[l];
       if (want[l]) {
@@ -519,12 +586,14 @@ struct Model {
       }
       for (int64_t t = 0; t < T; t++)
         rmsnorm(h.data() + t * H, ly.attn_norm.data_ptr<float>(), eps, H, xn.data() + t * H);
+      clock.lap(1);
       matmul(ly.qkv, xn.data(), T, qkv.data(), scratch);
+      clock.lap(2);
       const int64_t W = qd + 2 * kvd;
       for (int64_t t = 0; t < T; t++) {
         float* row = qkv.data() + t * W;
-        rope(row, heads, pp[t]);
-        rope(row + qd, kv_heads, pp[t]);
+        rope(row, heads, rc.data() + t * (D / 2), rs.data() + t * (D / 2));
+        rope(row + qd, kv_heads, rc.data() + t * (D / 2), rs.data() + t * (D / 2));
         const int64_t b = seq_of[t], slot = pasts[b] + (t - offs[b]);
         float* kbuf = keys[b * L + l].data_ptr<float>();
         float* vbuf = values[b * L + l].data_ptr<float>();
@@ -534,6 +603,7 @@ struct Model {
           std::copy(row + qd + kvd + g * D, row + qd + kvd + (g + 1) * D, vbuf + (g * cap + slot) * D);
         }
       }
+      clock.lap(3);
       // attention, per row and head, over the row's visible positions in order
       for (int64_t t = 0; t < T; t++) {
         const int64_t b = seq_of[t], i = t - offs[b], past = pasts[b];
@@ -563,32 +633,34 @@ struct Model {
           const __m256 mxv = _mm256_set1_ps(mx);
           for (int64_t j = 0; j < padded; j += 8)
             _mm256_storeu_ps(prob.data() + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(score.data() + j), mxv)));
-          float sum = 0.f;
           float* o = att.data() + t * qd + hh * D;
-          std::fill(o, o + D, 0.f);
-          for (int64_t j = 0; j < last; j++) {
-            if (!vis[j]) continue;
-            sum += prob[j];
-            const float pj = prob[j];
-            const float* v = vbuf + (g * cap + j) * D;
-            int64_t d = 0;
-            for (; d + 8 <= D; d += 8)
-              _mm256_storeu_ps(o + d, _mm256_fmadd_ps(_mm256_set1_ps(pj), _mm256_loadu_ps(v + d),
-                                                      _mm256_loadu_ps(o + d)));
-            for (; d < D; d++) o[d] += pj * v[d];
+          const float* vg = vbuf + g * cap * D;
+          float sum;
+          switch (D) {  // the head widths models use keep their sums in registers
+            case 64: sum = weigh_values<64>(prob.data(), vis.data(), last, vg, o); break;
+            case 128: sum = weigh_values<128>(prob.data(), vis.data(), last, vg, o); break;
+            case 32: sum = weigh_values<32>(prob.data(), vis.data(), last, vg, o); break;
+            case 16: sum = weigh_values<16>(prob.data(), vis.data(), last, vg, o); break;
+            default: sum = weigh_values_any(prob.data(), vis.data(), last, vg, D, o);
           }
           const float inv = 1.f / sum;
           for (int64_t d = 0; d < D; d++) o[d] *= inv;
         }
       }
+      clock.lap(4);
       matmul(ly.o, att.data(), T, proj.data(), scratch);
+      clock.lap(5);
       for (int64_t k = 0; k < T * H; k++) h[k] += proj[k];
       for (int64_t t = 0; t < T; t++)
         rmsnorm(h.data() + t * H, ly.ffn_norm.data_ptr<float>(), eps, H, xn.data() + t * H);
+      clock.lap(1);
       matmul(ly.gate_up, xn.data(), T, gu.data(), scratch);
+      clock.lap(6);
       for (int64_t t = 0; t < T; t++)
         silu_mul(gu.data() + t * 2 * I, gu.data() + t * 2 * I + I, I, act.data() + t * I);
+      clock.lap(7);
       matmul(ly.down, act.data(), T, proj.data(), scratch);
+      clock.lap(8);
       for (int64_t k = 0; k < T * H; k++) h[k] += proj[k];
     }
     std::vector<int64_t> rows = keep;
@@ -601,7 +673,9 @@ struct Model {
       rmsnorm(h.data() + rows[r] * H, final_norm.data_ptr<float>(), eps, H, fin.data() + r * H);
     }
     auto logits = torch::empty({R, head.N});
+    clock.lap(1);
     matmul(head, fin.data(), R, logits.data_ptr<float>(), scratch);
+    clock.lap(9);
     std::vector<torch::Tensor> out{logits};
     if (hidden_out.defined()) out.push_back(hidden_out);
     return out;
@@ -610,6 +684,31 @@ struct Model {
 #endif
   }
 };
+
+// Turn the phase clock on (and zero it) or off; returns the nanoseconds per phase so far.
+std::vector<int64_t> profile(bool on) {
+  std::vector<int64_t> out;
+  for (int i = 0; i < PHASES; i++) out.push_back(phase_ns[i].load());
+  for (int i = 0; i < PHASES; i++) phase_ns[i].store(0);
+  profiling.store(on);
+  return out;
+}
+
+// The tiles in use ("avx2" or "avx512-vnni"); `want` "avx2" or "avx512-vnni" pins them, "auto"
+// gives the choice back to the CPU check.
+std::string isa(const std::string& want) {
+#if defined(__x86_64__)
+  if (want == "avx2") vnni_on.store(0);
+  else if (want == "avx512-vnni") {
+    TORCH_CHECK(cpu_has_vnni(), "quant: this CPU has no AVX-512 VNNI");
+    vnni_on.store(1);
+  } else if (want == "auto") vnni_on.store(-1);
+  else TORCH_CHECK(want.empty(), "quant: isa auto, avx2 or avx512-vnni, not ", want);
+  return has_vnni() ? "avx512-vnni" : "avx2";
+#else
+  return "none";
+#endif
+}
 
 // y [M, N] = x [M, K] w^T through the kernels (tests and benchmarks call one matrix).
 torch::Tensor linear(const QMat& w, torch::Tensor x) {
@@ -641,4 +740,8 @@ void register_quant(py::module& m) {
       .def("nbytes", &Model::nbytes)
       .def("forward", &Model::forward, py::call_guard<py::gil_scoped_release>());
   m.def("qlinear", &quant::linear, "y = x w^T through the quantized kernels");
+  m.def("quant_profile", &quant::profile, "phase clock on/off; nanoseconds per phase so far",
+        py::arg("on"));
+  m.def("quant_isa", &quant::isa, "the quantized tiles in use; pin avx2 / avx512-vnni / auto",
+        py::arg("want") = "");
 }

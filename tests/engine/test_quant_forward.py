@@ -264,3 +264,34 @@ def test_shipped_q4_1_file_is_the_fp32_export_exactly_and_speculation_is_lossles
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs the kernels")
 def test_card_weights_form_is_named(tiny_quant):
     assert tiny_quant.weights.startswith(("q8", "q4"))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_the_avx2_and_avx512_vnni_tiles_give_the_same_bits(kernel, kind):
+    """The two instruction sets' tiles compute the same integers and the same float steps in
+    the same order: a verifier gives the same output on either kind of CPU."""
+    if kernel.quant_isa("auto") != "avx512-vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI: only the AVX2 tiles run here")
+    mat = _matrix(kind, 37, 192, seed=3)
+    q = kernel.QMat(mat.kind, mat.qs, mat.d, mat.m, mat.n, mat.k)
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((11, 192)).astype(np.float32))
+    try:
+        kernel.quant_isa("avx2")
+        avx2 = kernel.qlinear(q, x)
+        kernel.quant_isa("avx512-vnni")
+        vnni = kernel.qlinear(q, x)
+    finally:
+        kernel.quant_isa("auto")
+    assert torch.equal(avx2, vnni)
+
+
+def test_the_phase_clock_accounts_for_a_forward(kernel, tiny_quant, prompt_ids):
+    """`quant_profile` (where a forward's time goes: bench vs-llamacpp prints it) counts every
+    phase of a forward once it is on, and nothing once it is off."""
+    cache = tiny_quant.new_cache()
+    kernel.quant_profile(True)
+    tiny_quant.forward(cache, prompt_ids)
+    spent = kernel.quant_profile(False)
+    assert len(spent) == 10 and all(ns >= 0 for ns in spent) and sum(spent) > 0
+    tiny_quant.forward(cache, [5])
+    assert sum(kernel.quant_profile(False)) == 0
