@@ -40,9 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "smollm2-135m)")
     local.add_argument("--backend", default=None, choices=("torch", "mlx"),
                        help="default: torch")
-    local.add_argument("--weights", default=None, choices=("fp32", "q8", "q4"),
+    local.add_argument("--weights", default=None, choices=("fp32", "q8", "q4", "file"),
                        help="the verifier's weights (default fp32, identical to HF; q8/q4: the "
-                            "quantized CPU forward, speculation identical to its plain decoding)")
+                            "quantized CPU forward, quantized at load; file: a --model "
+                            "FILE.gguf's own blocks; speculation identical to its plain "
+                            "decoding)")
     local.add_argument("--max-draft", type=int, default=None,
                        help="longest draft block (default 16)")
     parser.add_argument("--max-tokens", type=int, default=128,

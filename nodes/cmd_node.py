@@ -73,11 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "64; the same as --drafter suffix:budget=MB)")
     parser.add_argument("--backend", default=None, choices=("torch", "mlx"),
                         help="torch (default) or mlx")
-    parser.add_argument("--weights", default="fp32", choices=("fp32", "q8", "q4"),
+    parser.add_argument("--weights", default="fp32", choices=("fp32", "q8", "q4", "file"),
                         help="a torch verifier's weights on a CPU: fp32 (default: the reference "
-                             "mode, identical to Hugging Face generate), q8 (Q8_0 blocks) or q4 "
-                             "(the embedded model's shipped Q4_1 file as it is); speculation "
-                             "stays bit-identical to the same weights' plain decoding")
+                             "mode, identical to Hugging Face generate), q8 / q4 (Q8_0 / Q4_1 "
+                             "blocks quantized at load; the embedded model's q4 is its shipped "
+                             "Q4_1 file as it is) or file (a --model FILE.gguf's own blocks); "
+                             "speculation stays bit-identical to the same weights' plain decoding")
     parser.add_argument("--max-draft", type=int, default=16,
                         help="longest draft block a verifier asks for (default 16)")
     parser.add_argument("--tree-width", type=_tree_width, default=None, metavar="N",

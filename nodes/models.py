@@ -35,6 +35,8 @@ class ModelRef:
 
     name: str
     path: Path
+    #: the GGUF file the folder was exported from (its quantized blocks serve `--weights file`)
+    gguf: Path | None = None
 
 
 def cache_dir() -> Path:
@@ -73,9 +75,40 @@ def _smollm2_gguf() -> Path:
 
 
 def shipped_gguf(ref: ModelRef) -> Path | None:
-    """The GGUF file a model came from as a package ships it (the embedded model's), whose
-    quantized blocks a q4 verifier serves as they are; None for other models."""
+    """The GGUF file a model came from (the embedded model's as its package ships it, or the
+    user's own `--model FILE.gguf`), whose quantized blocks a verifier can serve as they are;
+    None for models given as folders."""
+    if ref.gguf is not None:
+        return ref.gguf
     return _smollm2_gguf() if ref.name == DEFAULT_MODEL else None
+
+
+def _gguf_export(path: Path) -> ModelRef:
+    """A user's GGUF file, exported once to the cache for transformers (config, tokenizer,
+    float32 weights), in a folder keyed by the file's sha256: the same file is exported once,
+    an edited one again; the export is atomic."""
+    import hashlib
+
+    if path.stat().st_size < 64:
+        raise ModelNotFoundError(f"model {str(path)!r}: {path.stat().st_size} bytes, not a GGUF")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelNotFoundError(f"model {str(path)!r}: not a GGUF file (no GGUF magic)")
+        digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    folder = cache_dir() / "models" / f"gguf-{path.stem}-{digest}"
+
+    def build(tmp: Path) -> None:
+        _export_gguf(path, tmp, f"{path.name} (sha256 {digest}...)")
+
+    try:
+        atomic_build(folder, build)
+    except ModelNotFoundError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers' GGUF loader raises many types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ModelNotFoundError(f"model {str(path)!r}: transformers cannot load this GGUF "
+                                 f"({type(exc).__name__}: {first})") from None
+    return ModelRef(path.name, folder, gguf=path.resolve())
 
 
 def atomic_build(target: Path, build) -> Path:
@@ -99,12 +132,13 @@ def atomic_build(target: Path, build) -> Path:
 
 def _export_smollm2(tmp: Path) -> None:
     gguf = _smollm2_gguf()
-    print(
-        f"specbus: exporting embedded {DEFAULT_MODEL} from {gguf.name} to {tmp.parent} "
-        "(one time, ~30 s)...",
-        file=sys.stderr,
-        flush=True,
-    )
+    _export_gguf(gguf, tmp, f"embedded {DEFAULT_MODEL} from {gguf.name}")
+
+
+def _export_gguf(gguf: Path, tmp: Path, what: str) -> None:
+    """Dequantize a GGUF through transformers and save it as a plain float32 folder."""
+    print(f"specbus: exporting {what} to {tmp.parent} (one time, ~30 s)...", file=sys.stderr,
+          flush=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -144,6 +178,10 @@ def resolve(ref: str | os.PathLike | None, paths: bool = True) -> ModelRef:
     path = Path(ref).expanduser()
     if not paths and (path.exists() or ref.startswith((".", "/", "~"))):
         raise ModelNotFoundError(f"model {ref!r}: a folder name is not looked up here")
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"model {ref!r}: no such GGUF file")
+        return _gguf_export(path)
     if path.exists():
         if not _is_model_folder(path):
             raise ModelNotFoundError(

@@ -34,8 +34,10 @@ from nodes.backends import few_rows
 
 log = logging.getLogger(__name__)
 
-#: the weight forms a verifier takes (`--weights`): fp32 is the reference mode
-WEIGHTS = ("fp32", "q8", "q4")
+#: the weight forms a verifier takes (`--weights`): fp32 is the reference mode; q8 / q4
+#: quantize at load (the embedded model's q4 is its shipped Q4_1 file); file serves a GGUF
+#: model's own blocks as they are
+WEIGHTS = ("fp32", "q8", "q4", "file")
 KIND_Q8_0, KIND_Q4_1, KIND_F32 = 0, 1, 2
 _QK = 32
 
@@ -287,7 +289,7 @@ def from_gguf(path: Path, model: Any) -> Weights:
     head = mat("output.weight") if "output.weight" in tensors else embed
     w = Weights(**_config_numbers(cfg, model.model.rotary_emb), embed=embed, head=head,
                 final_norm=vec("output_norm.weight"), layers=layers, form="")
-    w.form = f"q4 ({path.name} as it is: {', '.join(w.block_types())})"
+    w.form = f"file ({path.name} as it is: {', '.join(w.block_types())})"
     return w
 
 
@@ -374,14 +376,18 @@ def _reserve(layer: Any, past: int, fed: int, kv_heads: int, head_dim: int) -> N
 
 
 def build(model: Any, weights: str, gguf_path: Path | None = None) -> QuantForward:
-    """The quantized forward for `model` in the form `weights` names (q8 or q4); q4 takes the
-    GGUF's own blocks when `gguf_path` is given. Raises QuantError where it cannot serve."""
+    """The quantized forward for `model` in the form `weights` names: the GGUF's own blocks
+    when `gguf_path` is given (`file`, and the embedded model's q4), else q8 / q4 quantized
+    at load. Raises QuantError where it cannot serve."""
     from nodes.drafters.lean_llama import lean_supported
 
     if not lean_supported(model):
         raise QuantError("the quantized forward serves Llama-layout models (this is "
                          f"{getattr(model.config, 'model_type', '?')!r})")
-    if weights == "q4" and gguf_path is not None:
+    if weights == "file" and gguf_path is None:
+        raise QuantError("--weights file serves a GGUF model's own blocks; this model is a "
+                         "folder (--model FILE.gguf, or --weights q8 / q4)")
+    if gguf_path is not None:
         w = from_gguf(gguf_path, model)
     else:
         w = from_model(model, weights)

@@ -281,7 +281,10 @@ def _quant_forward(model: Any, ref: Any, weights: str,
     if device != "cpu":
         raise BadRequestError(f"--weights {weights} runs on CPUs (this verifier is on {device}); "
                               "--weights fp32 serves other devices")
-    gguf = models.shipped_gguf(ref) if weights == "q4" else None
+    # the GGUF's own blocks: asked for (file), or the embedded model's shipped Q4_1 file (q4)
+    gguf = None
+    if weights == "file" or (weights == "q4" and ref.name == models.DEFAULT_MODEL):
+        gguf = models.shipped_gguf(ref)
     try:
         forward = quant_forward.build(model, weights, gguf)
     except quant_forward.QuantError as exc:

@@ -246,7 +246,7 @@ def test_shipped_q4_1_file_is_the_fp32_export_exactly_and_speculation_is_lossles
     from nodes.drafters.registry import make_drafter
 
     backend = TorchBackend.load(None, device="cpu", weights="q4")
-    assert "Q4_1" in backend.weights and "Q8_0" in backend.weights
+    assert backend.weights.startswith("file (") and "Q4_1" in backend.weights
     # the export came from this file: its blocks dequantized are the fp32 model's weights
     w = qf.from_gguf(models.shipped_gguf(models.resolve(None)), backend.model)
     layer = backend.model.model.layers[3]
@@ -295,3 +295,43 @@ def test_the_phase_clock_accounts_for_a_forward(kernel, tiny_quant, prompt_ids):
     assert len(spent) == 10 and all(ns >= 0 for ns in spent) and sum(spent) > 0
     tiny_quant.forward(cache, [5])
     assert sum(kernel.quant_profile(False)) == 0
+
+
+# ---- --model FILE.gguf ----------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_gguf_file_as_the_model_serves_its_own_blocks():
+    """`--model FILE.gguf --weights file`: exported once (keyed by the file's hash) for the
+    config and tokenizer, computed on the file's own blocks: the same logits as the embedded
+    model's q4, which is that same file."""
+    from nodes import models
+    from nodes.backends.torch_backend import TorchBackend
+
+    shipped = models.shipped_gguf(models.resolve(None))
+    ref = models.resolve(str(shipped))
+    assert ref.gguf == shipped.resolve() and ref.path.name.startswith("gguf-")
+    assert models.resolve(str(shipped)).path == ref.path  # exported once
+    by_file = TorchBackend.load(str(shipped), device="cpu", weights="file")
+    embedded = TorchBackend.load(None, device="cpu", weights="q4")
+    assert by_file.weights.startswith("file (SmolLM2-135M-Instruct.Q4_1.gguf")
+    ids = embedded.tokenizer.encode("Name three rivers.")
+    a, b = by_file.new_cache(), embedded.new_cache()
+    assert np.array_equal(by_file.forward(a, ids), embedded.forward(b, ids))
+
+
+def test_a_bad_gguf_model_file_is_refused_by_name(tmp_path):
+    from nodes import models
+    from nodes.engine.errors import ModelNotFoundError
+
+    fake = tmp_path / "notes.gguf"
+    fake.write_bytes(b"this is not a model, only text in a file named like one" * 4)
+    with pytest.raises(ModelNotFoundError, match="notes.gguf.*not a GGUF"):
+        models.resolve(str(fake))
+    with pytest.raises(ModelNotFoundError, match="no such GGUF"):
+        models.resolve(str(tmp_path / "missing.gguf"))
+
+
+def test_file_weights_need_a_gguf_model(tiny_folder):
+    from nodes.backends.torch_backend import TorchBackend
+
+    with pytest.raises(BadRequestError, match="GGUF model's own blocks"):
+        TorchBackend.load(str(tiny_folder), device="cpu", weights="file")
