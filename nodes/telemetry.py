@@ -33,6 +33,30 @@ def stats_topic(cluster: str) -> str:
     return f"specbus-stats/{cluster}/"
 
 
+def _count(section: Any, *keys: str) -> int:
+    if not isinstance(section, dict):
+        return 0
+    total = 0
+    for key in keys:
+        n = section.get(key)
+        if isinstance(n, int | float) and not isinstance(n, bool) and n > 0:
+            total += int(n)
+    return total
+
+
+def work_in_hand(stats: dict[str, Any]) -> int:
+    """The node's `load`: the work it holds now, summed over its roles. A verifier's generations
+    running and queued (what cluster clients balance on, nodes/cluster_client/choice.py), a
+    proposer's open draft sessions, a gateway's requests in flight (left out beside a verifier
+    of its own, whose generations they are). Read fresh at every stats message; the card's
+    `load` field is not re-gossiped for it (a card change costs a round of gossip to every
+    member)."""
+    verifier = stats.get("verifier")
+    gateway = 0 if isinstance(verifier, dict) else _count(stats.get("gateway"), "inflight")
+    return (_count(verifier, "active", "queued") + _count(stats.get("proposer"), "sessions_open")
+            + gateway)
+
+
 class Telemetry:
     """Publishes one `stats` message per interval for a started `Node`."""
 
@@ -81,6 +105,7 @@ class Telemetry:
                 out.update(provider())
             except Exception:  # noqa: BLE001 - a broken figure must not stop the others
                 log.exception("telemetry provider failed")
+        out["load"] = work_in_hand(out)
         return out
 
     # -- I/O thread ---------------------------------------------------------------------------

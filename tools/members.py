@@ -17,6 +17,7 @@ from discovery.table import Member
 from nodes.cluster_args import add_cluster_arguments, positive_float
 from nodes.logs import set_node_id
 from nodes.node import Node, NodeConfig
+from tools.monitor_view import card_drafter
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +34,7 @@ def member_json(m: Member) -> dict:
         "roles": ["observer"] if c.observer else list(c.roles),
         "state": m.state.value, "incarnation": c.incarnation, "version": c.version,
         "endpoints": dict(c.endpoints), "backend": c.backend, "model": c.model,
+        "drafter": card_drafter(c),
         "tokenizer": c.tokenizer, "vocab": c.vocab, "tok_s": c.tok_s, "load": c.load,
         "free_mem": c.free_mem, "observer": c.observer, "extras": c.extras,
         "insecure": bool(c.extras.get("insecure")),
@@ -40,11 +42,12 @@ def member_json(m: Member) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    cols = ("node_id", "name", "roles", "state", "incarnation", "backend", "model", "stream")
+    cols = ("node_id", "name", "roles", "state", "incarnation", "backend", "model", "drafter",
+            "stream")
     data = [
         [r["node_id"], printable(r["name"] or "-", 40), printable(",".join(r["roles"]) or "-"),
          r["state"], str(r["incarnation"]), printable(r["backend"] or "-", 20),
-         printable(r["model"] or "-", 60),
+         printable(r["model"] or "-", 60), printable(r.get("drafter") or "-", 40),
          r["endpoints"].get("stream", "-") + ("  INSECURE" if r["insecure"] else "")]
         for r in rows
     ]

@@ -11,9 +11,10 @@ from textual.app import App, ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Footer, Header, RichLog, Static
 
-from tools.monitor_view import MEMBER_COLUMNS, member_rows, role_lines
+from tools.monitor_view import LEGEND, MEMBER_COLUMNS, member_rows, role_lines
 
 REFRESH_S = 0.5
+EVENT_ROWS = 10  # the events panel grows with its lines up to this many, then scrolls
 
 
 class MonitorApp(App):
@@ -21,14 +22,17 @@ class MonitorApp(App):
 
     Laid out as it is read: who is there (the members table, as tall as its rows, at most a
     third of the screen), what each role is doing (one full-width panel per role, so lines
-    and sparklines never wrap at 120 columns), and what just happened (the events, in the
-    rest of the screen)."""
+    and sparklines never wrap at 120 columns, under a legend of what `now`, `total`, `last gen`
+    and `last Ns` mean: the same labels as `--once`), and what just happened (the events, as
+    tall as the lines it holds, at most EVENT_ROWS: a quiet cluster's few events do not take
+    half the screen)."""
 
     CSS = """
     #members { height: auto; max-height: 33%; }
-    #panels { height: auto; max-height: 60%; }
+    #legend { height: auto; color: $text-muted; padding: 0 1; }
+    #panels { height: 1fr; }
     .panel { width: 1fr; border: round $accent; padding: 0 1; height: auto; }
-    #events { height: 1fr; min-height: 6; border: round $secondary; }
+    #events { height: 3; border: round $secondary; }
     """
     BINDINGS = [("q", "quit", "Quit"), ("ctrl+c", "quit", "Quit")]
 
@@ -36,10 +40,12 @@ class MonitorApp(App):
         super().__init__()
         self.attached = attached
         self._log_seen = 0
+        self._events_held = 0  # lines in the events panel
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=True)
         yield DataTable(id="members", zebra_stripes=True, cursor_type="row")
+        yield Static("\n".join(LEGEND), id="legend")
         with VerticalScroll(id="panels"):
             yield Static("verifiers: waiting for stats", id="verifiers", classes="panel")
             yield Static("proposers: waiting for stats", id="proposers", classes="panel")
@@ -71,6 +77,9 @@ class MonitorApp(App):
         lines, self._log_seen = view.new_log_lines(self._log_seen)
         for line in lines:
             log.write(line)
+        if lines:  # sized to what it holds (+2 for its border); RichLog may defer its lines
+            self._events_held = min(self._events_held + len(lines), log.max_lines or 500)
+            log.styles.height = min(self._events_held, EVENT_ROWS) + 2
 
     def on_unmount(self) -> None:
         self.attached.stop()

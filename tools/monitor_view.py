@@ -34,6 +34,11 @@ class NodeStats:
     #: its whole life
     batch: dict[str, float] | None = None
     last_steps: tuple[float, ...] | None = None  # its (steps, stepped, rows, committed) then
+    #: seconds the batch figures are over (the stats interval they came from); None: they are
+    #: since the verifier started (one sample only, or it restarted)
+    batch_window_s: float | None = None
+    #: seconds the latest `draft_tok_s` sample is over (the interval between two stats)
+    draft_window_s: float | None = None
 
 
 class ClusterView:
@@ -61,12 +66,13 @@ class ClusterView:
                 # telemetry keyed by whoever sends it: bounded, members' first
                 return {"event": "stats", "node_id": node_id, "ts": time.time(), "stats": {}}
             ns = self._stats.setdefault(node_id, NodeStats())
+            previous_at = ns.at
             ns.latest, ns.at = stats, time.monotonic()
             v, p = stats.get("verifier"), stats.get("proposer")
             if isinstance(v, dict):
                 ns.tok_s.append(float(v.get("tok_s") or 0.0))
                 ns.acceptance.append(float(v.get("acceptance") or 0.0))
-                _batch_figures(ns, v)
+                _batch_figures(ns, v, ns.at - previous_at if previous_at else None)
             if isinstance(p, dict):
                 # tokens drafted per second of wall time (from the counter's growth): what a
                 # proposer gives; its own `draft_tok_s` is its speed while drafting, which for an
@@ -76,6 +82,7 @@ class ClusterView:
                     dt = ns.at - ns.last_at
                     if dt > 0:
                         ns.draft_tok_s.append(max(0.0, (drafted - ns.last_drafted) / dt))
+                        ns.draft_window_s = dt
                 if isinstance(drafted, int | float):
                     ns.last_drafted, ns.last_at = float(drafted), ns.at
         return {"event": "stats", "node_id": node_id, "ts": time.time(), "stats": stats}
@@ -107,7 +114,8 @@ class ClusterView:
             return NodeStats(dict(ns.latest), ns.at, deque(ns.tok_s, HISTORY),
                              deque(ns.acceptance, HISTORY), deque(ns.draft_tok_s, HISTORY),
                              ns.last_drafted, ns.last_at,
-                             None if ns.batch is None else dict(ns.batch), ns.last_steps)
+                             None if ns.batch is None else dict(ns.batch), ns.last_steps,
+                             ns.batch_window_s, ns.draft_window_s)
 
     def snapshot(self) -> dict[str, Any]:
         """Everything, as one JSON-able object (`--once --json`)."""
@@ -122,7 +130,7 @@ class ClusterView:
 BATCH_COUNTERS = ("steps", "stepped", "rows", "committed")
 
 
-def _batch_figures(ns: NodeStats, v: dict[str, Any]) -> None:
+def _batch_figures(ns: NodeStats, v: dict[str, Any], interval_s: float | None) -> None:
     """Update a verifier's batch figures from its cumulative step counters (issue 24):
     sequences per step, positions fed per step (rows per forward) and tokens committed per
     sequence per step. Over the growth since the previous sample when it stepped meanwhile
@@ -134,24 +142,33 @@ def _batch_figures(ns: NodeStats, v: dict[str, Any]) -> None:
             return  # an older verifier, or a malformed report: no figures
         now.append(float(n))
     prev = ns.last_steps
-    grew = now if prev is None or now[0] < prev[0] else [a - b for a, b in zip(
-        now, prev, strict=True)]  # a restarted verifier counts from 0 again
+    since_start = prev is None or now[0] < prev[0]  # a restarted verifier counts from 0 again
+    grew = now if since_start else [a - b for a, b in zip(now, prev, strict=True)]
     ns.last_steps = tuple(now)
     steps, stepped, rows, committed = grew
     if steps > 0 and stepped > 0:
         ns.batch = {"mean_batch": stepped / steps, "rows_per_forward": rows / steps,
                     "tokens_per_forward_per_seq": committed / stepped}
+        ns.batch_window_s = None if since_start else interval_s
 
 
 def member_fields(m: Member) -> dict[str, Any]:
     c = m.card
     return {
         "name": c.name, "roles": list(c.roles), "backend": c.backend, "model": c.model,
-        "state": m.state.value, "incarnation": c.incarnation, "load": c.load, "tok_s": c.tok_s,
+        "drafter": card_drafter(c), "state": m.state.value, "incarnation": c.incarnation,
+        "load": c.load, "tok_s": c.tok_s,
         "heartbeat_age_s": round(max(0.0, time.monotonic() - m.last_heard), 2),
         "endpoints": dict(c.endpoints), "observer": c.observer,
         "insecure": bool(c.extras.get("insecure")),
     }
+
+
+def card_drafter(card) -> str:
+    """The drafter a node's card names (`extras.drafter`: a proposer's, e.g. `suffix`, `ngram`,
+    `int8`, `eagle`, `model:<ref>`), or "" when it names none (a plain verifier, a gateway)."""
+    name = card.extras.get("drafter") if isinstance(card.extras, dict) else None
+    return printable(name, 40) if isinstance(name, str) else ""
 
 
 def _label(m: Member) -> str:
@@ -185,19 +202,27 @@ def rate_text(per_s: float, width: int = 8) -> str:
 
 
 def member_rows(view: ClusterView) -> list[tuple[str, ...]]:
-    """Rows of the members table: name, id, roles, backend, model, state, inc, hb age, load."""
+    """Rows of the members table: name, id, roles, backend, model, drafter, state, inc, hb age,
+    load (the node's own figure from its telemetry: generations running and queued on a
+    verifier, open sessions on a proposer, requests in flight on a gateway; the card's until
+    its first stats arrive)."""
     rows = []
     for m in view.members():
         f = member_fields(m)
         roles = ",".join(f["roles"]) or ("observer" if f["observer"] else "-")
+        ns = view.stats(m.node_id)
+        load = ns.latest.get("load") if ns is not None else None
+        if isinstance(load, bool) or not isinstance(load, int | float):
+            load = f["load"]
         rows.append((display_name(m), m.node_id, roles, f["backend"] or "-", f["model"] or "-",
-                     f["state"] + (" INSECURE" if f["insecure"] else ""),
+                     f["drafter"] or "-", f["state"] + (" INSECURE" if f["insecure"] else ""),
                      str(f["incarnation"]), f"{f['heartbeat_age_s']:.1f}s",
-                     f"{f['load']:.2f}"))
+                     f"{float(load):.2f}"))
     return rows
 
 
-MEMBER_COLUMNS = ("name", "id", "roles", "backend", "model", "state", "inc", "heartbeat", "load")
+MEMBER_COLUMNS = ("name", "id", "roles", "backend", "model", "drafter", "state", "inc", "heartbeat",
+                  "load")
 
 
 SPARK_WIDTH = 16
@@ -226,35 +251,46 @@ def role_lines(view: ClusterView) -> tuple[list[str], list[str], list[str]]:
             speed = sparkline(ns.tok_s, SPARK_WIDTH).ljust(SPARK_WIDTH)
             accept = sparkline(ns.acceptance, SPARK_WIDTH).ljust(SPARK_WIDTH)
             verifiers.append(
-                f"{name:16} {v.get('tok_s', 0):6.1f} tok/s {speed} accept "
-                f"{v.get('acceptance', 0):4.2f} {accept} active {v.get('active', 0)} queued "
-                f"{v.get('queued', 0)} orphans {v.get('orphans_dropped', 0)}")
+                f"{name:16} last gen {v.get('tok_s', 0):6.1f} tok/s {speed} accept "
+                f"{v.get('acceptance', 0):4.2f} {accept} now {v.get('active', 0)} active "
+                f"{v.get('queued', 0)} queued")
             if "max_batch" in v:
-                verifiers.append(batch_line(v, ns.batch))
+                verifiers.append(batch_line(v, ns.batch, ns.batch_window_s))
+                reused = v.get("reused")
+                verifiers.append(f"  total: steps {v.get('steps', 0)}" + (
+                    f"  prompt reused {reused}" if isinstance(reused, int) and not isinstance(
+                        reused, bool) and reused > 0 else ""))
             links = v.get("proposers")
             for pid, ps in (links.items() if isinstance(links, dict) else ()):
                 if not isinstance(ps, dict):
                     continue
                 label = printable(ps.get("name") or pid, 22)
                 verifiers.append(
-                    f"  └ {label:22} accept {ps.get('acceptance', 0):4.2f} steps "
-                    f"{ps.get('drafts', 0):6} timeouts {ps.get('timeouts', 0):4} rtt "
+                    f"  └ {label:22} total: accept {ps.get('acceptance', 0):4.2f} steps "
+                    f"{ps.get('drafts', 0):6} timeouts {ps.get('timeouts', 0):4}  last rtt "
                     f"{ps.get('rtt_ms', 0):6.2f} ms")
         if isinstance(p, dict):
             rate = ns.draft_tok_s[-1] if ns.draft_tok_s else 0.0
+            drafter = printable(card_drafter(m.card) or "-", 24)
             proposers.append(
-                f"{name:16} sessions {p.get('sessions_open', 0):3} chunks "
-                f"{p.get('drafts_served', 0):7} drafted {rate_text(rate, 7)} tok/s "
-                f"{sparkline(ns.draft_tok_s, SPARK_WIDTH)}")
+                f"{name:16} drafter {drafter:24}  now {p.get('sessions_open', 0):3} sessions  "
+                f"total {p.get('drafts_served', 0):7} chunks")
+            proposers.append(
+                f"   {'':16} {window_text(ns.draft_window_s)}: drafted {rate_text(rate, 7)} "
+                f"tok/s {sparkline(ns.draft_tok_s, SPARK_WIDTH)}")
         if isinstance(g, dict):
             gateways.append(
-                f"{name:16} {printable(g.get('http', ''), 28):28} in flight "
-                f"{g.get('inflight', 0):3} requests {g.get('requests', 0):6} failovers "
-                f"{g.get('failovers', 0):3} cancelled {g.get('cancelled', 0):3}")
+                f"{name:16} {printable(g.get('http', ''), 28):28} now {g.get('inflight', 0)} "
+                f"in flight  total {g.get('requests', 0):6} requests {g.get('failovers', 0)} "
+                f"failovers {g.get('cancelled', 0)} cancelled")
         cpu = latest.get("cpu_percent", 0)
         rss = latest.get("rss_bytes", 0) / 2**20
         dropped = sum((latest.get("dropped") or {}).values())
-        line = f"   {'':16} cpu {cpu:5.1f}%  mem {rss:7.1f} MiB  dropped {dropped}"
+        orphans = ""
+        if isinstance(v, dict):
+            orphans = f"  orphans {v.get('orphans_dropped', 0)}"
+        line = (f"{'':10} last 1s: cpu {cpu:5.1f}%  now: mem {rss:7.1f} MiB  total: dropped "
+                f"{dropped}{orphans}")
         for panel, role in ((verifiers, v), (proposers, p), (gateways, g)):
             if isinstance(role, dict):
                 panel.append(line)
@@ -262,19 +298,32 @@ def role_lines(view: ClusterView) -> tuple[list[str], list[str], list[str]]:
     return verifiers, proposers, gateways
 
 
-def batch_line(v: dict[str, Any], batch: dict[str, float] | None) -> str:
-    """A verifier's batch: running / --max-batch now, then per step lately (see
-    `_batch_figures`): sequences, rows fed (rows per forward), tokens committed per sequence;
-    and, once its prefix cache has served any, the prompt positions it did not prefill."""
+def window_text(seconds: float | None) -> str:
+    """How a windowed figure is labelled: `last 1.0s` (the stats interval it is over), or
+    `since start` before a second sample gives an interval."""
+    return "since start" if seconds is None else f"last {min(seconds, 999.0):.1f}s"
+
+
+def batch_line(v: dict[str, Any], batch: dict[str, float] | None,
+               window_s: float | None = None) -> str:
+    """A verifier's batch: running / --max-batch (now), then per step over a window (see
+    `_batch_figures`: the latest stats interval it stepped in, or since it started), labelled
+    so: sequences, rows fed (rows per forward), tokens committed per sequence; then its total
+    steps and prompt positions reused are on the totals line below it."""
     head = f"  batch {v.get('active', 0)}/{v.get('max_batch', 0)}"
     if batch is None:
-        return f"{head}  (no steps yet)"
-    reused = v.get("reused")
-    tail = (f"  prompt reused {reused}" if isinstance(reused, int) and not isinstance(
-        reused, bool) and reused > 0 else "")
+        return f"{head} now  (no steps yet)"
     return (f"{head}  per step: sequences {batch['mean_batch']:5.2f}  rows/forward "
             f"{batch['rows_per_forward']:6.1f}  tokens/forward/seq "
-            f"{batch['tokens_per_forward_per_seq']:5.2f}  steps {v.get('steps', 0)}{tail}")
+            f"{batch['tokens_per_forward_per_seq']:5.2f} ({window_text(window_s)})")
+
+
+#: what the labels on the figures mean, shown above the panels (live view and `--once` alike)
+LEGEND = ("labels: now = at its latest stats · total = since the node started · last gen = its "
+          "latest generation",
+          "        last Ns = between its latest two stats, N s apart (batch: the latest two it "
+          "stepped between)",
+          "        since start = over its whole life (one stats heard so far)")
 
 
 def render_text(view: ClusterView) -> str:
@@ -284,7 +333,7 @@ def render_text(view: ClusterView) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     verifiers, proposers, gateways = role_lines(view)
-    lines += ["", "verifiers:", *(verifiers or ["  (no stats yet)"]),
+    lines += ["", *LEGEND, "", "verifiers:", *(verifiers or ["  (no stats yet)"]),
               "", "proposers:", *(proposers or ["  (no stats yet)"]),
               *(["", "gateways:", *gateways] if gateways else []),
               "", "events:", *list(view.log)[-10:]]

@@ -113,7 +113,7 @@ def test_tui_lists_nodes_and_updates_when_one_is_killed(two_proposers):
     app = MonitorApp(Attached(args))
 
     def states(table):
-        return {table.get_row_at(i)[0]: table.get_row_at(i)[5] for i in range(table.row_count)}
+        return {table.get_row_at(i)[0]: table.get_row_at(i)[6] for i in range(table.row_count)}
 
     async def scenario():
         async with app.run_test(size=(160, 40)) as pilot:

@@ -56,9 +56,11 @@ def test_panels_fit_120_columns_name_everyone_and_drop_departed_observers():
     verifiers, proposers, gateways = role_lines(view)
     assert all(len(line) <= 110 for line in [*verifiers, *proposers, *gateways])
     assert verifiers[1].startswith("  batch 1/256  per step: sequences")
+    assert verifiers[1].endswith("s)") and "(last " in verifiers[1]
     assert verifiers[0].startswith("verifier-with-a…") and proposers[0].startswith("p" * 12)
     assert gateways and "in flight" in gateways[0]
-    assert "drafted" in proposers[0] and "tok/s" in proposers[0]
+    assert "drafter -" in proposers[0]  # its card names none here
+    assert "drafted" in proposers[1] and "tok/s" in proposers[1] and "last " in proposers[1]
     assert "o" * 12 not in render_text(view)  # a departed observer is not listed
 
 
@@ -74,31 +76,36 @@ def test_batch_figures_follow_the_latest_interval_it_stepped_in():
     view = ClusterView()
     view.refresh([_member("v" * 12, "v", ("verifier",))])
     view.on_stats("v" * 12, _verifier_stats(10, 20, 60, 30, active=2))  # since it started
+    assert view.stats("v" * 12).batch_window_s is None
+    assert "(since start)" in role_lines(view)[0][1]
     assert view.stats("v" * 12).batch == {"mean_batch": 2.0, "rows_per_forward": 6.0,
                                           "tokens_per_forward_per_seq": 1.5}
     view.on_stats("v" * 12, _verifier_stats(14, 36, 100, 62, active=4))  # +4 steps, 16 seqs
     batch = role_lines(view)[0][1]
+    window = view.stats("v" * 12).batch_window_s
+    assert window is not None and window >= 0  # over the interval between the two samples
     assert batch == ("  batch 4/4  per step: sequences  4.00  rows/forward   10.0  "
-                     "tokens/forward/seq  2.00  steps 14")
+                     f"tokens/forward/seq  2.00 (last {window:.1f}s)")
     view.on_stats("v" * 12, _verifier_stats(14, 36, 100, 62, active=0))  # idle: kept
     assert "sequences  4.00" in role_lines(view)[0][1] and "batch 0/4" in role_lines(view)[0][1]
     view.on_stats("v" * 12, _verifier_stats(1, 1, 9, 1, active=1))  # restarted: from 0 again
     assert view.stats("v" * 12).batch["rows_per_forward"] == 9.0
+    assert "(since start)" in role_lines(view)[0][1]
     view.on_stats("v" * 12, {"verifier": {"tok_s": 1.0, "steps": "x"}})  # no batch counters
     assert len(role_lines(view)[0]) == 2  # the verifier's line and the cpu line, no batch line
 
 
-def test_the_batch_line_shows_prompt_positions_reused_once_there_are_any():
+def test_the_totals_line_shows_prompt_positions_reused_once_there_are_any():
     from tools.monitor_view import ClusterView, role_lines
 
     view = ClusterView()
     view.refresh([_member("v" * 12, "v", ("verifier",))])
-    for reused, tail in ((0, "steps 10"), (1234, "steps 10  prompt reused 1234"),
-                         ("x", "steps 10")):
+    for reused, tail in ((0, "total: steps 10"), (1234, "total: steps 10  prompt reused 1234"),
+                         ("x", "total: steps 10")):
         stats = _verifier_stats(10, 20, 60, 30)
         stats["verifier"]["reused"] = reused
         view.on_stats("v" * 12, stats)
-        assert role_lines(view)[0][1].endswith(tail)
+        assert role_lines(view)[0][2].endswith(tail)
 
 
 @pytest.fixture(scope="module")
@@ -153,5 +160,5 @@ def test_batch_figures_render_from_a_real_verifier_telemetry_snapshot(tiny_backe
     line = role_lines(view)[0][1]
     assert line == (f"  batch 0/4  per step: sequences {v['stepped'] / v['steps']:5.2f}  "
                     f"rows/forward {v['rows'] / v['steps']:6.1f}  tokens/forward/seq "
-                    f"{v['committed'] / v['stepped']:5.2f}  steps {v['steps']}")
+                    f"{v['committed'] / v['stepped']:5.2f} (since start)")
     assert line in render_text(view)  # the `--once` snapshot; the TUI shows role_lines too
