@@ -129,6 +129,10 @@ def _lock_and_increment(root: Path, node_id: str) -> Identity | None:
     counter = node_dir / "incarnation"
     incarnation = _read_counter(counter) + 1
     _write_counter(counter, incarnation)
+    # every raise of the incarnation is logged with its reason (issue 47); a start's is the
+    # ordinary one, so it is info, where a refutation's is a warning (discovery/refuter.py)
+    log.info("incarnation %d for node %s: started again (its counter file %s held %d)",
+             incarnation, node_id, counter, incarnation - 1)
     return Identity(node_id, incarnation, counter, fd)
 
 

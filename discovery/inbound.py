@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from codec.messages import Message
-from discovery.cards import Card, CardError
+from discovery.cards import Card, CardError, printable
 from discovery.counters import Counters
 from discovery.introductions import DigestSync, Introducer
 from discovery.refuter import Refuter
@@ -65,7 +65,8 @@ class GossipIn:
         else:
             self.sync.check(hb.sender, hb.peers, now)
         if self.view.node_id in hb.suspects:
-            self.refuter.refute(self.view.own.incarnation)
+            self.refuter.refute(self.view.own.incarnation,
+                                f"{printable(hb.sender, 40)} listing us as suspect")
 
     def _on_leave(self, leave: Leave) -> None:
         if leave.sender == self.view.node_id:
