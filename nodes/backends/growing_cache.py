@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 #: positions of room reserved beyond a growth at least (a draft tree, a few steps)
 SLACK = 64
@@ -106,10 +106,172 @@ class GrowingLayer(DynamicLayer):
         self.is_initialized = False
 
 
-def new_cache(config: Any) -> DynamicCache:
-    """A `DynamicCache` for `config` whose full-attention layers grow in place; any other kind
-    of layer the config asks for (sliding windows) stays transformers' own."""
+class WindowLayer(GrowingLayer):
+    """A layer attending to a band of absolute positions: the first `sink` (0 for none) and
+    the last `window` (query q sees key p when p > q - window or p < sink), the mask a
+    function of positions alone, so prefill, decoding, a draft tree and a batch compute the
+    same thing (docs: "Cache shapes").
+
+    `trim=False` (a model's own sliding-window layer): every position is kept, the attention
+    reads a view of the last `window - 1` plus the fed rows, so a crop, a prefix copy or a
+    tree compaction is exact at any length. `trim=True` (`--kv-sink/--kv-window` on a full
+    layer): positions no future query can see (below `length - window + 1`, past the sinks)
+    are dropped at the start of each forward (`trim`), rows moved down in place once at least
+    `SLACK` of them are dead, the buffer held at `sink + window + 2 * SLACK` rows: memory is
+    constant in the context length. Rolling back below the first kept position is refused.
+
+    Rows: [0, held sinks) are positions [0, min(sink, length)); the rest are positions
+    [off, length), off = held sinks + `_drop`."""
+
+    def __init__(self, sink: int = 0, window: int | None = None, trim: bool = False,
+                 **kwargs: Any) -> None:
+        self.sink, self.window, self.trim_rows = int(sink), window, bool(trim)
+        self._drop = 0  # positions dropped between the sinks and the kept tail
+        super().__init__(**kwargs)
+
+    @property
+    def is_sliding(self) -> bool:  # type: ignore[override]
+        return not self.trim_rows
+
+    # -- positions ------------------------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return (self._length + self._drop) if self.is_initialized else 0
+
+    def held_sinks(self) -> int:
+        return min(self.sink, self.get_seq_length())
+
+    def offset(self) -> int:
+        """The first position of the kept tail."""
+        return self.held_sinks() + self._drop
+
+    def band(self, past: int) -> tuple[int, tuple[int, int, int, int]]:
+        """For a forward appending after `past` positions: the first row its attention reads
+        and the key of the positions it reads before the fed ones, (sink, window, a, b):
+        positions [0, a) then [b, past), the same before and after the forward's update."""
+        if not self.trim_rows:
+            start = max(0, past - self.window + 1) if self.window else 0
+            return start, (0, self.window or 0, 0, start)
+        if not self._drop:
+            return 0, (self.sink, self.window or 0, 0, 0)
+        return 0, (self.sink, self.window or 0, self.sink, self.sink + self._drop)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of positions to remove, not "
+                             f"{tokens_to_remove}")
+        if not self.is_initialized:
+            return
+        target = max(self.get_seq_length() - abs(tokens_to_remove), 0)
+        if self._drop and target < self.offset():
+            raise ValueError(f"cannot roll back to {target} positions: positions below "
+                             f"{self.offset()} were dropped (kv window {self.window})")
+        self._length = self._values_length = target - self._drop
+
+    def reset(self) -> None:
+        super().reset()
+        self._drop = 0
+
+    def steady(self) -> int:
+        """The rows a trimming layer's buffer keeps once past sink + window."""
+        return self.sink + (self.window or 0) + 2 * SLACK
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, keep: int) -> None:
+        if not self.trim_rows:
+            return super()._grow(key_states, value_states, keep)
+        total = keep + int(key_states.shape[-2])
+        capacity = max(total + max(SLACK, total // 4), self.steady())
+        self._realloc(capacity, keep, like=(key_states, value_states))
+
+    def _realloc(self, capacity: int, keep: int, like: tuple[torch.Tensor, torch.Tensor]
+                 ) -> None:
+        buffers = []
+        for old, ref in zip((self._keys, self._values), like, strict=True):
+            shape = (*ref.shape[:-2], capacity, ref.shape[-1])
+            buf = torch.empty(shape, dtype=ref.dtype, device=ref.device)
+            if keep:
+                buf[..., :keep, :] = old[..., :keep, :]
+            buffers.append(buf)
+        self._keys, self._values = buffers
+        self._length = self._values_length = keep
+
+    def trim(self, exact: bool = False) -> None:
+        """Drop the positions no query from the current length on can see (module
+        docstring): when at least `SLACK` are dead, or any with `exact`; then shrink a buffer
+        grown past its steady size (a long prompt fed at once)."""
+        if not (self.trim_rows and self.is_initialized and self._keys is not None):
+            return
+        length, sinks = self.get_seq_length(), self.held_sinks()
+        dead = max(0, length - self.window + 1 - self.offset())
+        if dead and (exact or dead >= SLACK):
+            first = sinks + dead  # the row of the first position kept
+            n = self._length - first
+            for buf in (self._keys, self._values):
+                buf[..., sinks:sinks + n, :] = buf[..., first:first + n, :].clone()
+            self._drop += dead
+            self._length = self._values_length = sinks + n
+        if self._keys.shape[-2] > self.steady() and self._length <= self.steady() - SLACK:
+            self._realloc(self.steady(), self._length, like=(self._keys, self._values))
+
+
+def band_layer(layer: Any) -> bool:
+    return isinstance(layer, WindowLayer)
+
+
+def trim(cache: Any, exact: bool = False) -> None:
+    """Trim every trimming layer of `cache` (the start of a forward; `exact` when kept)."""
+    for layer in cache.layers:
+        if isinstance(layer, WindowLayer):
+            layer.trim(exact)
+
+
+def compact(layer: Any, base: int, keep: torch.Tensor) -> None:
+    """After a tree forward at length `base`: the fed rows `keep` (feed indices) moved, in
+    place, to positions base.., the rest dropped."""
+    if layer.keys is None:
+        return
+    row = base - (layer._drop if isinstance(layer, WindowLayer) else 0)
+    for name in ("_keys", "_values"):
+        buf = getattr(layer, name)
+        buf[..., row:row + len(keep), :] = buf[..., row + keep, :]  # index: a copy first
+    layer._length = layer._values_length = row + len(keep)
+
+
+def kv_bytes(cache: Any) -> int:
+    """Bytes of K/V buffers the cache holds (allocated, room ahead included)."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("_keys", "_values"):
+            t = getattr(layer, name, None)
+            if t is None:
+                t = getattr(layer, name.lstrip("_"), None)
+            if isinstance(t, torch.Tensor):
+                total += t.nbytes
+    return total
+
+
+def windowed(config: Any) -> bool:
+    """Whether `config`'s model has sliding-window layers (those need our band masks)."""
+    return any(type(layer) is not DynamicLayer for layer in DynamicCache(config=config).layers)
+
+
+def new_cache(config: Any, bound: tuple[int, int] | None = None) -> DynamicCache:
+    """A `DynamicCache` for `config`: full-attention layers grow in place (`GrowingLayer`), or
+    keep sinks + window under `bound` = (sink, window) (`WindowLayer(trim=True)`); sliding-
+    window layers become `WindowLayer`s keeping everything, their window applied by the mask.
+    Any other kind of layer (chunked attention, shared K/V) is refused."""
+    from nodes.engine.errors import BadRequestError
+
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer
-                    for layer in cache.layers]
+    layers = []
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer:
+            layers.append(GrowingLayer() if bound is None
+                          else WindowLayer(bound[0], bound[1], trim=True))
+        elif type(layer) is DynamicSlidingWindowLayer:
+            layers.append(WindowLayer(0, int(layer.sliding_window)))
+        else:
+            raise BadRequestError(f"model type {getattr(config, 'model_type', '?')!r}: cache "
+                                  f"layer {type(layer).__name__} is served by no path here "
+                                  "(full and sliding-window attention are)")
+    cache.layers = layers
     return cache

@@ -54,6 +54,11 @@ class TorchBackend(Backend):
         #: the weights the forward computes with: "fp32" (the reference mode) or a quantized
         #: form as `quant_forward` names it
         self.weights = "fp32"
+        #: (sink, window) of bounded K/V on full-attention layers (`bound_kv`), or None
+        self.kv_bound: tuple[int, int] | None = None
+        #: the model has sliding-window layers: every forward goes through `torch_batch`,
+        #: whose masks apply each layer's window (growing_cache.WindowLayer)
+        self.windowed = growing_cache.windowed(model.config)
 
     @classmethod
     def load(cls, model_ref: str | None = None, device: str | None = None,
@@ -96,7 +101,27 @@ class TorchBackend(Backend):
         return cls(model, tokenizer, model_name, "cpu")
 
     def new_cache(self) -> Any:
-        return growing_cache.new_cache(self.model.config)
+        return growing_cache.new_cache(self.model.config, self.kv_bound)
+
+    def bound_kv(self, sink: int | None, window: int | None) -> None:
+        """Bound every full-attention layer's K/V to the first `sink` positions and the last
+        `window` (`--kv-sink/--kv-window`; both or neither): a band mask over absolute
+        positions, the rest dropped (growing_cache.WindowLayer). A verifier so bounded keeps
+        no prefix cache (a prefix of a trimmed cache is not there to copy)."""
+        self.kv_bound = check_kv_bound(sink, window, self.model.config)
+        if self.kv_bound is not None:
+            self.supports_prefix_copy = False
+            log.info("kv: bounded to %d sink + %d window positions per full-attention layer",
+                     *self.kv_bound)
+
+    def kv_bytes(self, cache: Any) -> int:
+        """Bytes of the K/V buffers `cache` holds (room ahead included)."""
+        return growing_cache.kv_bytes(cache)
+
+    @property
+    def _banded(self) -> bool:
+        """Whether forwards must go through `torch_batch` (its masks apply the bands)."""
+        return self.windowed or self.kv_bound is not None
 
     # ---- hidden states for heads that read them (EAGLE-3) ------------------------------------
     @property
@@ -176,7 +201,7 @@ class TorchBackend(Backend):
 
     @torch.inference_mode()
     def forward(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
-        if self.lean is not None:
+        if self.lean is not None or self._banded:
             return self._lean_one(cache, token_ids, None, last_only=False)
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         out = self._run(cache, input_ids=ids)
@@ -185,7 +210,7 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def forward_last(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
         # logits_to_keep=1 is also what HF generate uses for the prompt
-        if self.lean is not None:
+        if self.lean is not None or self._banded:
             return self._lean_one(cache, token_ids, None, last_only=True)[-1]
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         out = self._run(cache, input_ids=ids, logits_to_keep=1)
@@ -195,7 +220,7 @@ class TorchBackend(Backend):
     def forward_tree(
         self, cache: Any, token_ids: Sequence[int], parents: Sequence[int]
     ) -> np.ndarray:
-        if self.lean is not None:
+        if self.lean is not None or self._banded:
             return self._lean_one(cache, token_ids, parents, last_only=False)
         n, past = len(token_ids), self.cache_length(cache)
         depth, visible = tree_layout(parents)
@@ -227,17 +252,22 @@ class TorchBackend(Backend):
             return super().forward_batch(caches, feeds)
         return torch_batch.forward(self, caches, feeds)
 
+    @torch.inference_mode()
     def compact(self, cache: Any, base: int, keep: Sequence[int]) -> None:
         keep = list(keep)
         if keep == list(range(len(keep))):
             self.crop(cache, base + len(keep))
             return
-        idx = torch.tensor([base + i for i in keep], dtype=torch.long, device=self.device)
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         for layer in cache.layers:
-            layer.keys = torch.cat([layer.keys[..., :base, :], layer.keys[..., idx, :]], dim=-2)
-            layer.values = torch.cat(
-                [layer.values[..., :base, :], layer.values[..., idx, :]], dim=-2
-            )
+            if isinstance(layer, growing_cache.GrowingLayer):
+                growing_cache.compact(layer, base, idx)
+            else:
+                idx_b = idx + base
+                layer.keys = torch.cat([layer.keys[..., :base, :], layer.keys[..., idx_b, :]],
+                                       dim=-2)
+                layer.values = torch.cat(
+                    [layer.values[..., :base, :], layer.values[..., idx_b, :]], dim=-2)
 
     supports_prefix_copy = True
 
@@ -246,15 +276,22 @@ class TorchBackend(Backend):
             raise ValueError(f"cannot copy {length} positions of a {self.cache_length(src)}-"
                              f"position cache into one of {self.cache_length(dst)}")
         for i, layer in enumerate(src.layers):
+            if getattr(layer, "_drop", 0):
+                raise ValueError("cannot copy a prefix of a bounded (--kv-window) cache")
             # `update` on an empty layer concatenates onto nothing: a copy, not a view
             dst.update(layer.keys[..., :length, :], layer.values[..., :length, :], i)
 
+    @torch.inference_mode()
     def settle_cache(self, cache: Any, length: int) -> int:
         self.crop(cache, length)
+        growing_cache.trim(cache, exact=True)
         cache.specbus_hidden = None  # captured states of its last forward: not kept
         nbytes = 0
         for layer in cache.layers:
             if layer.keys is None:
+                continue
+            if getattr(layer, "_drop", 0):  # bounded: its buffer is already its steady size
+                nbytes += layer._keys.nbytes + layer._values.nbytes
                 continue
             for name in ("keys", "values"):
                 t = getattr(layer, name)
@@ -272,6 +309,34 @@ class TorchBackend(Backend):
         extra = self.cache_length(cache) - length
         if extra > 0:
             cache.crop(-extra)
+
+
+#: the largest sink or window `--kv-sink/--kv-window` takes (positions)
+MAX_KV_BOUND = 1 << 20
+
+
+def check_kv_bound(sink: int | None, window: int | None,
+                   config: Any = None) -> tuple[int, int] | None:
+    """(sink, window) validated, or None when neither is given; a BadRequestError naming the
+    flag otherwise: both or neither, integers, sink >= 1, window >= 2, each at most
+    `MAX_KV_BOUND` and within the model's trained context where it says one."""
+    if sink is None and window is None:
+        return None
+    if sink is None or window is None:
+        raise BadRequestError("--kv-sink and --kv-window go together: give both (e.g. "
+                              "--kv-sink 4 --kv-window 64) or neither")
+    for flag, value, least in (("--kv-sink", sink, 1), ("--kv-window", window, 2)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadRequestError(f"{flag} {value!r}: a whole number of positions")
+        if value < least:
+            raise BadRequestError(f"{flag} {value}: must be at least {least} (positions)")
+        if value > MAX_KV_BOUND:
+            raise BadRequestError(f"{flag} {value}: absurd; at most {MAX_KV_BOUND} positions")
+    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
+    if isinstance(limit, int) and sink + window > limit:
+        raise BadRequestError(f"--kv-sink {sink} + --kv-window {window} exceed the model's "
+                              f"{limit}-position context: the bound would never apply")
+    return int(sink), int(window)
 
 
 def _quant_forward(model: Any, ref: Any, weights: str,
@@ -301,7 +366,10 @@ def _lean_forward(model: Any) -> torch_lean.LeanForward | None:
         log.info("forward: transformers' own (%s=transformers)", FORWARD_ENV)
         return None
     if not torch_lean.supported(model):
-        log.info("forward: transformers' own (no lean forward for this model or device)")
+        log.info("forward: transformers' own (no lean forward for %s on this device)%s",
+                 getattr(model.config, "model_type", "this model"),
+                 "; sliding-window layers: band masks in torch_batch"
+                 if growing_cache.windowed(model.config) else "")
         return None
     log.info("forward: lean float32 Llama forward (torch_lean)")
     return torch_lean.LeanForward(model)

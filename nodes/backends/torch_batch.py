@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from nodes.backends import growing_cache
 from nodes.backends.base import tree_layout
 
 #: the attention implementation name a ragged call switches the model's config to
@@ -55,6 +56,8 @@ def forward(backend: Any, caches: Sequence[Any],
     `last_only[b]` says so; see the module docstring). On a backend with a lean forward
     (`torch_lean`) that forward runs instead of the model's, with the same layout and values."""
     device = backend.device
+    for cache in caches:
+        growing_cache.trim(cache)  # bounded layers: drop what no query from here on sees
     sizes = [len(ids) for ids, _ in feeds]
     pasts = [backend.cache_length(c) for c in caches]
     last = (list(last_only) if last_only is not None
@@ -62,23 +65,24 @@ def forward(backend: Any, caches: Sequence[Any],
     offs = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
     ids = torch.empty((1, int(offs[-1])), dtype=torch.long)
     pos = torch.empty_like(ids)
-    masks: list[Any] = []
+    seqmasks: list[SeqMask] = []
     for b, ((tokens, parents), n, past) in enumerate(zip(feeds, sizes, pasts, strict=True)):
         depth, visible = tree_layout(parents)
         ids[0, offs[b]:offs[b] + n] = torch.tensor(list(tokens), dtype=torch.long)
         pos[0, offs[b]:offs[b] + n] = torch.from_numpy(past + depth)
-        masks.append(_mask(past, visible, device))
+        seqmasks.append(SeqMask(past, depth, visible, device))
     capture = [getattr(c, "specbus_capture", None) for c in caches]
     union = tuple(sorted({i for layers in capture if layers for i in layers})) or None
     wanted = [[offs[b] + n - 1] if only else list(range(offs[b], offs[b] + n))
               for b, (n, only) in enumerate(zip(sizes, last, strict=True))]
     keep = [i for rows in wanted for i in rows]
     trimmed = len(keep) < len(pos[0])  # some feeds want only their last row: skip the others' head
-    if backend.lean is not None:
-        out_logits, hidden = backend.lean.run(caches, offs, ids, pos, masks,
+    uniform = [_uniform_mask(m, c) for m, c in zip(seqmasks, caches, strict=True)]
+    if backend.lean is not None and all(u is not False for u in uniform):
+        out_logits, hidden = backend.lean.run(caches, offs, ids, pos, uniform,
                                               keep if trimmed else None, union)
     else:
-        out_logits, hidden = _model_call(backend, caches, offs, ids, pos, masks,
+        out_logits, hidden = _model_call(backend, caches, offs, ids, pos, seqmasks,
                                          keep if trimmed else None, union)
     if union is not None:
         for b, (cache, layers) in enumerate(zip(caches, capture, strict=True)):
@@ -94,7 +98,7 @@ def forward(backend: Any, caches: Sequence[Any],
 
 
 def _model_call(backend: Any, caches: Sequence[Any], offs: np.ndarray, ids: torch.Tensor,
-                pos: torch.Tensor, masks: list[Any], keep: list[int] | None,
+                pos: torch.Tensor, masks: list[SeqMask], keep: list[int] | None,
                 union: tuple[int, ...] | None) -> tuple[torch.Tensor, Any]:
     """The packed rows through the model itself, attention switched to `specbus_ragged`;
     returns the logits [1, kept rows, vocab] and the captured layer inputs (or None)."""
@@ -132,13 +136,66 @@ def _mask(past: int, visible: np.ndarray, device: Any) -> Any:
     return mask.to(device)
 
 
+class SeqMask:
+    """Sequence b's masks over [its past ; its fed rows], one per layer geometry: full layers
+    `_mask`'s; a `growing_cache.WindowLayer` (a sliding window, or sinks + window) the band
+    over absolute positions (key p visible to query q when p > q - window or p < sink) and the
+    tree's visibility, from the first row that layer's attention reads."""
+
+    def __init__(self, past: int, depth: np.ndarray, visible: np.ndarray, device: Any) -> None:
+        self.past, self.depth, self.visible, self.device = past, depth, visible, device
+        self.plain = _mask(past, visible, device)
+        self._memo: dict[tuple[int, int, int, int], Any] = {}
+
+    def for_layer(self, layer: Any) -> tuple[int, Any]:
+        """(first row of the layer's K/V its attention reads, the mask)."""
+        if not isinstance(layer, growing_cache.WindowLayer):
+            return 0, self.plain
+        start, key = layer.band(self.past)
+        if key not in self._memo:
+            self._memo[key] = _band_mask(self.past, self.depth, self.visible, key, self.device)
+        return start, self._memo[key]
+
+
+def _band_mask(past: int, depth: np.ndarray, visible: np.ndarray,
+               key: tuple[int, int, int, int], device: Any) -> Any:
+    """The band mask for past key positions [0, a) + [b, past) then the fed rows (see
+    `SeqMask`); None or "causal" where those say the same."""
+    sink, window, a, b = key
+    n = len(depth)
+    q = torch.from_numpy(past + depth)
+    kp = torch.cat([torch.arange(a), torch.arange(b, past), q])
+    mask = torch.ones((n, len(kp)), dtype=torch.bool)
+    mask[:, len(kp) - n:] = torch.from_numpy(np.ascontiguousarray(visible))
+    if window:
+        mask &= (kp[None, :] > q[:, None] - window) | (kp[None, :] < sink)
+    if bool(mask.all()) and n == 1:
+        return None
+    if len(kp) == n and torch.equal(mask, torch.tril(torch.ones((n, n), dtype=torch.bool))):
+        return "causal"
+    return mask.to(device)
+
+
+def _uniform_mask(seqmask: SeqMask, cache: Any) -> Any:
+    """The one mask every layer of `cache` takes (what the lean forward reads), or False
+    where layers differ or one reads a view (a sliding window beside full layers)."""
+    layers = cache.layers
+    if not any(isinstance(layer, growing_cache.WindowLayer) for layer in layers):
+        return seqmask.plain
+    got = [seqmask.for_layer(layer) for layer in layers]
+    first = got[0]
+    if first[0] or any(g[0] != first[0] or g[1] is not first[1] for g in got):
+        return False
+    return first[1]
+
+
 class _Ragged:
     """The `past_key_values` a ragged call hands the model: each layer's `update` appends every
     sequence's new K/V rows to its own cache and keeps their full K/V for that layer's
     attention (`_ragged_attention`). Also the stand-in cache `_run_rows` sees (the union of
     the capturing caches' layers; `forward` splits the captured states per sequence)."""
 
-    def __init__(self, caches: Sequence[Any], offs: np.ndarray, masks: list[Any]) -> None:
+    def __init__(self, caches: Sequence[Any], offs: np.ndarray, masks: list[SeqMask]) -> None:
         self.caches, self.offs, self.masks = caches, offs, masks
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.specbus_capture: tuple[int, ...] | None = None
@@ -164,14 +221,44 @@ def _ragged_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
         raise RuntimeError(f"the {RAGGED!r} attention runs only inside torch_batch.forward")
     ragged, offs = specbus_ragged, specbus_ragged.offs
     gqa = query.shape[1] != ragged.kv[0][0].shape[1]
+    softcap = kwargs.get("softcap")
+    layer_idx = getattr(module, "layer_idx", None)
     outs = []
-    for b, ((k, v), mask) in enumerate(zip(ragged.kv, ragged.masks, strict=True)):
+    for b, ((k, v), seqmask) in enumerate(zip(ragged.kv, ragged.masks, strict=True)):
         q = query[:, :, offs[b]:offs[b + 1]]
+        if layer_idx is None:
+            start, mask = 0, seqmask.plain
+        else:
+            start, mask = seqmask.for_layer(ragged.caches[b].layers[layer_idx])
+        if start:
+            k, v = k[..., start:, :], v[..., start:, :]
+        if softcap is not None:
+            outs.append(_softcapped(q, k, v, mask, scaling, softcap))
+            continue
         causal = isinstance(mask, str)
         outs.append(F.scaled_dot_product_attention(
             q, k, v, attn_mask=None if causal else mask, is_causal=causal, scale=scaling,
             enable_gqa=gqa))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+                scaling: float | None, softcap: float) -> torch.Tensor:
+    """Attention with logit soft-capping (Gemma 2), as transformers' eager attention: scores
+    scaled, tanh-capped, masked, softmax in float32."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    n, total = q.shape[-2], k.shape[-2]
+    if isinstance(mask, str):
+        mask = torch.ones((n, total), dtype=torch.bool, device=q.device).tril(total - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def _register() -> None:
