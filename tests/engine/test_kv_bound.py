@@ -1,0 +1,177 @@
+"""Bounded K/V (`--kv-sink S --kv-window W`): every full-attention layer attends to the first S
+positions and the last W (a band over absolute positions, a function of the tokens alone) and
+keeps only those K/V. Plain decoding equals a from-scratch forward under the same band mask at
+every step; speculative decoding (chains, trees, a batch of 4) equals plain decoding under the
+same bound; the K/V bytes are the same at 1,000 and 4,000 positions; bad bounds are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nodes.backends import growing_cache
+from nodes.backends.torch_backend import TorchBackend, check_kv_bound
+from nodes.engine import Engine, GenerationParams
+from nodes.engine.errors import BadRequestError
+from tests.engine.test_hybrid_cache import EOS_NONE, Tree, _run, build_family
+
+SINK, WINDOW = 4, 16
+N = 48
+
+
+@pytest.fixture(scope="module", params=["lean", "transformers", "gemma3"])
+def bounded(request, tiny_folder, tmp_path_factory, smollm2_folder):
+    """The tiny Llama through the lean forward and through transformers' own, and a tiny
+    Gemma 3 (sliding layers keep their own window; the full layer takes the bound)."""
+    if request.param == "gemma3":
+        folder = tmp_path_factory.mktemp("gemma3_bound")
+        build_family(folder, smollm2_folder, "gemma3")
+    else:
+        folder = tiny_folder
+    b = TorchBackend.load(str(folder), device="cpu")
+    if request.param == "transformers":
+        b.lean = None
+    b.bound_kv(SINK, WINDOW)
+    return request.param, b
+
+
+@pytest.fixture(scope="module")
+def prompts(bounded):
+    _, b = bounded
+    text = ("The quick brown fox jumps over the lazy dog, and then the dog chases the fox "
+            "around the old barn twice before")
+    return [b.tokenizer.encode(text), b.tokenizer.encode("Once upon a time"),
+            b.tokenizer.encode("1, 2, 3, 4, 5, 6"), b.tokenizer.encode("def f(x):\n")]
+
+
+def _band_reference(b, prompt, n):
+    """Greedy decoding by a from-scratch forward of the whole sequence each step, full layers
+    under the sink + window band mask (sliding layers under their own window)."""
+    ids = list(prompt)
+    model = b.model
+    kinds = getattr(model.config, "layer_types", None)
+    for _ in range(n):
+        L = len(ids)
+        q = torch.arange(L)[:, None]
+        k = torch.arange(L)[None, :]
+        band = (k <= q) & ((k > q - WINDOW) | (k < SINK))
+        masks = {"full_attention": band}
+        if kinds and "sliding_attention" in kinds:
+            masks["sliding_attention"] = (k <= q) & (k > q - model.config.sliding_window)
+        as_float = {name: torch.zeros(1, 1, L, L).masked_fill(~m, torch.finfo(torch.float32).min)
+                    for name, m in masks.items()}
+        mask = as_float if len(as_float) > 1 else as_float["full_attention"]
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids]), attention_mask=mask).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def plain(bounded, prompts):
+    _, b = bounded
+    params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
+    return [_run(Engine(b, None), p, params)[0] for p in prompts]
+
+
+def test_plain_bounded_decoding_is_the_band_model(bounded, prompts, plain):
+    _, b = bounded
+    assert len(prompts[0]) > SINK + WINDOW  # a prompt longer than the bound
+    assert plain[0] == _band_reference(b, prompts[0], N)
+
+
+def test_the_bound_changes_the_output(bounded, prompts, plain):
+    from tests.engine.conftest import hf_greedy
+
+    _, b = bounded
+    assert plain[0] != hf_greedy(b, prompts[0], N, eos_id=49151)
+
+
+@pytest.mark.parametrize("mode,k", [("random", 3), ("wrong", 4), ("perfect", 8),
+                                    ("random", 12)])
+def test_chain_equals_plain_under_the_bound(bounded, prompts, plain, scripted, mode, k):
+    _, b = bounded
+    drafter = scripted(prompts[0] + plain[0], mode, b.vocab_size, seed=k)
+    out, stats = _run(Engine(b, drafter, fixed_k=k), prompts[0],
+                      GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE))
+    assert out == plain[0] and stats.drafted > 0
+
+
+@pytest.mark.parametrize("k", [4, 12])
+def test_tree_equals_plain_under_the_bound(bounded, prompts, plain, k):
+    _, b = bounded
+    source = Tree(prompts[0] + plain[0], b.vocab_size, seed=k)
+    out, stats = _run(Engine(b, fixed_k=k), prompts[0],
+                      GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE), sources=[source])
+    assert out == plain[0] and stats.tree_blocks > 0
+
+
+def test_batch_of_four_equals_plain_under_the_bound(bounded, prompts, plain, scripted):
+    _, b = bounded
+    engine = Engine(b, None, fixed_k=4)
+    params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
+    seqs = []
+    for i, (p, ref) in enumerate(zip(prompts, plain, strict=True)):
+        sources = ([scripted(p + ref, "random", b.vocab_size, seed=i).open_source(
+            p, params.sampling)] if i % 2 == 0 else [Tree(p + ref, b.vocab_size, seed=i)])
+        seqs.append(engine.start(p, params, sources=sources))
+    out = [[] for _ in seqs]
+    while any(q.finish_reason is None for q in seqs):
+        live = [i for i, q in enumerate(seqs) if q.finish_reason is None]
+        for i, block in zip(live, engine.step_batch([seqs[i] for i in live]), strict=True):
+            out[i] += block.token_ids
+    for q in seqs:
+        q.close()
+    assert out == plain
+
+
+def test_resume_from_committed_tokens_equals_plain(bounded, prompts, plain):
+    """A failover resume re-prefills prompt + what was committed: the band model is a function
+    of the tokens, so it goes on as the uninterrupted run did."""
+    _, b = bounded
+    cut = N // 2
+    resumed, _ = _run(Engine(b, None), prompts[0] + plain[0][:cut],
+                      GenerationParams(max_tokens=N - cut, eos_token_ids=EOS_NONE))
+    assert resumed == plain[0][cut:]
+
+
+def _bytes_after(b, positions):
+    cache = b.new_cache()
+    rng = np.random.default_rng(0)
+    ids = rng.integers(100, 1000, positions).tolist()
+    for start in range(0, positions - 8, 256):
+        b.forward_last(cache, ids[start:min(start + 256, positions - 8)])
+    for t in ids[positions - 8:]:  # decode steps with a rejected draft each
+        b.forward(cache, [t, 5, 6])
+        b.crop(cache, b.cache_length(cache) - 2)
+    assert b.cache_length(cache) == positions
+    return b.kv_bytes(cache)
+
+
+def test_kv_bytes_are_constant_past_the_bound(bounded):
+    name, b = bounded
+    at_1k, at_4k = _bytes_after(b, 1000), _bytes_after(b, 4000)
+    if name == "gemma3":  # the sliding layers keep every position (docs: cache shapes)
+        assert at_4k > at_1k
+        return
+    assert at_1k == at_4k
+    per_row = 2 * b.model.config.num_hidden_layers * b.model.config.num_key_value_heads * (
+        b.model.config.hidden_size // b.model.config.num_attention_heads) * 4
+    assert at_1k == per_row * (SINK + WINDOW + 2 * growing_cache.SLACK)
+
+
+@pytest.mark.parametrize("sink,window,why", [
+    (0, 64, "--kv-sink 0"), (-1, 64, "--kv-sink -1"), (4, 0, "--kv-window 0"),
+    (4, -5, "--kv-window -5"), (4, 10**9, "absurd"), (4, None, "go together"),
+    (None, 64, "go together"), (4, 1021, "context"), (2.5, 64, "whole number")])
+def test_bad_bounds_are_refused(sink, window, why):
+    class Cfg:
+        max_position_embeddings = 1024
+
+    with pytest.raises(BadRequestError, match=why):
+        check_kv_bound(sink, window, Cfg())
+
+
+def test_no_bound_is_none():
+    assert check_kv_bound(None, None) is None
