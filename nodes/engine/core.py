@@ -30,10 +30,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from nodes.engine.errors import BadRequestError
+from nodes.engine.grammar import Grammars, GrammarSource
 from nodes.engine.planner import DraftPlanner, Verified
 from nodes.engine.sampling import (
     accept_tree_greedy,
     accept_tree_keyed,
+    accept_tree_masked,
 )
 from nodes.engine.scheduler import BATCHED_PROMPT_ROWS, Fill, Scheduler, StepPlan
 from nodes.engine.settle import Settler, noise
@@ -82,7 +84,8 @@ class Engine:
 
     `fixed_k` pins the draft node budget (tests); otherwise the cost model picks it per step.
     `tree=False` verifies only the first candidate's single path (what a backend without tree
-    attention does anyway).
+    attention does anyway). `grammar_drafts`: a constrained sequence gets the grammar's forced
+    tokens as one more draft source (`grammar.GrammarSource`).
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class Engine:
         tree: bool = True,
         prefill_chunk: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        grammar_drafts: bool = True,
     ) -> None:
         if drafter is not None:
             drafter.check_compatible(backend.fingerprint)
@@ -114,6 +118,8 @@ class Engine:
         self.settler = Settler(backend)
         self.backend = backend
         self.drafter = drafter
+        self.grammar_drafts = grammar_drafts
+        self._grammars: Grammars | None = None
 
     #: the scheduler's settings (`Scheduler`): None or a chunk size; prompt rows a step feeds
     #: beyond its first; positions worth waiting a step for; earlier sequences' caches
@@ -127,6 +133,14 @@ class Engine:
     max_draft = _Part("planner")
     fixed_k = _Part("planner")
     tree = _Part("planner")
+
+    @property
+    def grammars(self) -> Grammars:
+        """This verifier's grammar compiler and its bounded cache (`grammar.Grammars`), made
+        at the first constrained request."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.backend.tokenizer, self.backend.vocab_size)
+        return self._grammars
 
     # ---- public API -------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
@@ -193,6 +207,11 @@ class Engine:
             slots = [Slot(self.drafter.open_source(prompt, sp), self.drafter.name, owned=True)]
         else:
             slots = []
+        grammar = None
+        if params.constraint is not None:
+            grammar = self.grammars.matcher(params.constraint)
+            if self.grammar_drafts:
+                slots.append(Slot(GrammarSource(grammar), GrammarSource.name, owned=True))
         seq = SequenceState(
             prompt=prompt,
             params=params,
@@ -202,6 +221,7 @@ class Engine:
             cost=self.planner.estimates(),
             stats=stats if stats is not None else Stats(),
             slots=slots,
+            grammar=grammar,
         )
         self._capture_for(seq)
         return seq
@@ -334,21 +354,31 @@ class Engine:
                   dt: float, *, alone: bool) -> Block:
         """Accept the deepest path of `tree` the verifier's `logits` prove, tell the planner
         (before the tokens are committed) and settle. `alone`: the forward was this tree's."""
-        path, nxt = self._accept(seq, tree, logits)
+        path, nxt, logits = self._accept(seq, tree, logits)
         self.planner.observe(seq, Verified(tree, path, dt, alone))
         return self.settler.verified(seq, tree, path, nxt, base, logits, dt)
 
     def _accept(self, seq: SequenceState, tree: TokenTree, logits: np.ndarray
-                ) -> tuple[list[int], int]:
-        """The deepest path of `tree` the verifier's `logits` prove (tree indices) and the
-        token after it (the correction, or a bonus): greedy, or keyed by the sequence's noise
-        (`sampling.accept_tree_keyed`: the text never depends on the drafts)."""
+                ) -> tuple[list[int], int, np.ndarray]:
+        """The deepest path of `tree` the verifier's `logits` prove (tree indices), the
+        token after it (the correction, or a bonus) and the logits it was chosen from: greedy,
+        or keyed by the sequence's noise (`sampling.accept_tree_keyed`: the text never depends
+        on the drafts). A constrained sequence's rows are masked by its grammar as the walk
+        reaches them, and the grammar follows the walk (`sampling.accept_tree_masked`; the
+        masked rows are what its log probabilities come from)."""
         sp = seq.params.sampling
-        if sp.greedy:
-            return accept_tree_greedy(logits, tree)
         at = len(seq.prompt) + len(seq.generated)  # the position node 0's row predicts
         vocab = self.backend.vocab_size
-        return accept_tree_keyed(logits, tree, sp, lambda depth: noise(seq, at + depth, vocab))
+        noise_at = lambda depth: noise(seq, at + depth, vocab)  # noqa: E731
+        if seq.grammar is not None:
+            if not logits.flags.writeable:
+                logits = logits.copy()
+            path, nxt = accept_tree_masked(logits, tree, sp, noise_at, seq.grammar.mask_logits,
+                                           seq.grammar.advance)
+            return path, nxt, logits
+        if sp.greedy:
+            return (*accept_tree_greedy(logits, tree), logits)
+        return (*accept_tree_keyed(logits, tree, sp, noise_at), logits)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:

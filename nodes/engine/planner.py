@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from nodes.engine.cost import CostModel, class_key
+from nodes.engine.grammar import prune_tree
 from nodes.engine.state import SequenceState, Slot, drop_source
 from nodes.engine.tree import Candidate, TokenTree
 
@@ -89,6 +90,8 @@ class DraftPlanner:
         tree = TokenTree(seq.generated[-1])
         tree.add(found, cap if self.adaptive else min(cap, self.fixed_k),
                  max_depth=max(remaining - 1, 0))
+        if seq.grammar is not None:  # drafts the grammar forbids never cost a row
+            tree = prune_tree(tree, seq.grammar)
         tree = self._prune(seq, tree, probes)
         self._note_offers(seq, tree, found)
         return tree

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from nodes.engine.tree import TokenTree
 
 __all__ = ["SamplingParams", "accept_greedy", "accept_tree_greedy", "accept_tree_keyed",
+           "accept_tree_masked", "choose",
            "check_sampling", "keyed_sample", "position_noise", "probs_from_logits", "sample"]
 
 
@@ -126,6 +127,43 @@ def accept_tree_keyed(
     node, path = 0, []
     while True:
         token = keyed_sample(rows[node], noise_at(tree.depths[node]))
+        child = tree.children[node].get(token)
+        if child is None:
+            return path, token
+        path.append(child)
+        node = child
+
+
+def choose(row: np.ndarray, params: SamplingParams, noise: Callable[[], np.ndarray]) -> int:
+    """The verifier's token from one row of logits: its argmax (greedy), else the Gumbel-max
+    draw from its processed distribution with the position's noise (`noise()`, made only when
+    sampling)."""
+    if params.greedy:
+        return int(np.argmax(row))
+    return keyed_sample(probs_from_logits(row, params)[0], noise())
+
+
+def accept_tree_masked(
+    logits: np.ndarray,
+    tree: TokenTree,
+    params: SamplingParams,
+    noise_at: Callable[[int], np.ndarray],
+    mask: Callable[[np.ndarray], np.ndarray],
+    advance: Callable[[int], None],
+) -> tuple[list[int], int]:
+    """`accept_tree_greedy` / `accept_tree_keyed` under a constraint: at each node walked, the
+    row is masked first (`mask(row)`: the forbidden tokens at -inf, from the constraint's state
+    after the path so far), the verifier's token is chosen from the masked row (greedy: its
+    argmax; sampling: the keyed draw from the masked, renormalised distribution), and the
+    constraint advances by it (`advance`). The same token a plain constrained run picks at that
+    position, so the text never depends on the drafts here either."""
+    node, path = 0, []
+    while True:
+        row = mask(logits[node])
+        logits[node] = row
+        depth = tree.depths[node]
+        token = choose(row, params, lambda d=depth: noise_at(d))
+        advance(token)
         child = tree.children[node].get(token)
         if child is None:
             return path, token

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from nodes.engine.logprobs import token_logprobs
-from nodes.engine.sampling import keyed_sample, position_noise, probs_from_logits
+from nodes.engine.sampling import choose, position_noise
 from nodes.engine.sources import Feedback
 from nodes.engine.state import Block, GenerationParams, SequenceState, drop_source
 from nodes.engine.tree import TokenTree
@@ -52,8 +52,11 @@ class Settler:
         if seq.prefilled and seq.prefilled < len(prompt):
             return self.nothing(seq, fed)
         sp = seq.params.sampling
-        first = int(np.argmax(row)) if sp.greedy else keyed_sample(
-            probs_from_logits(row, sp)[0], noise(seq, len(prompt), self.backend.vocab_size))
+        if seq.grammar is not None:  # the first token too comes from the masked row
+            row = seq.grammar.mask_logits(np.array(row, copy=True))
+        first = choose(row, sp, lambda: noise(seq, len(prompt), self.backend.vocab_size))
+        if seq.grammar is not None:
+            seq.grammar.advance(first)
         return replace(self._commit(seq, [first], drafted=0, accepted=0, base=0,
                                     hidden=self._take_hidden(seq, None), rows=row), fed=fed)
 
@@ -107,6 +110,8 @@ class Settler:
         logprobs = None if top is None or not new else token_logprobs(
             np.atleast_2d(rows)[: len(new)], new, min(top, self.backend.vocab_size))
         seq.generated.extend(new)
+        if seq.grammar is not None:  # acceptance walked it past a stop rule's cut: back
+            seq.grammar.sync(len(seq.generated))
         seq.finish_reason = finish
         seq.stats.blocks += 1
         committed = len(seq.prompt) + len(seq.generated)

@@ -15,6 +15,7 @@ import numpy as np
 
 from nodes.engine.cost import CostModel
 from nodes.engine.errors import BadRequestError
+from nodes.engine.grammar import Constraint, GrammarMatcher
 from nodes.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from nodes.engine.sampling import SamplingParams, check_sampling
 from nodes.engine.sources import DraftSource
@@ -32,6 +33,9 @@ class GenerationParams:
     #: None: no log probabilities; N >= 0: each committed token's and its N most likely
     #: alternatives' (`Block.logprobs`)
     logprobs: int | None = None
+    #: None: free text; else what every committed token must keep matching (a JSON schema, a
+    #: regex, a Lark grammar: `nodes.engine.grammar`), applied to the verifier's own logits
+    constraint: Constraint | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -41,6 +45,8 @@ class GenerationParams:
             raise BadRequestError("stop strings must be non-empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequestError(f"logprobs must be 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        if self.constraint is not None:
+            self.constraint.check()
 
     def seeded(self) -> GenerationParams:
         """These params with a seed drawn when they sample without one: the sequence's noise
@@ -173,6 +179,9 @@ class SequenceState:
     #: what a batch trims its least valuable draft nodes by
     plan_values: list[float] | None = None
     plan_forced: list[bool] | None = None
+    #: the grammar state of a constrained generation (`params.constraint`), following the
+    #: committed tokens; None: unconstrained
+    grammar: GrammarMatcher | None = None
 
     @property
     def committed(self) -> list[int]:

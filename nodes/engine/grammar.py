@@ -1,0 +1,342 @@
+"""Grammar constraints: what a generation may say, compiled by llguidance for our tokenizer.
+
+A `Constraint` is what a request asks for (a JSON schema, any JSON object, a regex or a Lark
+grammar), small and plain enough to travel in `generate_req` (`to_wire`, bounded by
+`MAX_CONSTRAINT_BYTES`). A verifier compiles it once per tokenizer (`Grammars`: llguidance's
+tokenizer built from our Hugging Face tokenizer files, a bounded LRU of compiled matchers, a
+compile deadline) and gives each sequence its own `GrammarMatcher`, which follows the committed
+tokens (consume, roll back what a stop rule cut) and answers the step's three questions:
+
+- which tokens may come next (`allowed`: a bool row over the vocabulary, the mask the verifier
+  applies to its own logits before it picks: `mask_logits`);
+- how much of a draft path is grammatical (`valid_prefix`: drafts are pruned before they cost a
+  forward);
+- which tokens the grammar forces from here (`forced`: a free draft, `GrammarSource`).
+
+Why llguidance (over xgrammar and outlines-core): it computes masks lazily on a token trie with
+an Earley parser (no ahead-of-time per-state mask tables, so a schema compiles in about a
+millisecond and a 10k-property one in about a second instead of a precompile per schema), it
+has `validate_tokens` (how much of a draft is valid, without moving the state), `rollback`
+(speculation commits and discards several tokens a step) and forced tokens tokenized the way
+the model would (`compute_ff_tokens`: the grammar drafter), all on one matcher object, and it
+reads Lark, regex and JSON schema through one compiler with resource limits (fuel, grammar
+size) that turn a hostile schema into an error, not a hung verifier. outlines-core builds a
+full index per schema (seconds to minutes on large ones) and has no rollback; xgrammar has
+rollback and jump-forward strings but compiles per-schema caches ahead of time and exposes
+forced text, not forced tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nodes.engine.errors import BadRequestError
+from nodes.engine.sources import DraftSource
+from nodes.engine.tree import Candidate, TokenTree
+
+#: the kinds of constraint a request may carry
+KINDS = ("json_schema", "json_object", "regex", "lark")
+#: the largest constraint text accepted (wire and API): a schema this size compiles in well
+#: under the deadline; one of 10,000 properties (about 300 KB) is refused before compiling
+MAX_CONSTRAINT_BYTES = 64 * 1024
+#: a grammar that takes longer than this to compile is refused (400), and not cached
+COMPILE_TIMEOUT_S = 2.0
+#: compiled grammars a verifier keeps (least recently used out first)
+CACHE_SIZE = 64
+#: llguidance's resource limits: a grammar past them fails to compile (a 400 naming the limit)
+_LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+               step_max_items=50_000, max_lexer_states=100_000)
+#: JSON output is compact (no free whitespace): a small model cannot pad it forever, and more of
+#: it is forced (drafted free)
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a generation must match: `kind` (one of `KINDS`) and its `text` (the JSON schema
+    as JSON text, the regex, the Lark grammar; "" for json_object)."""
+
+    kind: str
+    text: str = ""
+
+    def check(self) -> None:
+        if self.kind not in KINDS:
+            raise BadRequestError(f"constraint kind must be one of {', '.join(KINDS)}, "
+                                  f"got {self.kind!r}", "grammar")
+        if not isinstance(self.text, str):
+            raise BadRequestError("constraint text must be a string", "grammar")
+        size = len(self.text.encode("utf-8", "surrogatepass"))
+        if size > MAX_CONSTRAINT_BYTES:
+            raise BadRequestError(f"{self.kind} is {size} bytes, more than the "
+                                  f"{MAX_CONSTRAINT_BYTES} accepted", "grammar")
+        if self.kind != "json_object" and not self.text.strip():
+            raise BadRequestError(f"empty {self.kind}", "grammar")
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> Constraint:
+        """From a schema object (dict/bool) or its JSON text."""
+        text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
+        return cls("json_schema", text)
+
+    def to_wire(self) -> dict[str, str]:
+        return {"kind": self.kind, "text": self.text}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> Constraint:
+        if not isinstance(value, dict) or set(value) - {"kind", "text"}:
+            raise BadRequestError("grammar must be a map {kind, text}", "grammar")
+        out = cls(str(value.get("kind", "")), value.get("text", ""))
+        out.check()
+        return out
+
+
+def _grammar_text(c: Constraint) -> str:
+    """The llguidance grammar (its JSON form) for a constraint; a malformed schema raises."""
+    import llguidance as llg
+
+    if c.kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                      overrides=_JSON_OPTIONS)
+    if c.kind == "json_schema":
+        try:
+            schema = json.loads(c.text)
+        except ValueError as exc:
+            raise BadRequestError(f"json_schema is not valid JSON: {exc}", "grammar") from None
+        if not isinstance(schema, (dict, bool)):
+            raise BadRequestError("json_schema must be an object (or a boolean)", "grammar")
+        try:
+            return llg.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+        except (ValueError, TypeError) as exc:
+            raise BadRequestError(f"json_schema does not compile: {exc}", "grammar") from None
+    if c.kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(c.text)
+    return llg.LLMatcher.grammar_from_lark(c.text)
+
+
+class Grammars:
+    """A verifier's grammar compiler: llguidance's tokenizer for `tokenizer` (our
+    `nodes.backends.tokenizer.Tokenizer`; built once, about half a second) and a bounded LRU of
+    compiled matchers keyed by constraint, each sequence getting a copy (`matcher`)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, *, cache_size: int = CACHE_SIZE,
+                 timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.cache_size = cache_size
+        self.timeout_s = timeout_s
+        self._ll: Any = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[Constraint, Any] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        #: (compiles, cache hits, seconds compiling): for the record
+        self.compiles = 0
+        self.hits = 0
+        self.compile_s = 0.0
+
+    @property
+    def ll_tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll is None:
+                import llguidance.hf
+
+                self._ll = llguidance.hf.from_tokenizer(
+                    self.tokenizer.hf, n_vocab=self.vocab_size,
+                    eos_token=sorted(self.tokenizer.eos_token_ids)[0])
+            return self._ll
+
+    def compile(self, c: Constraint) -> Any:
+        """The compiled matcher of `c` (cached); `BadRequestError` naming why when it does not
+        compile or takes longer than `timeout_s`."""
+        c.check()
+        with self._lock:
+            hit = self._cache.get(c)
+            if hit is not None:
+                self._cache.move_to_end(c)
+                self.hits += 1
+                return hit
+        ll = self.ll_tokenizer
+        t0 = time.perf_counter()
+        future = self._pool.submit(_build, ll, c)
+        try:
+            matcher = future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise BadRequestError(f"{c.kind} took longer than {self.timeout_s:g} s to compile",
+                                  "grammar") from None
+        self.compile_s += time.perf_counter() - t0
+        self.compiles += 1
+        with self._lock:
+            self._cache[c] = matcher
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def matcher(self, c: Constraint) -> GrammarMatcher:
+        """A fresh per-sequence matcher for `c`, at the start of the generation."""
+        return GrammarMatcher(self.compile(c).deep_copy(), self.vocab_size,
+                              frozenset(self.tokenizer.eos_token_ids))
+
+
+def _build(ll: Any, c: Constraint) -> Any:
+    import llguidance as llg
+
+    grammar = _grammar_text(c)
+    matcher = llg.LLMatcher(ll, grammar, log_level=0,
+                            limits=llg.LLParserLimits(**_LIMITS, verbose_errors=False))
+    if matcher.is_error():
+        raise BadRequestError(f"{c.kind} does not compile: {_first_line(matcher.get_error())}",
+                              "grammar")
+    if matcher.is_stopped() and not matcher.is_accepting():
+        raise BadRequestError(f"{c.kind} accepts nothing", "grammar")
+    return matcher
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else "unknown error"
+    return line[:300]
+
+
+class GrammarMatcher:
+    """One sequence's grammar state: it has consumed exactly the sequence's generated tokens
+    between steps (`sync` after each commit). Within a step, acceptance walks it forward along
+    the path it accepts (`advance`), and settle rolls back what a stop rule cut."""
+
+    def __init__(self, ll: Any, vocab_size: int, eos: frozenset[int]) -> None:
+        self.ll = ll
+        self.vocab = vocab_size
+        self.eos = eos
+        #: tokens consumed since the start of the generation
+        self.consumed = 0
+        self._bits = np.full((1, (vocab_size + 31) // 32), -1, dtype=np.int32)
+        #: seconds spent in masks, validation and forced tokens (for the record)
+        self.seconds = 0.0
+        self.masks = 0
+
+    # ---- state ---------------------------------------------------------------------------------
+    def advance(self, token: int) -> None:
+        """Consume one token the verifier picked (from the masked distribution: valid)."""
+        if self.ll.is_stopped():
+            self.consumed += 1  # EOS after the end: nothing more to match
+            return
+        if not self.ll.consume_token(int(token)):
+            raise RuntimeError(f"grammar refused token {token}: {self.ll.get_error()}")
+        self.consumed += 1
+
+    def sync(self, generated: int) -> None:
+        """Roll back to `generated` tokens consumed (a stop rule cut the block)."""
+        extra = self.consumed - generated
+        if extra > 0:
+            self.ll.rollback(extra)
+            self.consumed = generated
+
+    def replay(self, tokens: Sequence[int]) -> None:
+        """Consume `tokens` already generated (a resumed generation)."""
+        for t in tokens:
+            self.advance(t)
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and allows nothing more (but EOS)."""
+        return bool(self.ll.is_stopped())
+
+    # ---- questions -------------------------------------------------------------------------------
+    def allowed(self) -> np.ndarray:
+        """Bool row over the vocabulary: the tokens the grammar allows next (EOS where the
+        grammar is complete; every EOS id of the sequence counts as EOS)."""
+        t0 = time.perf_counter()
+        self.ll.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        row = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab]
+        row = row.astype(bool)
+        if self.eos and (self.ll.is_accepting() or self.ll.is_stopped()):
+            row[list(self.eos)] = True
+        elif not row.any():  # nothing grammatical: end the generation rather than loop
+            row[list(self.eos)] = True
+        self.masks += 1
+        self.seconds += time.perf_counter() - t0
+        return row
+
+    def mask_logits(self, row: np.ndarray) -> np.ndarray:
+        """`row` (one position's logits) with the tokens the grammar forbids at -inf, in place
+        where it can be written."""
+        allowed = self.allowed()
+        vocab = min(len(row), self.vocab)
+        if not row.flags.writeable:
+            row = row.copy()
+        row[:vocab][~allowed[:vocab]] = -np.inf
+        row[vocab:] = -np.inf
+        return row
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar allows from here (state unchanged); an EOS id
+        counts where the grammar may end."""
+        if not tokens:
+            return 0
+        t0 = time.perf_counter()
+        toks = [int(t) for t in tokens]
+        n = self.ll.validate_tokens(toks)
+        if n < len(toks) and toks[n] in self.eos:
+            # EOS ids other than llguidance's own: valid where the grammar may end
+            probe = self.ll.deep_copy()
+            if probe.consume_tokens(toks[:n]) and (probe.is_accepting() or probe.is_stopped()):
+                n += 1
+        self.seconds += time.perf_counter() - t0
+        return n
+
+    def forced(self, limit: int) -> list[int]:
+        """The tokens the grammar forces from here (at most `limit`), tokenized the way the
+        model tokenizes the forced text (llguidance's fast-forward tokens)."""
+        if limit <= 0 or self.ll.is_stopped():
+            return []
+        t0 = time.perf_counter()
+        out = list(self.ll.compute_ff_tokens())[:limit]
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def prune_tree(tree: TokenTree, matcher: GrammarMatcher) -> TokenTree:
+    """`tree` without the draft nodes the grammar forbids (and their descendants): each
+    root-to-leaf path validated once from the sequence's state."""
+    if not tree.drafted:
+        return tree
+    ok = [False] * len(tree)
+    ok[0] = True
+    leaves = [i for i in range(1, len(tree)) if not tree.children[i]]
+    for leaf in leaves:
+        path = []
+        node = leaf
+        while node:
+            path.append(node)
+            node = tree.parents[node]
+        path.reverse()
+        n = matcher.valid_prefix([tree.tokens[i] for i in path])
+        for i in path[:n]:
+            ok[i] = True
+    if all(ok):
+        return tree
+    return tree.subtree([i for i in range(1, len(tree)) if ok[i]])
+
+
+class GrammarSource(DraftSource):
+    """The grammar as a drafter: the tokens it forces from the committed state (a JSON key, a
+    closing brace, the rest of an enum value), one chain. The cost model judges it as any
+    other source: forced text can be tokenized other ways, which the model may prefer."""
+
+    name = "grammar"
+
+    def __init__(self, matcher: GrammarMatcher) -> None:
+        self.matcher = matcher
+
+    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
+        forced = self.matcher.forced(budget)
+        if not forced:
+            return []
+        return [Candidate(np.asarray(forced, dtype=np.int64))]

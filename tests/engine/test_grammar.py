@@ -1,0 +1,240 @@
+"""Grammar constraints (nodes/engine/grammar.py): compiled by llguidance for the real SmolLM2
+tokenizer, applied to the verifier's own logits at every accepted position, so constrained
+speculation (ngram drafts, grammar drafts, trees, batches, sampling) commits exactly what
+constrained plain decoding does, and every output matches its constraint."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from nodes.drafters.ngram import NgramDrafter
+from nodes.engine import Engine, GenerationParams
+from nodes.engine.errors import BadRequestError
+from nodes.engine.grammar import (
+    MAX_CONSTRAINT_BYTES,
+    Constraint,
+    Grammars,
+    GrammarSource,
+    prune_tree,
+)
+from nodes.engine.sampling import SamplingParams
+from nodes.engine.sources import DraftSource
+from nodes.engine.state import Stats
+from nodes.engine.tree import Candidate, TokenTree
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "kind", "tags"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA = Constraint.json_schema(SCHEMA)
+REGEX = Constraint("regex", r"(yes|no), [0-9]{2,4} items?\.")
+LARK = Constraint("lark", 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,3}/')
+
+
+def check_json(text: str) -> None:
+    obj = json.loads(text)
+    assert set(obj) == {"name", "age", "kind", "tags"}
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 6
+    assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 120
+    assert obj["kind"] in ("cat", "dog", "bird")
+    assert len(obj["tags"]) <= 3 and all(t in ("a", "bb") for t in obj["tags"])
+
+
+def valid(c: Constraint, text: str) -> None:
+    if c.kind == "json_schema":
+        check_json(text)
+    elif c.kind == "regex":
+        assert re.fullmatch(c.text, text), text
+    else:
+        assert re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3})*\)", text), text
+
+
+@pytest.fixture(scope="module")
+def grammars(tiny_torch):
+    return Grammars(tiny_torch.tokenizer, tiny_torch.vocab_size)
+
+
+def params(c: Constraint, *, seed: int | None = None, n: int = 60) -> GenerationParams:
+    sp = SamplingParams() if seed is None else SamplingParams(temperature=0.9, top_p=0.95,
+                                                              seed=seed)
+    return GenerationParams(max_tokens=n, sampling=sp, constraint=c)
+
+
+def _collect(engine, prompt, p, sources):
+    tokens, last = [], None
+    for block in engine.stream(prompt, p, sources=sources):
+        tokens.extend(block.token_ids)
+        last = block
+    return tokens, last.finish_reason
+
+
+# ---- compiling -------------------------------------------------------------------------------
+def test_compile_cache_and_bounds(grammars):
+    a = grammars.compile(JSON_SCHEMA)
+    hits = grammars.hits
+    assert grammars.compile(Constraint.json_schema(SCHEMA)) is a
+    assert grammars.hits == hits + 1
+    small = Grammars(grammars.tokenizer, grammars.vocab_size, cache_size=2)
+    small._ll = grammars.ll_tokenizer
+    for c in (REGEX, LARK, JSON_SCHEMA):
+        small.compile(c)
+    assert len(small._cache) == 2 and REGEX not in small._cache
+
+
+@pytest.mark.parametrize("c, reason", [
+    (Constraint("json_schema", '{"type": "objectx"}'), "does not compile: Invalid type"),
+    (Constraint("json_schema", "{not json"), "not valid JSON"),
+    (Constraint("json_schema", "[1, 2]"), "must be an object"),
+    (Constraint("lark", "start: foo"), "unknown name"),
+    (Constraint("regex", "(unclosed"), "does not compile"),
+    (Constraint("xml", "<a/>"), "kind must be one of"),
+    (Constraint.json_schema({"type": "object", "properties": {
+        f"p{i}": {"type": "string"} for i in range(10_000)}}), "more than the"),
+])
+def test_bad_constraints_are_400s_naming_why(grammars, c, reason):
+    with pytest.raises(BadRequestError, match=reason) as err:
+        grammars.compile(c)
+    assert err.value.field == "grammar"
+
+
+def test_compile_deadline(grammars):
+    slow = Grammars(grammars.tokenizer, grammars.vocab_size, timeout_s=1e-6)
+    slow._ll = grammars.ll_tokenizer
+    with pytest.raises(BadRequestError, match="took longer than"):
+        slow.compile(Constraint.json_schema({"type": "object", "properties": {
+            f"q{i}": {"type": "integer"} for i in range(300)}}))
+
+
+def test_wire_form_round_trips_and_is_bounded():
+    assert Constraint.from_wire(JSON_SCHEMA.to_wire()) == JSON_SCHEMA
+    with pytest.raises(BadRequestError):
+        Constraint.from_wire({"kind": "regex", "text": "x" * (MAX_CONSTRAINT_BYTES + 1)})
+    with pytest.raises(BadRequestError):
+        Constraint.from_wire({"kind": "regex", "text": "a", "extra": 1})
+
+
+def test_matcher_prunes_and_forces(grammars, tiny_torch):
+    tok = tiny_torch.tokenizer
+    m = grammars.matcher(JSON_SCHEMA)
+    forced = m.forced(8)
+    assert tok.decode(forced) == '{"name'  # the rest may merge with what follows
+    good = tok.hf.encode('{"name":"Al","age":3')
+    bad = tok.hf.encode('{"nome":"Al"}')
+    tree = TokenTree(0)
+    tree.add([(0, Candidate(np.asarray(good))), (1, Candidate(np.asarray(bad)))], 64, 64)
+    pruned = prune_tree(tree, m)
+    shared = next(i for i, (a, b) in enumerate(zip(good, bad, strict=False)) if a != b)
+    assert 0 < m.valid_prefix(bad) < len(bad)
+    # the good branch whole, of the bad one only its grammatical start ('{"' shared)
+    assert pruned.drafted == len(good) + m.valid_prefix(bad) - shared < tree.drafted
+    assert m.consumed == 0 and m.valid_prefix(good) == len(good)
+    src = GrammarSource(m)
+    assert [list(c.tokens) for c in src.propose([], 8)] == [forced]
+
+
+# ---- lossless ----------------------------------------------------------------------------------
+class Branchy(DraftSource):
+    """Drafts from a known continuation, plus an alternative that takes another grammatical
+    token at its second place (from its own matcher), and an ungrammatical one, so the
+    verified trees branch, get pruned, and are accepted deep."""
+
+    name = "branchy"
+
+    def __init__(self, prompt_len, reference, vocab, matcher=None, seed=0):
+        self.start, self.ref, self.vocab, self.matcher = prompt_len, list(reference), vocab, \
+            matcher
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, committed, budget):
+        if budget <= 0:
+            return []
+        at = len(committed) - self.start
+        truth = self.ref[at: at + budget] or [7]
+        out = [truth, [int(self.rng.integers(self.vocab)) for _ in truth]]
+        if self.matcher is not None and len(truth) > 2:
+            self.matcher.sync(0)
+            self.matcher.replay(committed[self.start:] + truth[:1])
+            allowed = np.flatnonzero(self.matcher.allowed())
+            others = allowed[allowed != truth[1]]
+            if len(others):
+                out.insert(1, truth[:1] + [int(self.rng.choice(others))] + truth[2:])
+        return [Candidate(np.asarray(c, dtype=np.int64)) for c in out]
+
+
+@pytest.mark.parametrize("c", [JSON_SCHEMA, REGEX, LARK], ids=["json", "regex", "lark"])
+def test_constrained_greedy_speculation_equals_plain(tiny_torch, prompt_ids, c):
+    plain = Engine(tiny_torch, grammar_drafts=False)
+    ref = plain.generate(prompt_ids, params(c))
+    assert ref.finish_reason == "eos"
+    valid(c, ref.text)
+    grammar_only = Engine(tiny_torch)  # the grammar's forced tokens are the only drafts
+    gen = grammar_only.generate(prompt_ids, params(c))
+    assert gen.token_ids == ref.token_ids
+    if c.kind == "json_schema":
+        assert gen.stats.accepted > 0  # keys and punctuation came free
+    ngram = Engine(tiny_torch, NgramDrafter(), fixed_k=4)
+    assert ngram.generate(prompt_ids, params(c)).token_ids == ref.token_ids
+    stats = Stats()
+    trees = Engine(tiny_torch, fixed_k=8)  # every proposal verified: branching trees
+    tokens = [t for b in trees.stream(prompt_ids, params(c), stats=stats, sources=[
+        Branchy(len(prompt_ids), ref.token_ids, tiny_torch.vocab_size,
+                trees.grammars.matcher(c))]) for t in b.token_ids]
+    assert tokens == ref.token_ids
+    assert stats.accepted > 0
+    assert stats.tree_blocks > 0 or c is not JSON_SCHEMA  # (the others: short, mostly forced)
+
+
+def test_constrained_sampling_speculation_equals_plain(tiny_torch, prompt_ids):
+    plain = Engine(tiny_torch, grammar_drafts=False)
+    for seed in (1, 2):
+        ref = plain.generate(prompt_ids, params(JSON_SCHEMA, seed=seed))
+        check_json(ref.text)
+        spec = Engine(tiny_torch, NgramDrafter())
+        assert spec.generate(prompt_ids, params(JSON_SCHEMA, seed=seed)).token_ids == \
+            ref.token_ids
+        trees = Engine(tiny_torch, fixed_k=8)
+        tokens, _ = _collect(trees, prompt_ids, params(JSON_SCHEMA, seed=seed), [
+            Branchy(len(prompt_ids), ref.token_ids, tiny_torch.vocab_size,
+                    trees.grammars.matcher(JSON_SCHEMA))])
+        assert tokens == ref.token_ids
+
+
+def test_constrained_batch_equals_solo(tiny_torch, prompt_ids):
+    plain = Engine(tiny_torch, grammar_drafts=False)
+    cases = [params(JSON_SCHEMA), params(REGEX), params(LARK), GenerationParams(max_tokens=20),
+             params(JSON_SCHEMA, seed=5)]
+    solo = [plain.generate(prompt_ids, p).token_ids for p in cases]
+    engine = Engine(tiny_torch, NgramDrafter())
+    seqs = [engine.start(prompt_ids, p) for p in cases]
+    out = [[] for _ in seqs]
+    while any(s.finish_reason is None for s in seqs):
+        live = [i for i, s in enumerate(seqs) if s.finish_reason is None]
+        for i, block in zip(live, engine.step_batch([seqs[i] for i in live]), strict=True):
+            out[i].extend(block.token_ids)
+    assert out == solo
+
+
+def test_logprobs_come_from_the_masked_distribution(tiny_torch, prompt_ids):
+    """Log probabilities of a constrained run are the masked distribution's: a token the
+    grammar forces has probability 1, and no alternative outside the grammar is listed."""
+    blocks = []
+    Engine(tiny_torch).generate(prompt_ids, GenerationParams(
+        max_tokens=40, constraint=REGEX, logprobs=2), on_block=blocks.append)
+    tokens = [t for b in blocks for t in b.token_ids]
+    text = tiny_torch.tokenizer.decode(tokens[:-1])
+    valid(REGEX, text)
+    lp = np.concatenate([b.logprobs.logprobs for b in blocks])
+    comma = tokens.index(tiny_torch.tokenizer.hf.convert_tokens_to_ids(","))
+    assert lp[comma] == pytest.approx(0.0, abs=1e-6)  # after yes/no: "," is forced
+    assert np.all(lp > -np.inf)
