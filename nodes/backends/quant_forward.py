@@ -31,13 +31,10 @@ import numpy as np
 import torch
 
 from nodes.backends import few_rows
+from nodes.backends.weights import AUTO, WEIGHTS  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
-#: the weight forms a verifier takes (`--weights`): fp32 is the reference mode; q8 / q4
-#: quantize at load (the embedded model's q4 is its shipped Q4_1 file); file serves a GGUF
-#: model's own blocks as they are
-WEIGHTS = ("fp32", "q8", "q4", "file")
 KIND_Q8_0, KIND_Q4_1, KIND_F32 = 0, 1, 2
 _QK = 32
 

@@ -63,11 +63,12 @@ class TorchBackend(Backend):
     @classmethod
     def load(cls, model_ref: str | None = None, device: str | None = None,
              weights: str = "fp32") -> TorchBackend:
-        """Load `model_ref`; `weights` "q8" or "q4" serves it through the quantized forward
-        (CPU, Llama layouts: `quant_forward` says why), "fp32" keeps the reference mode."""
-        if weights not in quant_forward.WEIGHTS:
+        """Load `model_ref`; `weights` (nodes/backends/weights.py) "q8", "q4" or "file" serves
+        it through the quantized forward (CPU, Llama layouts: `quant_forward` says why), "auto"
+        where it serves the model's own GGUF blocks, "fp32" keeps the reference mode."""
+        if weights not in (*quant_forward.WEIGHTS, quant_forward.AUTO):
             raise BadRequestError(f"--weights {weights!r}: choose one of "
-                                  f"{', '.join(quant_forward.WEIGHTS)}")
+                                  f"{', '.join(quant_forward.WEIGHTS)} or auto")
         ref = models.resolve(model_ref)
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -87,11 +88,20 @@ class TorchBackend(Backend):
         if device == "cpu":
             few_rows.install(model)  # verify forwards' 2-16 rows at ~1-token cost (why: there)
         backend = cls(model, tokenizer, ref.name, device)
+        auto = weights == quant_forward.AUTO
+        if auto:
+            weights = _auto_weights(ref, device)
         if weights == "fp32":
             backend.lean = _lean_forward(model)
         else:
-            backend.lean = _quant_forward(model, ref, weights, device)
-            backend.weights = backend.lean.form
+            try:
+                backend.lean = _quant_forward(model, ref, weights, device)
+                backend.weights = backend.lean.form
+            except BadRequestError as exc:
+                if not auto:
+                    raise
+                log.info("weights auto: fp32 (%s)", exc)
+                backend.lean = _lean_forward(model)
         return backend
 
     @classmethod
@@ -337,6 +347,22 @@ def check_kv_bound(sink: int | None, window: int | None,
         raise BadRequestError(f"--kv-sink {sink} + --kv-window {window} exceed the model's "
                               f"{limit}-position context: the bound would never apply")
     return int(sink), int(window)
+
+
+def _auto_weights(ref: Any, device: str) -> str:
+    """`--weights auto`: a GGUF model's own blocks where the quantized forward serves it (said
+    in the log, with why not where it does not), else the fp32 reference mode."""
+    if device != "cpu":
+        why = f"the quantized forward runs on CPUs (this is {device})"
+    elif models.shipped_gguf(ref) is None:
+        why = "the model is a folder, not a GGUF file (--weights q8|q4 quantizes it)"
+    else:
+        why = few_rows.unavailable() or (None if few_rows.load() is not None
+                                         else "the kernels did not load")
+        if why is None:
+            return "file"
+    log.info("weights auto: fp32 (%s)", why)
+    return "fp32"
 
 
 def _quant_forward(model: Any, ref: Any, weights: str,

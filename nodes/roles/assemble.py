@@ -37,8 +37,8 @@ class RoleSpec:
     roles: tuple[str, ...]
     model: str | None = None  # None: the embedded default
     backend: str = "torch"
-    #: the verifier's weights: fp32 (the reference mode, identical to HF) or q8 / q4 (the
-    #: quantized forward: nodes/backends/quant_forward.py)
+    #: the verifier's weights (nodes/backends/weights.py): fp32 (the reference mode, identical
+    #: to HF), q8 / q4 / file (the quantized forward), or auto
     weights: str = "fp32"
     drafter: str = DEFAULT_PROPOSER_DRAFTER  # the proposer's drafter (or a verifier's own)
     max_draft: int = 16
@@ -189,7 +189,8 @@ def assemble(spec: RoleSpec) -> Roles:
         # what one connection may have queued or running here: cluster clients and gateways
         # keep at most that many in flight on this verifier and queue the rest themselves
         roles.card.setdefault("extras", {}).update(
-            max_batch=spec.max_batch, per_client=roles.verifier.slots.per_peer)
+            max_batch=spec.max_batch, per_client=roles.verifier.slots.per_peer,
+            weights=getattr(backend, "weights", "fp32").split(" ", 1)[0])
         if spec.share != "off":
             from nodes.roles.suffix_share import Publisher
 
