@@ -27,7 +27,7 @@ from codec.checks import EMPTY_TOKENS
 from codec.envelope import Message
 from codec.errors import BadRequest, UnknownType
 from codec.sampling import SamplingParams
-from codec.schema import INT, LIST, STR
+from codec.schema import INT, LIST, MAP, STR
 
 DEFAULT_MAX_TOKENS = 128
 MAX_TOKENS = 1 << 20  # absurd beyond this whatever the model; nodes apply their context too
@@ -41,6 +41,9 @@ MAX_CLASS_CHARS = 16  # a draft class label (`DraftChunk.classes`): "m5", "repea
 MAX_COMMITTED = 2**31 - 1
 MAX_HIDDEN_WIDTH = 1 << 16  # values per hidden-state row (3 layers x a 16k-wide model fit)
 MAX_TOP_LOGPROBS = 20  # alternatives per token with their log probabilities (OpenAI's cap)
+#: what a `generate_req.grammar` may be, and its largest text (UTF-8 bytes)
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
+MAX_GRAMMAR_BYTES = 64 * 1024
 MAX_PUB_TOKENS = 8192  # tokens one publication carries (a longer generation sends its end)
 MAX_SNAPSHOT_TOKENS = 1 << 18  # tokens one snapshot reply carries (1 MiB of int32)
 MAX_SNAPSHOT_DOCS = 4096
@@ -53,6 +56,20 @@ def _max_tokens(name: str, v: Any) -> int:
     if checks.is_int(v) and v <= 0:  # the one users meet: said in their words
         raise BadRequest(name, f"max tokens must be a positive integer, got {v}")
     return checks.int_in(name, v, 1, MAX_TOKENS)
+
+
+def _grammar(name: str, v: Any) -> dict[str, str]:
+    """`{kind, text}`: kind one of `GRAMMAR_KINDS`, text at most `MAX_GRAMMAR_BYTES`."""
+    if not isinstance(v, Mapping) or set(v) - {"kind", "text"}:
+        raise BadRequest(name, "must be a map {kind, text}")
+    kind, text = v.get("kind"), v.get("text", "")
+    if kind not in GRAMMAR_KINDS:
+        raise BadRequest(f"{name}.kind", f"must be one of {', '.join(GRAMMAR_KINDS)}")
+    if not isinstance(text, str):
+        raise BadRequest(f"{name}.text", "must be a string")
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_GRAMMAR_BYTES:
+        raise BadRequest(f"{name}.text", f"longer than {MAX_GRAMMAR_BYTES} bytes")
+    return {"kind": kind, "text": text}
 
 
 @wire.message("generate_req", eq=False, kw_only=True)
@@ -74,6 +91,9 @@ class GenerateReq(wire.Struct):
     #: the verifier's log probability of each token, and of its `logprobs` most likely
     #: alternatives (0: the token's own only); None: none
     logprobs: int | None = wire.integer(0, MAX_TOP_LOGPROBS, default=None)
+    #: None: free text; else `{kind, text}` every generated token must keep matching (a JSON
+    #: schema's text, a regex, a Lark grammar; "json_object": any JSON object)
+    grammar: Mapping[str, str] | None = wire.custom(MAP, _grammar, dict, default=None)
 
     def _cross_check(self) -> None:
         given = [n for n in ("prompt", "messages", "tokens") if getattr(self, n) is not None]

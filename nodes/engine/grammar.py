@@ -40,15 +40,16 @@ from typing import Any
 
 import numpy as np
 
+from codec.structs import GRAMMAR_KINDS, MAX_GRAMMAR_BYTES
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import Candidate, TokenTree
 
-#: the kinds of constraint a request may carry
-KINDS = ("json_schema", "json_object", "regex", "lark")
-#: the largest constraint text accepted (wire and API): a schema this size compiles in well
-#: under the deadline; one of 10,000 properties (about 300 KB) is refused before compiling
-MAX_CONSTRAINT_BYTES = 64 * 1024
+#: the kinds of constraint a request may carry, and the largest constraint text accepted (the
+#: wire's bounds, `codec.structs`): a schema this size compiles well under the deadline; one of
+#: 10,000 properties (about 300 KB) is refused before compiling
+KINDS = GRAMMAR_KINDS
+MAX_CONSTRAINT_BYTES = MAX_GRAMMAR_BYTES
 #: a grammar that takes longer than this to compile is refused (400), and not cached
 COMPILE_TIMEOUT_S = 2.0
 #: compiled grammars a verifier keeps (least recently used out first)

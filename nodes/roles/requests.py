@@ -18,6 +18,7 @@ from codec.messages import Message
 from codec.structs import GenerateReq
 from nodes.engine.core import GenerationParams
 from nodes.engine.errors import BadRequestError, TooLongError, error_code
+from nodes.engine.grammar import Constraint
 
 #: generation length a verifier accepts whatever its context (bounds one request's work)
 MAX_TOKENS_LIMIT = 4096
@@ -26,8 +27,9 @@ DEFAULT_MAX_CONTEXT = 8192
 
 
 def generation_params(req: GenerateReq) -> GenerationParams:
+    constraint = None if req.grammar is None else Constraint.from_wire(dict(req.grammar))
     return GenerationParams(max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop,
-                            logprobs=req.logprobs)
+                            logprobs=req.logprobs, constraint=constraint)
 
 
 def check_ids(field: str, ids: np.ndarray, vocab_size: int) -> None:
