@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 #: flags of --local alone: the cluster's verifier decides these
-LOCAL_ONLY = ("model", "drafter", "backend", "max_draft", "weights")
+LOCAL_ONLY = ("model", "drafter", "backend", "max_draft", "weights", "kv_sink", "kv_window")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "same weights' plain decoding)")
     local.add_argument("--max-draft", type=int, default=None,
                        help="longest draft block (default 16)")
+    local.add_argument("--kv-sink", type=int, default=None, metavar="S",
+                       help="bounded K/V: every full-attention layer attends to the first S "
+                            "positions and the last --kv-window W and keeps only those "
+                            "(both or neither)")
+    local.add_argument("--kv-window", type=int, default=None, metavar="W",
+                       help="the bounded K/V's window of recent positions (with --kv-sink)")
     parser.add_argument("--max-tokens", type=int, default=128,
                         help="most tokens to generate (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -179,6 +185,9 @@ def _run_local(args: argparse.Namespace) -> int:
     # validate cheap things before loading a model: the same typed path as the wire
     req = _request(args)
     params = generation_params(req)
+    from nodes.backends.kv_bound import check_kv_bound
+
+    check_kv_bound(args.kv_sink, args.kv_window)  # before the model loads
     drafter = args.drafter or "ngram"
     engine = load_engine(
         LocalConfig(
@@ -187,6 +196,8 @@ def _run_local(args: argparse.Namespace) -> int:
             None if drafter == "none" else drafter,
             16 if args.max_draft is None else args.max_draft,
             args.weights or default_weights(),
+            args.kv_sink,
+            args.kv_window,
         )
     )
     if req.messages is not None:

@@ -85,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "speculation stays bit-identical to the same weights' plain decoding")
     parser.add_argument("--max-draft", type=int, default=16,
                         help="longest draft block a verifier asks for (default 16)")
+    parser.add_argument("--kv-sink", type=int, default=None, metavar="S",
+                        help="a torch verifier's bounded K/V: every full-attention layer "
+                             "attends to the first S positions and the last --kv-window W, "
+                             "and keeps only those (memory constant past S + W); both or "
+                             "neither; speculation identical to plain decoding under the bound")
+    parser.add_argument("--kv-window", type=int, default=None, metavar="W",
+                        help="the bounded K/V's window of recent positions (with --kv-sink)")
     parser.add_argument("--tree-width", type=_tree_width, default=None, metavar="N",
                         help="proposer: candidates per drafted position sent to verifiers, "
                              "the chain's token and up to N-1 alternatives (default: the "
@@ -372,8 +379,12 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
     drafter = _with_suffix_budget(args.drafter or default, args.suffix_budget)
     from nodes.backends.weights import default_weights
 
+    from nodes.backends.kv_bound import check_kv_bound
+
+    check_kv_bound(args.kv_sink, args.kv_window)  # before any model loads
     spec = RoleSpec(roles=config.roles, model=args.model or None,
                     weights=args.weights or default_weights(),
+                    kv_sink=args.kv_sink, kv_window=args.kv_window,
                     backend=args.backend or "torch", drafter=drafter,
                     max_draft=args.max_draft, tree_width=args.tree_width,
                     lease_s=args.session_lease,

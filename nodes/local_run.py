@@ -20,6 +20,8 @@ class LocalConfig:
     drafter: str | None = "ngram"  # none | ngram | int8 | model:<ref>
     max_draft: int = 16
     weights: str = "fp32"  # the verifier's weights (nodes/backends/weights.py)
+    kv_sink: int | None = None  # bounded K/V (--kv-sink/--kv-window), both or neither
+    kv_window: int | None = None
 
 
 def load_engine(cfg: LocalConfig) -> Engine:
@@ -29,6 +31,10 @@ def load_engine(cfg: LocalConfig) -> Engine:
 
     backend = load_backend(cfg.backend, cfg.model,
                            **({"weights": cfg.weights} if cfg.weights != "fp32" else {}))
+    if cfg.kv_sink is not None or cfg.kv_window is not None:
+        from nodes.roles.assemble import _bound_kv
+
+        _bound_kv(backend, cfg.kv_sink, cfg.kv_window)
     drafter = make_drafter(cfg.drafter, backend)
     return Engine(backend, drafter, max_draft=cfg.max_draft)
 
@@ -61,4 +67,7 @@ def result_dict(engine: Engine, gen: Generation) -> dict:
         "model": engine.backend.model_name,
         "backend": engine.backend.name,
         "drafter": engine.drafter.name if engine.drafter is not None else "none",
+        #: the verifier's K/V buffers at the end (bytes; None where the backend says not)
+        "kv_bytes": getattr(engine.backend, "last_kv_bytes", None),
+        "kv_bound": list(getattr(engine.backend, "kv_bound", None) or []) or None,
     }

@@ -117,8 +117,9 @@ class WindowLayer(GrowingLayer):
     tree compaction is exact at any length. `trim=True` (`--kv-sink/--kv-window` on a full
     layer): positions no future query can see (below `length - window + 1`, past the sinks)
     are dropped at the start of each forward (`trim`), rows moved down in place once at least
-    `SLACK` of them are dead, the buffer held at `sink + window + 2 * SLACK` rows: memory is
-    constant in the context length. Rolling back below the first kept position is refused.
+    `SLACK // 2` of them are dead, the buffer held at `sink + window + SLACK` rows (room for
+    the dead rows and a draft tree of `SLACK // 2` more; a larger feed grows it for that
+    forward, the next trim shrinks it back): memory is constant in the context length. Rolling back below the first kept position is refused.
 
     Rows: [0, held sinks) are positions [0, min(sink, length)); the rest are positions
     [off, length), off = held sinks + `_drop`."""
@@ -173,7 +174,7 @@ class WindowLayer(GrowingLayer):
 
     def steady(self) -> int:
         """The rows a trimming layer's buffer keeps once past sink + window."""
-        return self.sink + (self.window or 0) + 2 * SLACK
+        return self.sink + (self.window or 0) + SLACK
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, keep: int) -> None:
         if not self.trim_rows:
@@ -195,14 +196,14 @@ class WindowLayer(GrowingLayer):
         self._length = self._values_length = keep
 
     def trim(self, exact: bool = False) -> None:
-        """Drop the positions no query from the current length on can see (module
-        docstring): when at least `SLACK` are dead, or any with `exact`; then shrink a buffer
+        """Drop the positions no query from the current length on can see (class
+        docstring): when at least `SLACK // 2` are dead, or any with `exact`; then shrink a buffer
         grown past its steady size (a long prompt fed at once)."""
         if not (self.trim_rows and self.is_initialized and self._keys is not None):
             return
         length, sinks = self.get_seq_length(), self.held_sinks()
         dead = max(0, length - self.window + 1 - self.offset())
-        if dead and (exact or dead >= SLACK):
+        if dead and (exact or dead >= SLACK // 2):
             first = sinks + dead  # the row of the first position kept
             n = self._length - first
             for buf in (self._keys, self._values):

@@ -13,6 +13,7 @@ import torch
 from nodes import models
 from nodes.backends import few_rows, growing_cache, quant_forward, torch_batch, torch_lean
 from nodes.backends.base import Backend, tree_layout
+from nodes.backends.kv_bound import MAX_KV_BOUND, check_kv_bound  # noqa: F401 - re-exported
 from nodes.backends.tokenizer import Tokenizer
 from nodes.engine.errors import BadRequestError, ModelNotFoundError
 
@@ -319,34 +320,9 @@ class TorchBackend(Backend):
         extra = self.cache_length(cache) - length
         if extra > 0:
             cache.crop(-extra)
-
-
-#: the largest sink or window `--kv-sink/--kv-window` takes (positions)
-MAX_KV_BOUND = 1 << 20
-
-
-def check_kv_bound(sink: int | None, window: int | None,
-                   config: Any = None) -> tuple[int, int] | None:
-    """(sink, window) validated, or None when neither is given; a BadRequestError naming the
-    flag otherwise: both or neither, integers, sink >= 1, window >= 2, each at most
-    `MAX_KV_BOUND` and within the model's trained context where it says one."""
-    if sink is None and window is None:
-        return None
-    if sink is None or window is None:
-        raise BadRequestError("--kv-sink and --kv-window go together: give both (e.g. "
-                              "--kv-sink 4 --kv-window 64) or neither")
-    for flag, value, least in (("--kv-sink", sink, 1), ("--kv-window", window, 2)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise BadRequestError(f"{flag} {value!r}: a whole number of positions")
-        if value < least:
-            raise BadRequestError(f"{flag} {value}: must be at least {least} (positions)")
-        if value > MAX_KV_BOUND:
-            raise BadRequestError(f"{flag} {value}: absurd; at most {MAX_KV_BOUND} positions")
-    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
-    if isinstance(limit, int) and sink + window > limit:
-        raise BadRequestError(f"--kv-sink {sink} + --kv-window {window} exceed the model's "
-                              f"{limit}-position context: the bound would never apply")
-    return int(sink), int(window)
+        #: the K/V bytes of the cache cropped last (each step's end): `generate --json`'s
+        #: `kv_bytes`
+        self.last_kv_bytes = growing_cache.kv_bytes(cache)
 
 
 def _auto_weights(ref: Any, device: str) -> str:

@@ -40,6 +40,9 @@ class RoleSpec:
     #: the verifier's weights (nodes/backends/weights.py): fp32 (the reference mode, identical
     #: to HF), q8 / q4 / file (the quantized forward), or auto
     weights: str = "fp32"
+    #: a verifier's bounded K/V (`--kv-sink S --kv-window W`: torch_backend.bound_kv), or None
+    kv_sink: int | None = None
+    kv_window: int | None = None
     drafter: str = DEFAULT_PROPOSER_DRAFTER  # the proposer's drafter (or a verifier's own)
     max_draft: int = 16
     #: a proposer's candidates per drafted position (None: the drafter's default; 1: chains)
@@ -159,6 +162,8 @@ def assemble(spec: RoleSpec) -> Roles:
                else {}))
         log.info("loaded %s on %s in %.1fs", backend.model_name, backend.name,
                  time.perf_counter() - t0)
+        if "verifier" in spec.roles:
+            _bound_kv(backend, spec.kv_sink, spec.kv_window)
         from nodes.models import served_name
 
         roles.card.update(backend=backend.name,
@@ -246,6 +251,19 @@ def return_freed_memory() -> None:
     except (OSError, AttributeError, TypeError):
         return
     trim(0)
+
+
+def _bound_kv(backend: Any, sink: int | None, window: int | None) -> None:
+    """Apply `--kv-sink/--kv-window` to a verifier's backend (a clear error where it has no
+    bounded mode: MLX today)."""
+    if sink is None and window is None:
+        return
+    from nodes.engine.errors import BadRequestError
+
+    if not hasattr(backend, "bound_kv"):
+        raise BadRequestError(f"--kv-sink/--kv-window: the {backend.name} backend has no "
+                              "bounded K/V mode (the torch backend has)")
+    backend.bound_kv(sink, window)
 
 
 def _prefix_cache(backend: Any, spec: RoleSpec) -> Any:
