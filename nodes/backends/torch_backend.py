@@ -119,7 +119,13 @@ class TorchBackend(Backend):
         `window` (`--kv-sink/--kv-window`; both or neither): a band mask over absolute
         positions, the rest dropped (growing_cache.WindowLayer). A verifier so bounded keeps
         no prefix cache (a prefix of a trimmed cache is not there to copy)."""
-        self.kv_bound = check_kv_bound(sink, window, self.model.config)
+        bound = check_kv_bound(sink, window, self.model.config)
+        if bound is not None and isinstance(self.lean, quant_forward.QuantForward):
+            # it writes each position at its own row; a bounded layer's rows are not positions
+            raise BadRequestError(f"--kv-sink/--kv-window: the quantized forward (weights "
+                                  f"{self.weights}) does not serve bounded K/V; add "
+                                  "--weights fp32")
+        self.kv_bound = bound
         if self.kv_bound is not None:
             self.supports_prefix_copy = False
             log.info("kv: bounded to %d sink + %d window positions per full-attention layer",
