@@ -268,8 +268,12 @@ class GatewayApp:
         rid, created = _ids(api.kind)
         logprobs = _render_logprobs(api, tok, final.logprobs)
         if api.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": final.text},
-                      "logprobs": logprobs, "finish_reason": final.finish_reason}
+            calls = _tool_calls(api, final.text)
+            message: dict[str, Any] = {"role": "assistant", "content": final.text}
+            if calls:
+                message = {"role": "assistant", "content": None, "tool_calls": calls}
+            choice = {"index": 0, "message": message, "logprobs": logprobs,
+                      "finish_reason": "tool_calls" if calls else final.finish_reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": final.text, "logprobs": logprobs,
@@ -317,10 +321,29 @@ class GatewayApp:
             first_chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             await send(first_chunk)
             verifier = None
+        held: list[str] | None = [] if chat and api.tools is not None and api.tools.active \
+            else None  # tools: the answer is held until it is known to be calls or text
         try:
             async for ev in events:
                 if isinstance(ev, Started):
                     verifier = {"specbus": {"verifier": ev.verifier}}
+                elif isinstance(ev, Piece) and held is not None:
+                    held.append(ev.text)
+                elif isinstance(ev, Final) and held is not None:
+                    text = "".join(held)
+                    held, calls = None, _tool_calls(api, text)
+                    for i, call in enumerate(calls or []):
+                        c = chunk(None, None)
+                        c["choices"][0]["delta"] = {"tool_calls": [{"index": i, **call}]}
+                        await send(c)
+                    if not calls and text:
+                        await send(chunk(text, None))
+                    await send(chunk(None, "tool_calls" if calls else ev.finish_reason,
+                                     {"timings": ev.timings, "specbus": ev.specbus}))
+                    if api.include_usage:
+                        await send({"id": rid, "object": obj, "created": created,
+                                    "model": api.model, "choices": [], "usage": _usage(ev),
+                                    "specbus": ev.specbus})
                 elif isinstance(ev, Piece):
                     await send(chunk(ev.text, None, verifier,
                                      _render_logprobs(api, tok, ev.logprobs, sent_chars)))
@@ -444,6 +467,15 @@ def _endpoint(request: web.Request) -> str:
     route = getattr(request.match_info, "route", None)
     resource = getattr(route, "resource", None)
     return resource.canonical if resource is not None else "other"
+
+
+def _tool_calls(api: ApiRequest, text: str | None) -> list[dict[str, Any]] | None:
+    """The answer's tool calls when the request has tools and the answer is calls."""
+    if api.tools is None or not api.tools.active or not text:
+        return None
+    from nodes.gateway.tools import parse_calls
+
+    return parse_calls(text)
 
 
 def _ids(kind: str) -> tuple[str, int]:

@@ -123,7 +123,7 @@ class Generation:
         common: dict[str, Any] = dict(
             max_tokens=api.max_tokens, sampling=api.sampling, stop=tuple(api.stop),
             speculate=api.extra.get("speculate", True), proposers=api.extra.get("proposers"),
-            logprobs=api.logprobs)
+            logprobs=api.logprobs, grammar=api.grammar)
         try:
             if plan.prompt_ids is not None:
                 return GenerateReq(tokens=np.asarray(plan.prompt_ids, dtype=np.int32),

@@ -26,7 +26,7 @@ MAX_STOP = 4
 MAX_STOP_LEN = 200
 MAX_MESSAGES = 256
 OPENAI_MAX_TEMPERATURE = 2.0  # the OpenAI API's range, narrower than the wire's
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -74,20 +74,24 @@ class ApiRequest:
     extra: dict[str, Any] = field(default_factory=dict)  # specbus extension: speculate, ...
     #: None: no log probabilities; N: each token's and its N most likely alternatives'
     logprobs: int | None = None
+    #: `response_format` or `tools` as the `generate_req.grammar` (None: free text)
+    grammar: dict[str, str] | None = None
+    #: the request's tools (`nodes.gateway.tools.Tools`), None without
+    tools: Any = None
 
 
 # fields accepted only at their neutral value; anything else is refused by name
 _NEUTRAL: dict[str, Any] = {
     "n": 1, "best_of": 1, "echo": False,
     "suffix": None, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
-    "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-    "parallel_tool_calls": None, "response_format": None, "audio": None, "modalities": None,
+    "functions": None, "function_call": None, "audio": None, "modalities": None,
     "prediction": None, "reasoning_effort": None, "service_tier": None, "web_search_options": None,
 }
 _IGNORED = ("user", "store", "metadata")  # bookkeeping fields with no effect on the output
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
            "stream_options", "specbus", "logprobs")
-_CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs")
+_CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+              "parallel_tool_calls", "response_format")
 _COMPLETION_ONLY = ("prompt",)
 
 
@@ -195,7 +199,18 @@ def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
                   include_usage=include_usage, extra=_extension(body.get("specbus")),
                   logprobs=_logprobs(kind, body))
     if kind == "chat":
-        return ApiRequest(kind="chat", messages=_messages(body.get("messages")), **common)
+        from nodes.gateway import tools as tl
+
+        fmt = tl.response_grammar(body.get("response_format"))
+        tools = tl.parse_tools(body.get("tools"), body.get("tool_choice"),
+                               body.get("parallel_tool_calls"))
+        tl.no_grammar_conflict(fmt, tools)
+        messages = _messages(body.get("messages"))
+        if tools is not None:
+            messages = (tl.tools_message(tools), *messages)
+        return ApiRequest(kind="chat", messages=messages, **common,
+                          grammar=fmt or (tl.tool_grammar(tools) if tools else None),
+                          tools=tools)
     text, ids = _prompt(body.get("prompt"))
     return ApiRequest(kind="completion", prompt=text, prompt_ids=ids, **common)
 
@@ -350,7 +365,7 @@ def _messages(v: Any) -> tuple[dict[str, str], ...]:
         if not isinstance(m, dict):
             raise bad(where, f"{where} must be an object", code="invalid_type")
         for key in m:
-            if key not in ("role", "content", "name"):
+            if key not in ("role", "content", "name", "tool_calls", "tool_call_id"):
                 raise unsupported(f"{where}.{key}")
         role = m.get("role")
         if role not in CHAT_ROLES:
@@ -359,9 +374,32 @@ def _messages(v: Any) -> tuple[dict[str, str], ...]:
         content = m.get("content")
         if content is None and role == "assistant":  # tool-using clients send this: no text
             content = ""
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _content(content, where)})
+        text = _content(content, where)
+        if role == "assistant" and m.get("tool_calls"):
+            text += _rendered_calls(m["tool_calls"], where)
+        if role == "tool":  # the tool prompt format (docs/api.md, "Tools"): a user turn
+            from nodes.gateway.tools import tool_result
+
+            role, text = "user", tool_result(text, m.get("tool_call_id"), m.get("name"))
+        out.append({"role": "system" if role == "developer" else role, "content": text})
     return tuple(out)
+
+
+def _rendered_calls(calls: Any, where: str) -> str:
+    """An assistant turn's `tool_calls` in the tool prompt format."""
+    from nodes.gateway.tools import render_call
+
+    if not isinstance(calls, list):
+        raise bad(f"{where}.tool_calls", "tool_calls must be a list", code="invalid_type")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+                fn.get("arguments", ""), str):
+            raise bad(f"{where}.tool_calls[{j}]", "a tool call is {id, type: function, "
+                      "function: {name, arguments (a JSON string)}}")
+        out.append(render_call(fn["name"], fn.get("arguments", "")))
+    return "\n".join(out)
 
 
 def _content(v: Any, where: str) -> str:

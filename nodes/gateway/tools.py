@@ -1,0 +1,179 @@
+"""Structured output and tool calls for the OpenAI API: `response_format`, `tools`,
+`tool_choice`, assistant `tool_calls` and `tool` messages.
+
+Everything here turns into two things the cluster already has: chat messages of text (the tool
+prompt format below, docs/api.md "Tools") and a grammar (`generate_req.grammar`) the verifier
+applies to its own logits, so a constrained answer is still the lossless speculative one.
+
+The tool prompt format (the embedded SmolLM2's chat template has no tool format of its own):
+the tools are listed in a system message, a call is written as
+
+    <tool_call>
+    {"name": "<function>", "arguments": {...}}
+    </tool_call>
+
+(one block per call, several for parallel calls), and a tool's result comes back as a user
+turn `<tool_response>\n{"tool_call_id": ..., "name": ..., "content": ...}\n</tool_response>`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from nodes.gateway.openai_schema import ApiError, bad
+
+MAX_TOOLS = 128
+CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
+_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Tools:
+    """The request's function tools and what it lets the model do with them."""
+
+    functions: tuple[dict[str, Any], ...]  # {name, description, parameters}
+    choice: str  # "none" | "auto" | "required" | a function's name
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        return bool(self.functions) and self.choice != "none"
+
+
+def parse_tools(tools: Any, choice: Any, parallel: Any) -> Tools | None:
+    """`tools`, `tool_choice`, `parallel_tool_calls` checked; None without tools."""
+    if tools in (None, []):
+        if choice not in (None, "none", "auto"):
+            raise bad("tool_choice", "tool_choice needs tools")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise bad("tools", f"tools must be a list of at most {MAX_TOOLS} tools")
+    fns = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not \
+                _NAME.match(fn["name"]):
+            raise bad("tools", f"tools[{i}] must be {{type: function, function: {{name "
+                      "(a-z, A-Z, 0-9, _ and -, at most 64), parameters}}}}")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise bad(f"tools[{i}].function.parameters", "parameters must be a JSON schema "
+                      "object")
+        fns.append({"name": fn["name"], "description": str(fn.get("description", "")),
+                    "parameters": params})
+    names = [f["name"] for f in fns]
+    if len(set(names)) != len(names):
+        raise bad("tools", "tool names must be distinct")
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" \
+            else None
+        if not isinstance(name, str):
+            raise bad("tool_choice", "tool_choice must be none, auto, required or "
+                      "{type: function, function: {name}}")
+        if name not in names:
+            raise bad("tool_choice", f"tool_choice names {name!r}, which is not among the "
+                      f"tools ({', '.join(names)})", code="tool_not_found")
+        choice = name
+    elif choice not in ("none", "auto", "required"):
+        raise bad("tool_choice", "tool_choice must be none, auto, required or "
+                  "{type: function, function: {name}}")
+    return Tools(tuple(fns), choice, parallel is not False)
+
+
+def response_grammar(fmt: Any) -> dict[str, str] | None:
+    """`response_format` as a `generate_req.grammar`; None for text."""
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad("response_format", "response_format must be an object")
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return {"kind": "json_object", "text": ""}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
+            raise bad("response_format.json_schema",
+                      "json_schema must be {name, schema, strict}")
+        return {"kind": "json_schema",
+                "text": json.dumps(spec.get("schema", {}), separators=(",", ":"))}
+    raise bad("response_format.type", "response_format.type must be text, json_object or "
+              "json_schema")
+
+
+def tool_grammar(tools: Tools) -> dict[str, str] | None:
+    """The grammar of what the model may answer under `tools` (None: free text)."""
+    if not tools.active:
+        return None
+    fns = [f for f in tools.functions if tools.choice in ("auto", "required", f["name"])]
+    call = {"oneOf": [{"type": "object", "properties": {
+        "name": {"const": f["name"]}, "arguments": f["parameters"]},
+        "required": ["name", "arguments"], "additionalProperties": False} for f in fns]}
+    rep = "(\"\\n\" call)*" if tools.parallel else ""
+    calls = f"call {rep}"
+    lark = (f"start: {'calls | TEXT' if tools.choice == 'auto' else 'calls'}\n"
+            f"calls: {calls}\n"
+            f"call: \"<tool_call>\\n\" body \"\\n</tool_call>\"\n"
+            f"body: %json {json.dumps(call, separators=(',', ':'))}\n")
+    if tools.choice == "auto":  # free text, but not starting a tool call
+        lark += "TEXT: /([^<]|<[^t])(.|\\n)*/ | /[^<]?/\n"
+    return {"kind": "lark", "text": lark}
+
+
+def tools_message(tools: Tools) -> dict[str, str]:
+    """The system turn listing the tools (docs/api.md, "Tools")."""
+    listed = "\n".join(json.dumps(f, separators=(",", ":")) for f in tools.functions)
+    return {"role": "system", "content": (
+        "You can call these functions (JSON schemas of their arguments):\n<tools>\n"
+        f"{listed}\n</tools>\nTo call a function, answer with only\n<tool_call>\n"
+        '{"name": "<function name>", "arguments": {<its arguments>}}\n</tool_call>\n'
+        "(one block per call).")}
+
+
+def render_call(name: str, arguments: str) -> str:
+    try:
+        args = json.loads(arguments) if arguments else {}
+    except ValueError:
+        args = arguments
+    return CALL_OPEN + json.dumps({"name": name, "arguments": args},
+                                  separators=(",", ":")) + CALL_CLOSE
+
+
+def tool_result(content: str, call_id: str | None, name: str | None) -> str:
+    return "<tool_response>\n" + json.dumps(
+        {"tool_call_id": call_id, "name": name, "content": content}) + "\n</tool_response>"
+
+
+def parse_calls(text: str) -> list[dict[str, Any]] | None:
+    """The OpenAI `tool_calls` of an answer made only of tool call blocks; else None."""
+    if not text.startswith("<tool_call>"):
+        return None
+    calls, end = [], 0
+    for m in _CALL.finditer(text):
+        if text[end:m.start()].strip():
+            return None
+        end = m.end()
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
+                      "function": {"name": obj["name"], "arguments": json.dumps(
+                          obj.get("arguments", {}), separators=(",", ":"))}})
+    if not calls or text[end:].strip():
+        return None
+    return calls
+
+
+def no_grammar_conflict(fmt: dict | None, tools: Tools | None) -> None:
+    if fmt is not None and tools is not None and tools.active:
+        raise ApiError(400, "response_format and tools (with tool_choice other than none) "
+                       "cannot both constrain one answer", param="response_format")

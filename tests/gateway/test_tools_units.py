@@ -1,0 +1,79 @@
+"""response_format and tools as the gateway parses them (no cluster): the grammar sent, the
+tool prompt format, the 400s, and tool-call answers parsed back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nodes.gateway.openai_schema import ApiError, parse_request
+from nodes.gateway.tools import parse_calls
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+MSGS = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def chat(**kw):
+    return parse_request("chat", {"model": "m", "messages": MSGS, **kw})
+
+
+def test_response_format_becomes_the_grammar():
+    assert chat(response_format={"type": "json_object"}).grammar == {"kind": "json_object",
+                                                                     "text": ""}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    g = chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema, "strict": True}}).grammar
+    assert g["kind"] == "json_schema" and json.loads(g["text"]) == schema
+    assert chat(response_format={"type": "text"}).grammar is None
+
+
+@pytest.mark.parametrize("choice, lark_has", [
+    ("auto", "calls | TEXT"), ("required", "start: calls"),
+    ({"type": "function", "function": {"name": "get_weather"}}, "get_weather")])
+def test_tools_prompt_and_grammar(choice, lark_has):
+    req = chat(tools=[WEATHER], tool_choice=choice)
+    assert req.messages[0]["role"] == "system" and "get_weather" in req.messages[0]["content"]
+    assert req.grammar["kind"] == "lark" and lark_has in req.grammar["text"]
+    assert chat(tools=[WEATHER], tool_choice="none").grammar is None
+
+
+def test_multi_turn_tool_calls_and_results_render_as_text():
+    req = parse_request("chat", {"model": "m", "tools": [WEATHER], "messages": [
+        *MSGS,
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type":
+         "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]})
+    assistant, tool = req.messages[2], req.messages[3]
+    assert assistant["content"] == \
+        '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    assert tool["role"] == "user" and tool["content"].startswith("<tool_response>\n")
+    assert json.loads(tool["content"].split("\n")[1])["content"] == "18 C, sunny"
+
+
+@pytest.mark.parametrize("kw, param, code", [
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "tool_choice", "tool_not_found"),
+    (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice", "invalid_value"),
+    (dict(tools=[{"type": "function"}]), "tools", "invalid_value"),
+    (dict(tools=[WEATHER] * 200), "tools", "invalid_value"),
+    (dict(response_format={"type": "xml"}), "response_format.type", "invalid_value"),
+    (dict(response_format={"type": "json_object"}, tools=[WEATHER]), "response_format", None),
+])
+def test_bad_tools_and_formats_are_specific_400s(kw, param, code):
+    with pytest.raises(ApiError) as err:
+        chat(**kw)
+    assert err.value.status == 400 and err.value.param == param
+    if code:
+        assert err.value.code == code
+
+
+def test_answers_parse_back_into_tool_calls():
+    text = ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name":"get_weather","arguments":{"city":"Rome"}}\n</tool_call>')
+    calls = parse_calls(text)
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Paris", "Rome"]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert parse_calls("It is sunny.") is None
+    assert parse_calls("<tool_call>\n{bad\n</tool_call>") is None
