@@ -55,6 +55,7 @@ class TorchBackend(Backend):
         #: the weights the forward computes with: "fp32" (the reference mode) or a quantized
         #: form as `quant_forward` names it
         self.weights = "fp32"
+        self._verify_costs: dict[int, float] | None = None
         #: (sink, window) of bounded K/V on full-attention layers (`bound_kv`), or None
         self.kv_bound: tuple[int, int] | None = None
         #: the model has sliding-window layers: every forward goes through `torch_batch`,
@@ -104,6 +105,32 @@ class TorchBackend(Backend):
                 log.info("weights auto: fp32 (%s)", exc)
                 backend.lean = _lean_forward(model)
         return backend
+
+    def verify_costs(self) -> dict[int, float]:
+        """Seconds a forward of n rows takes after 64 cached positions, measured once (the
+        fastest of 3) for the quantized forward, whose curve is far from the cost model's prior
+        (each further row ~a third of a step: products of per-block-scaled integers are
+        compute-bound); {} for the fp32 forwards, which the prior fits."""
+        if not isinstance(self.lean, quant_forward.QuantForward):
+            return {}
+        if self._verify_costs is None:
+            import time
+
+            cache = self.new_cache()
+            self.forward(cache, list(range(1000, 1064)))
+            costs = {}
+            for fed in (1, 2, 3, 4, 6, 8, 12, 16):
+                best = float("inf")
+                for _ in range(3):
+                    t = time.perf_counter()
+                    self.forward(cache, list(range(100, 100 + fed)))
+                    best = min(best, time.perf_counter() - t)
+                    self.crop(cache, 64)
+                costs[fed] = best
+            self._verify_costs = costs
+            log.info("verify cost, ms by rows fed: %s", ", ".join(
+                f"{n}: {s * 1e3:.1f}" for n, s in costs.items()))
+        return dict(self._verify_costs)
 
     @classmethod
     def from_model(cls, model: Any, tokenizer: Tokenizer, model_name: str) -> TorchBackend:

@@ -61,6 +61,11 @@ class DraftPlanner:
         #: the engine's record: verify, draft and batch costs and each source's long-run
         #: acceptance, shared by every sequence's fork (`estimates`)
         self.cost = CostModel(max_k=max_draft)
+        # a backend whose verify curve is far from the prior's (the quantized forward: each
+        # further row costs ~a third of a step, not 3 %) measures it once at load; seeded, the
+        # first generations already draft what pays
+        for fed, seconds in getattr(backend, "verify_costs", dict)().items():
+            self.cost.record_verify(fed, seconds)
 
     @property
     def adaptive(self) -> bool:
