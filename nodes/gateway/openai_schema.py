@@ -371,6 +371,9 @@ def _messages(v: Any) -> tuple[dict[str, str], ...]:
         if role not in CHAT_ROLES:
             raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(CHAT_ROLES)}, "
                       f"got {json.dumps(role)[:40]}")
+        if "tool_calls" in m and role != "assistant":  # only the model's turns call tools
+            raise bad(f"{where}.tool_calls", f"only an assistant message carries tool_calls, "
+                      f"not a {role} message")
         content = m.get("content")
         if content is None and role == "assistant":  # tool-using clients send this: no text
             content = ""

@@ -60,7 +60,7 @@ def test_completion_prompt_forms():
     ("chat", {"model": "m", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
     ("chat", {"model": "m", "messages": [{"role": "user", "content": "a"}],
-              "response_format": {"type": "json_object"}}, "response_format"),
+              "response_format": {"type": "xml"}}, "response_format.type"),
     ("chat", {"model": "m", "messages": [{"role": "user", "content": "a"}],
               "specbus": {"turbo": True}}, "specbus.turbo"),
 ])
@@ -331,8 +331,7 @@ def test_harmless_defaults_that_tools_send_are_accepted():
                      {"role": "assistant", "content": None},
                      {"role": "user", "content": "again"}]})
     assert [m["content"] for m in api.messages] == ["hi", "", "again"]
-    for key, value in (("parallel_tool_calls", True), ("top_logprobs", 3),
-                       ("service_tier", "flex")):
+    for key, value in (("top_logprobs", 3), ("service_tier", "flex")):
         with pytest.raises(ApiError) as exc:
             parse_request("chat", {"model": "m", key: value,
                                    "messages": [{"role": "user", "content": "hi"}]})
