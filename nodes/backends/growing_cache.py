@@ -258,7 +258,8 @@ def windowed(config: Any) -> bool:
 def new_cache(config: Any, bound: tuple[int, int] | None = None) -> DynamicCache:
     """A `DynamicCache` for `config`: full-attention layers grow in place (`GrowingLayer`), or
     keep sinks + window under `bound` = (sink, window) (`WindowLayer(trim=True)`); sliding-
-    window layers become `WindowLayer`s keeping everything, their window applied by the mask.
+    window layers become `WindowLayer`s keeping everything, their window applied by the mask
+    (exact crops and prefix copies at any length), or under a bound trimmed to their window.
     Any other kind of layer (chunked attention, shared K/V) is refused."""
     from nodes.engine.errors import BadRequestError
 
@@ -269,7 +270,8 @@ def new_cache(config: Any, bound: tuple[int, int] | None = None) -> DynamicCache
             layers.append(GrowingLayer() if bound is None
                           else WindowLayer(bound[0], bound[1], trim=True))
         elif type(layer) is DynamicSlidingWindowLayer:
-            layers.append(WindowLayer(0, int(layer.sliding_window)))
+            # bounded (constant memory): its window trimmed too; else every position kept
+            layers.append(WindowLayer(0, int(layer.sliding_window), trim=bound is not None))
         else:
             raise BadRequestError(f"model type {getattr(config, 'model_type', '?')!r}: cache "
                                   f"layer {type(layer).__name__} is served by no path here "
