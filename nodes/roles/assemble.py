@@ -196,6 +196,8 @@ def assemble(spec: RoleSpec) -> Roles:
         roles.card.setdefault("extras", {}).update(
             max_batch=spec.max_batch, per_client=roles.verifier.slots.per_peer,
             weights=getattr(backend, "weights", "fp32").split(" ", 1)[0])
+        if getattr(backend, "kv_bound", None):  # --kv-sink/--kv-window: [sink, window]
+            roles.card["extras"]["kv_bound"] = list(backend.kv_bound)
         if spec.share != "off":
             from nodes.roles.suffix_share import Publisher
 
