@@ -200,9 +200,11 @@ class ClusterRows:
         log_dir = Path(tempfile.mkdtemp(prefix="specbus-bench-vs-llamacpp-"))
         c = stack.enter_context(LocalCluster(log_dir=log_dir, mdns=False))
         print(f"[bench] starting the cluster (logs: {log_dir})", file=sys.stderr, flush=True)
+        # --no-share: a suffix proposer must not draft a prompt's speculative run from the
+        # plain run's published answer (a repeat's speed, not a new request's)
         self.verifier_node = c.start_node(
             "v-q4", "--role", "verifier", "--weights", "q4", "--prefix-cache-mb", "0",
-            "--cpus", str(args.cpu), "--threads", "1")
+            "--no-share", "--cpus", str(args.cpu), "--threads", "1")
         self.proposers = [c.start_node(f"p-{d}", "--role", "proposer", "--drafter", d,
                                        "--cpus", str(args.proposer_cpu), seed=True)
                           for d in args.proposers.split(",")]

@@ -178,6 +178,34 @@ def test_commits_are_pushed_with_their_delta_and_never_waited_for(make_source, s
     assert src.link.errors == 0 and src.link.net_s is not None
 
 
+def test_an_idle_source_holds_its_commits_until_asked_or_every_n_steps(make_source, scripted):
+    """Not asked for drafts `idle_after` steps in a row (budget 0), a source pushes its commits
+    together: when asked again (with the whole delta, so the proposer catches up) or after
+    `idle_push_every` steps' worth of tokens, whichever comes first."""
+    src, req = make_source(DraftPolicy(idle_after=2, idle_push_every=4))
+    tokens = list(PROMPT)
+
+    def step(budget):
+        src.propose(tokens, budget)
+        tokens.append(len(tokens) + 10)
+        src.feedback(Feedback(committed=(tokens[-1],), committed_len=len(tokens), offered=0,
+                              accepted=0))
+
+    step(0)
+    assert scripted.commits.get(timeout=10) == (5, [14])
+    for _ in range(3):
+        step(0)  # idle from the second on: held
+    assert scripted.commits.empty()
+    step(0)  # 4 steps' worth held: pushed together
+    assert scripted.commits.get(timeout=10) == (9, [15, 16, 17, 18])
+    step(0)
+    assert scripted.commits.empty()
+    src.propose(tokens, 8)  # asked again: what was held goes at once
+    assert scripted.commits.get(timeout=10) == (10, [19])
+    step(8)
+    assert scripted.commits.get(timeout=10) == (11, [20])  # busy again: every commit
+
+
 def test_a_flooding_proposer_is_dropped_and_counted(make_source, scripted):
     src, req = make_source(DraftPolicy(max_chunks_per_step=16))
     for i in range(40):
