@@ -19,8 +19,27 @@ log = logging.getLogger(__name__)
 PREFILL_STEP = 2048  # mlx_lm.generate_step's default prefill_step_size
 
 
+def _window_cache(window: int) -> Any:
+    """A `KVCache` for a sliding-window layer: it keeps every position (trimmable, exact) and
+    its mask lets query q see key p when q - window < p <= q, over absolute positions: what
+    mlx-lm's `RotatingKVCache` computes for one-token steps, also for a multi-token verify and
+    after a trim, wrapped or not."""
+    from mlx_lm.models.base import create_causal_mask
+    from mlx_lm.models.cache import KVCache
+
+    class WindowKVCache(KVCache):
+        def make_mask(self, N: int, return_array: bool = False,  # noqa: N803 - mlx-lm's
+                      window_size: int | None = None) -> Any:
+            return create_causal_mask(N, self.offset, window_size=window)
+
+    cache = WindowKVCache()
+    cache.window = window
+    return cache
+
+
 class MlxBackend(Backend):
-    """An mlx-lm model with plain `KVCache` layers (trimmable, unlike `RotatingKVCache`)."""
+    """An mlx-lm model with trimmable caches: plain `KVCache` layers, and a `WindowKVCache`
+    where the model has a sliding-window `RotatingKVCache` (`_window_cache`)."""
 
     name = "mlx"
 
@@ -47,15 +66,25 @@ class MlxBackend(Backend):
         return cls(model, tokenizer, ref.name)
 
     def new_cache(self) -> Any:
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
+        """The model's own cache, each `RotatingKVCache` (a sliding-window layer's ring, which
+        cannot be trimmed exactly once it wraps, and grows past its size in a multi-token
+        verify) replaced by a `WindowKVCache`: every position kept, the window applied by
+        its mask, so a crop after a rejected draft is exact at any length."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
         cache = make_prompt_cache(self.model)
-        if not all(type(layer) is KVCache for layer in cache):
-            raise ModelNotFoundError(
-                f"model {self.model_name!r}: MLX cache is not plain KVCache layers; "
-                "speculative decoding needs a trimmable cache"
-            )
-        return cache
+        out = []
+        for layer in cache:
+            if type(layer) is KVCache:
+                out.append(layer)
+            elif type(layer) is RotatingKVCache and not layer.keep:
+                out.append(_window_cache(layer.max_size))
+            else:
+                raise ModelNotFoundError(
+                    f"model {self.model_name!r}: MLX cache layer {type(layer).__name__} is "
+                    "served by no path here (plain and sliding-window KV caches are); "
+                    "speculative decoding needs a trimmable cache")
+        return out
 
     def forward(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
         logits = self.model(mx.array([list(token_ids)]), cache=cache)
