@@ -377,9 +377,8 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
 
     default = DEFAULT_PROPOSER_DRAFTER if "proposer" in config.roles else "none"
     drafter = _with_suffix_budget(args.drafter or default, args.suffix_budget)
-    from nodes.backends.weights import default_weights
-
     from nodes.backends.kv_bound import check_kv_bound
+    from nodes.backends.weights import default_weights
 
     check_kv_bound(args.kv_sink, args.kv_window)  # before any model loads
     spec = RoleSpec(roles=config.roles, model=args.model or None,

@@ -119,7 +119,8 @@ class WindowLayer(GrowingLayer):
     are dropped at the start of each forward (`trim`), rows moved down in place once at least
     `SLACK // 2` of them are dead, the buffer held at `sink + window + SLACK` rows (room for
     the dead rows and a draft tree of `SLACK // 2` more; a larger feed grows it for that
-    forward, the next trim shrinks it back): memory is constant in the context length. Rolling back below the first kept position is refused.
+    forward, the next trim shrinks it back): memory is constant in the context length.
+    Rolling back below the first kept position is refused.
 
     Rows: [0, held sinks) are positions [0, min(sink, length)); the rest are positions
     [off, length), off = held sinks + `_drop`."""

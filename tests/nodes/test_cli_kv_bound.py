@@ -1,6 +1,6 @@
 """`--kv-sink/--kv-window` on `specbus generate --local` and `specbus node`: bad bounds are
 refused before any model loads (exit 2, the flag named); a bounded local run reports its K/V
-bytes in `--json`, the same for 1,000 and 4,000 context positions is tests/engine/test_kv_bound.py."""
+bytes in `--json` (the same at 1,000 and 4,000 positions: tests/engine/test_kv_bound.py)."""
 
 from __future__ import annotations
 
