@@ -345,7 +345,7 @@ class Record:
         checked by `check`, which the enclosing message runs)."""
         if not isinstance(fields, Mapping):
             raise BadRequest(cls.__name__, f"must be a map, got {type(fields).__name__}")
-        return cls(**{s.name: fields[s.name] for s in cls._SLOTS
+        return cls(**{s.name: s.wire.decode(fields[s.name]) for s in cls._SLOTS
                       if fields.get(s.name) is not None})
 
     def to_fields(self) -> dict[str, Any]:

@@ -65,6 +65,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None,
                         help="seed for sampling: same seed, same request, same text "
                              "(default: a fresh one)")
+    parser.add_argument("--min-p", type=float, default=None,
+                        help="drop tokens less likely than MIN_P times the most likely one")
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help="HF's repetition penalty over prompt and output, > 0 (1: off)")
+    parser.add_argument("--presence-penalty", type=float, default=None,
+                        help="OpenAI's presence penalty over the output, -2..2 (0: off)")
+    parser.add_argument("--frequency-penalty", type=float, default=None,
+                        help="OpenAI's frequency penalty over the output, -2..2 (0: off)")
+    parser.add_argument("--logit-bias", action="append", default=None, type=_bias,
+                        metavar="ID=BIAS", help="add BIAS (-100..100) to token ID's logit "
+                        "(repeatable)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument(
         "--chat",
@@ -83,6 +94,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--force-draft", action="store_true",
                          help="ask exactly the --proposer nodes every block, never judging "
                               "them slow (output is still verified: tests, demos)")
+
+
+def _bias(text: str) -> tuple[int, float]:
+    """`--logit-bias ID=BIAS` (argparse type); the ranges are `SamplingParams.check`'s."""
+    tok, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(tok), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected TOKEN_ID=BIAS") from None
 
 
 def _messages_file(path: str) -> list[dict[str, str]]:
@@ -130,7 +152,11 @@ def _request(args: argparse.Namespace):
                                   {"role": "user", "content": args.prompt}]
     return GenerateRequest(
         prompt=prompt, messages=messages, max_tokens=args.max_tokens,
-        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
+        sampling=SamplingParams(
+            args.temperature, args.top_p, args.top_k, args.seed, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            logit_bias=tuple(sorted(args.logit_bias)) if args.logit_bias else None),
         stop=tuple(args.stop),
         chat=args.chat, speculate=not getattr(args, "no_speculate", False),
         proposers=getattr(args, "proposers", None),

@@ -38,7 +38,7 @@ from nodes.engine.sampling import (
     accept_tree_masked,
 )
 from nodes.engine.scheduler import BATCHED_PROMPT_ROWS, Fill, Scheduler, StepPlan
-from nodes.engine.settle import Settler, noise
+from nodes.engine.settle import Settler, noise, row_rules
 from nodes.engine.sources import DraftSource, SourceOpener
 from nodes.engine.state import (
     Block,
@@ -194,6 +194,11 @@ class Engine:
         one source on its own drafter, if it has one, and closes it with the sequence."""
         prompt = self._check_prompt(prompt_ids)
         params.validate()
+        vocab = self.backend.vocab_size
+        for t, _ in params.sampling.logit_bias or ():
+            if t >= vocab:
+                raise BadRequestError(f"logit_bias: token id {t} outside the vocabulary "
+                                      f"({vocab})", "logit_bias")
         params = params.seeded()
         sp = params.sampling
         eos = (
@@ -370,11 +375,11 @@ class Engine:
         at = len(seq.prompt) + len(seq.generated)  # the position node 0's row predicts
         vocab = self.backend.vocab_size
         noise_at = lambda depth: noise(seq, at + depth, vocab)  # noqa: E731
-        if seq.grammar is not None:
+        rules = row_rules(seq)  # logit controls and/or a grammar: row by row along the walk
+        if rules is not None:
             if not logits.flags.writeable:
                 logits = logits.copy()
-            path, nxt = accept_tree_masked(logits, tree, sp, noise_at, seq.grammar.mask_logits,
-                                           seq.grammar.advance)
+            path, nxt = accept_tree_masked(logits, tree, sp, noise_at, *rules)
             return path, nxt, logits
         if sp.greedy:
             return (*accept_tree_greedy(logits, tree), logits)

@@ -30,7 +30,7 @@ from nodes.engine.errors import BadRequestError
 if TYPE_CHECKING:
     from nodes.engine.tree import TokenTree
 
-__all__ = ["SamplingParams", "accept_greedy", "accept_tree_greedy", "accept_tree_keyed",
+__all__ = ["History", "SamplingParams", "accept_greedy", "adjust_logits", "accept_tree_greedy", "accept_tree_keyed",
            "accept_tree_masked", "choose",
            "check_sampling", "keyed_sample", "position_noise", "probs_from_logits", "sample"]
 
@@ -44,7 +44,11 @@ def check_sampling(params: SamplingParams) -> None:
 
 
 def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Rows of sampling probabilities (float64), processed like HF: temperature, top-k, top-p."""
+    """Rows of sampling probabilities (float64), processed like HF: temperature, top-k, then
+    min-p and top-p (min-p keeps the tokens at least `min_p` times as likely as the most likely
+    one: a prefix of the sorted order, so it commutes with top-p). Greedy choice is unchanged
+    by all of them (each keeps the argmax). History-dependent controls come first, on the
+    logits (`adjust_logits`)."""
     x = np.asarray(logits, dtype=np.float64)
     x = np.atleast_2d(x) / max(params.temperature, 1e-8)
     if params.top_k and params.top_k < x.shape[-1]:
@@ -53,6 +57,9 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     x = x - x.max(axis=-1, keepdims=True)
     p = np.exp(x)
     p /= p.sum(axis=-1, keepdims=True)
+    if params.min_p:  # relative to the most likely token: the same set before or after top_p
+        p = np.where(p < params.min_p * p.max(axis=-1, keepdims=True), 0.0, p)
+        p /= p.sum(axis=-1, keepdims=True)
     if params.top_p < 1.0:
         order = np.argsort(-p, axis=-1, kind="stable")
         sorted_p = np.take_along_axis(p, order, axis=-1)
@@ -169,3 +176,55 @@ def accept_tree_masked(
             return path, token
         path.append(child)
         node = child
+
+
+class History:
+    """What the logit controls read at a position: the tokens seen (prompt and generated: the
+    repetition penalty's) and how often each generated token occurred (presence and frequency
+    penalties'). `add` follows a walk down a tree path; `copy` before walking."""
+
+    __slots__ = ("counts", "seen")
+
+    def __init__(self, prompt: list[int] | tuple[int, ...] = (),
+                 generated: list[int] | tuple[int, ...] = ()) -> None:
+        self.seen: set[int] = set(prompt)
+        self.counts: dict[int, int] = {}
+        for t in generated:
+            self.add(t)
+
+    def add(self, token: int) -> None:
+        token = int(token)
+        self.seen.add(token)
+        self.counts[token] = self.counts.get(token, 0) + 1
+
+    def copy(self) -> History:
+        h = History()
+        h.seen, h.counts = set(self.seen), dict(self.counts)
+        return h
+
+
+def adjust_logits(row: np.ndarray, params: SamplingParams, history: History) -> np.ndarray:
+    """One position's logits under the history-dependent controls, as a new float64 row:
+    HF's repetition penalty over every seen token (a positive logit divided by it, a negative
+    one multiplied), then OpenAI's presence and frequency penalties over the generated tokens
+    (`logit - presence * [count > 0] - frequency * count`), then `logit_bias` added. A function
+    of the verifier's row and the history alone, so the verifier applying it at each position
+    it checks keeps speculation lossless."""
+    x = np.array(row, dtype=np.float64)
+    width = x.shape[-1]
+    rp = params.repetition_penalty
+    if rp is not None and rp != 1.0 and history.seen:
+        ids = np.fromiter((t for t in history.seen if t < width), dtype=np.int64)
+        v = x[ids]
+        x[ids] = np.where(v > 0, v / rp, v * rp)
+    pres, freq = params.presence_penalty or 0.0, params.frequency_penalty or 0.0
+    if (pres or freq) and history.counts:
+        items = [(t, c) for t, c in history.counts.items() if t < width]
+        ids = np.fromiter((t for t, _ in items), dtype=np.int64, count=len(items))
+        counts = np.fromiter((c for _, c in items), dtype=np.float64, count=len(items))
+        x[ids] -= pres + freq * counts
+    if params.logit_bias:
+        for t, b in params.logit_bias:
+            if t < width:
+                x[t] += b
+    return x

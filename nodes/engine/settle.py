@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from nodes.engine.logprobs import token_logprobs
-from nodes.engine.sampling import choose, position_noise
+from nodes.engine.sampling import History, adjust_logits, choose, position_noise
 from nodes.engine.sources import Feedback
 from nodes.engine.state import Block, GenerationParams, SequenceState, drop_source
 from nodes.engine.tree import TokenTree
@@ -30,6 +30,43 @@ def noise(seq: SequenceState, position: int, vocab_size: int) -> np.ndarray:
     """The sampling noise of `position` in `seq` (a function of its seed and the position
     alone: the text never depends on drafts, batching or the verifier that served it)."""
     return position_noise(seq.noise_seed, position, vocab_size)
+
+
+def history(seq: SequenceState) -> History:
+    """The sequence's committed history for the logit controls (`sampling.History`), brought
+    up to date with what was committed since it was last read."""
+    if seq.history is None:
+        seq.history, seq.history_len = History(seq.prompt), 0
+    for t in seq.generated[seq.history_len:]:
+        seq.history.add(t)
+    seq.history_len = len(seq.generated)
+    return seq.history
+
+
+def row_rules(seq: SequenceState) -> tuple[Any, Any] | None:
+    """(mask, advance) for a walk from the committed state: `mask(row)` is the row under the
+    logit controls (`adjust_logits`, with the history along the walk so far) and the grammar,
+    `advance(token)` moves both on by the token chosen. None when neither applies."""
+    sp = seq.params.sampling
+    adjusts, grammar = sp.adjusts_logits, seq.grammar
+    if not adjusts and grammar is None:
+        return None
+    walk = history(seq).copy() if adjusts else None
+
+    def mask(row: np.ndarray) -> np.ndarray:
+        if walk is not None:
+            row = adjust_logits(row, sp, walk)
+        if grammar is not None:
+            row = grammar.mask_logits(row)
+        return row
+
+    def advance(token: int) -> None:
+        if walk is not None:
+            walk.add(token)
+        if grammar is not None:
+            grammar.advance(token)
+
+    return mask, advance
 
 
 class Settler:
@@ -52,11 +89,12 @@ class Settler:
         if seq.prefilled and seq.prefilled < len(prompt):
             return self.nothing(seq, fed)
         sp = seq.params.sampling
-        if seq.grammar is not None:  # the first token too comes from the masked row
-            row = seq.grammar.mask_logits(np.array(row, copy=True))
+        rules = row_rules(seq)
+        if rules is not None:  # the first token too comes from the adjusted, masked row
+            row = rules[0](np.array(row, copy=True))
         first = choose(row, sp, lambda: noise(seq, len(prompt), self.backend.vocab_size))
-        if seq.grammar is not None:
-            seq.grammar.advance(first)
+        if rules is not None:
+            rules[1](first)
         return replace(self._commit(seq, [first], drafted=0, accepted=0, base=0,
                                     hidden=self._take_hidden(seq, None), rows=row), fed=fed)
 

@@ -182,6 +182,11 @@ class SequenceState:
     #: the grammar state of a constrained generation (`params.constraint`), following the
     #: committed tokens; None: unconstrained
     grammar: GrammarMatcher | None = None
+    #: the logit controls' view of the committed tokens (`sampling.History`), kept up to date
+    #: by `settle.history` when `params.sampling.adjusts_logits`; else None
+    history: Any = None
+    #: generated tokens `history` has counted
+    history_len: int = 0
 
     @property
     def committed(self) -> list[int]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from codec.errors import BadRequest
-from codec.sampling import SamplingParams
+from codec.sampling import SamplingParams, logit_bias_pairs
 from nodes.gateway.logprobs import MAX_CHAT_TOP, MAX_COMPLETION_TOP
 
 MAX_TOKENS_LIMIT = 4096  # the verifier's own limit (nodes/roles/verifier.py)
@@ -83,13 +83,14 @@ class ApiRequest:
 # fields accepted only at their neutral value; anything else is refused by name
 _NEUTRAL: dict[str, Any] = {
     "n": 1, "best_of": 1, "echo": False,
-    "suffix": None, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
+    "suffix": None,
     "functions": None, "function_call": None, "audio": None, "modalities": None,
     "prediction": None, "reasoning_effort": None, "service_tier": None, "web_search_options": None,
 }
 _IGNORED = ("user", "store", "metadata")  # bookkeeping fields with no effect on the output
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-           "stream_options", "specbus", "logprobs")
+           "stream_options", "specbus", "logprobs", "top_k", "min_p", "repetition_penalty",
+           "presence_penalty", "frequency_penalty", "logit_bias")
 _CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
               "parallel_tool_calls", "response_format")
 _COMPLETION_ONLY = ("prompt",)
@@ -245,16 +246,41 @@ def _logprobs(kind: str, body: dict) -> int | None:
 
 
 def _sampling(body: dict) -> SamplingParams:
-    """temperature, top_p and seed as the wire's `SamplingParams`, range-checked by it."""
-    sampling = SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, OPENAI_MAX_TEMPERATURE),
-        top_p=_number(body, "top_p", 1.0), seed=_int(body, "seed", None))
+    """temperature, top_p, seed and the logit controls (top_k, min_p, the repetition,
+    presence and frequency penalties, logit_bias) as the wire's `SamplingParams`,
+    range-checked by it. A control at its neutral value is left off (absent on the wire);
+    logit_bias token ids are checked against the vocabulary by the verifier."""
+
+    def opt(key: str, neutral: float) -> float | None:
+        v = _number(body, key, neutral)
+        return None if v == neutral else v  # an int stays one: a huge one is no float
+
     try:
+        bias = _logit_bias(body.get("logit_bias"))
+        top_k = _int(body, "top_k", 0)
+        if top_k is not None and top_k < 0:
+            top_k = 0 if top_k == -1 else top_k  # -1: off, as vLLM and llama.cpp read it
+        sampling = SamplingParams(
+            temperature=_number(body, "temperature", 1.0, 0.0, OPENAI_MAX_TEMPERATURE),
+            top_p=_number(body, "top_p", 1.0), top_k=top_k, seed=_int(body, "seed", None),
+            min_p=opt("min_p", 0.0), repetition_penalty=opt("repetition_penalty", 1.0),
+            presence_penalty=opt("presence_penalty", 0.0),
+            frequency_penalty=opt("frequency_penalty", 0.0), logit_bias=bias)
         sampling.check()
     except BadRequest as exc:
         raise bad(exc.field, f"{exc.field!r} {exc.reason}") from None
     return replace(sampling, temperature=float(sampling.temperature),
                    top_p=float(sampling.top_p))
+
+
+def _logit_bias(v: Any) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's `{"token id": bias}` object as `SamplingParams.logit_bias` (None: empty)."""
+    if v is None or v == {}:
+        return None
+    if not isinstance(v, dict):
+        raise bad("logit_bias", "'logit_bias' must be an object mapping token ids to biases",
+                  code="invalid_type")
+    return logit_bias_pairs(v)
 
 
 def _int(body: dict, key: str, default: int | None, lo: int | None = None,

@@ -60,6 +60,10 @@ def admit_generate(msg: Message, vocab_size: int, max_context: int) -> GenerateR
                            f"({max_context})", "max_tokens")
     if req.tokens is not None:
         check_prompt_ids("tokens", req.tokens, req, vocab_size, max_context)
+    for tok, _ in req.sampling.logit_bias or ():
+        if vocab_size > 0 and tok >= vocab_size:
+            raise BadRequestError(f"logit_bias: token id {tok} outside the vocabulary "
+                                  f"({vocab_size})", "logit_bias")
     return req
 
 
