@@ -118,6 +118,8 @@ class GatewayApp:
         arrived = time.perf_counter()
         raw = await request.read()  # already read, within its deadline (`_body`)
         api = parse_request(kind, parse_json(raw))
+        if api.n > 1:
+            return await self._generate_n(request, api, arrived)
 
         async def answer(events, first, plan):
             if api.stream:
@@ -125,6 +127,146 @@ class GatewayApp:
             return await self._collect(request, api, events, plan.tokenizer)
 
         return await self._run(api, arrived, answer)
+
+    async def _generate_n(self, request: web.Request, api: ApiRequest,
+                          arrived: float) -> web.StreamResponse:
+        """`n` > 1: n generations of the request, one per choice (`ApiRequest.choice`: the
+        i-th seeded from the request's seed and i), run side by side (the verifiers batch
+        them; their prefix caches share the prompt); choices carry their `index`, streamed
+        chunks too, each choice ending with its own finish_reason."""
+        if api.tools is not None and api.tools.active:
+            raise ApiError(400, "'n' > 1 is not served together with tools", param="n",
+                           code="unsupported_parameter")
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def one(i: int):
+            async def answer(events, first, plan):
+                final = None
+                async for ev in events:
+                    if isinstance(ev, Final):
+                        final = ev
+                    elif isinstance(ev, Piece) and api.stream:
+                        await queue.put((i, ev, plan.tokenizer))
+                if final is None:  # pragma: no cover - events() ends with Final or raises
+                    raise ApiError(502, "the generation ended without a result",
+                                   type_="server_error")
+                await queue.put((i, final, plan.tokenizer))
+                return final
+
+            return await self._run(api.choice(i), arrived, answer)
+
+        rid, created = _ids(api.kind)
+        chat = api.kind == "chat"
+        if not api.stream:
+            jobs = [asyncio.create_task(one(i)) for i in range(api.n)]
+            try:
+                finals = await asyncio.gather(*jobs)
+            finally:
+                for t in jobs:
+                    t.cancel()
+            _, _, tok = queue.get_nowait() if not queue.empty() else (0, None, None)
+            choices = []
+            for i, final in enumerate(finals):
+                logprobs = _render_logprobs(api, tok, final.logprobs)
+                if chat:
+                    choices.append({"index": i, "message": {"role": "assistant",
+                                                            "content": final.text},
+                                    "logprobs": logprobs, "finish_reason": final.finish_reason})
+                else:
+                    choices.append({"index": i, "text": final.text, "logprobs": logprobs,
+                                    "finish_reason": final.finish_reason})
+            usage = _usage(finals[0])
+            usage["completion_tokens"] = sum(f.completion_tokens for f in finals)
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            return self._json(request, 200, {
+                "id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": created, "model": api.model, "choices": choices, "usage": usage,
+                "specbus": {"choices": [f.specbus for f in finals]}})
+        tasks = [asyncio.create_task(one(i)) for i in range(api.n)]
+
+        async def next_item():
+            """The next (index, event, tokenizer); a choice's error raised as it happens."""
+            getter = asyncio.ensure_future(queue.get())
+            try:
+                while not getter.done():
+                    failed = [t for t in tasks if t.done() and not t.cancelled()
+                              and t.exception() is not None]
+                    if failed:
+                        raise failed[0].exception()
+                    await asyncio.wait({getter, *(t for t in tasks if not t.done())},
+                                       return_when=asyncio.FIRST_COMPLETED)
+                return getter.result()
+            finally:
+                getter.cancel()
+
+        try:
+            # the first event (or an error) before anything is sent: a 4xx/5xx still
+            # answers with its status
+            first = await next_item()
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        origin = request.get(CORS_ORIGIN)
+        resp = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no", **(_cors_headers(origin) if origin else {})})
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(i: int, text: str | None, finish: str | None, logprobs=None, extra=None):
+            if chat:
+                choice = {"index": i, "delta": {} if text is None else {"content": text},
+                          "logprobs": logprobs, "finish_reason": finish}
+            else:
+                choice = {"index": i, "text": text or "", "logprobs": logprobs,
+                          "finish_reason": finish}
+            return {"id": rid, "object": obj, "created": created, "model": api.model,
+                    "choices": [choice], **(extra or {})}
+
+        async def send(data: dict | str) -> None:
+            text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+            await resp.write(f"data: {text}\n\n".encode())
+
+        try:
+            await resp.prepare(request)
+            self.metrics.count_request(_endpoint(request), 200)
+            if chat:
+                for i in range(api.n):
+                    c = chunk(i, None, None)
+                    c["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                    await send(c)
+            sent = [0] * api.n
+            finals: dict[int, Final] = {}
+            item = first
+            while True:
+                i, ev, tok = item
+                if isinstance(ev, Final):
+                    finals[i] = ev
+                    await send(chunk(i, None if chat else "", ev.finish_reason,
+                                     extra={"specbus": ev.specbus}))
+                    if len(finals) == api.n:
+                        break
+                else:
+                    await send(chunk(i, ev.text, None,
+                                     _render_logprobs(api, tok, ev.logprobs, sent[i])))
+                    sent[i] += len(ev.text)
+                item = await next_item()
+            if api.include_usage:
+                usage = _usage(finals[0])
+                usage["completion_tokens"] = sum(f.completion_tokens for f in finals.values())
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                await send({"id": rid, "object": obj, "created": created, "model": api.model,
+                            "choices": [], "usage": usage})
+        except (ApiError, StreamFailed) as exc:
+            self.metrics.stream_errors += 1
+            err = exc.error if isinstance(exc, StreamFailed) else exc
+            await send(err.body())
+        finally:
+            for t in tasks:
+                t.cancel()
+        await send("[DONE]")
+        await resp.write_eof()
+        return resp
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """`POST /v1/responses` (responses.py): text, plain or streamed."""

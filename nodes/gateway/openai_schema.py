@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -78,11 +79,30 @@ class ApiRequest:
     grammar: dict[str, str] | None = None
     #: the request's tools (`nodes.gateway.tools.Tools`), None without
     tools: Any = None
+    #: choices asked for (1..MAX_N): as many generations, the i-th seeded by `choice_seed`
+    n: int = 1
+
+    def choice(self, i: int) -> ApiRequest:
+        """The request of choice `i` (n = 1): greedy as it is, sampled with `choice_seed`."""
+        sp = self.sampling
+        if not sp.greedy and sp.seed is not None:
+            sp = replace(sp, seed=choice_seed(sp.seed, i))
+        return replace(self, n=1, sampling=sp)
+
+
+MAX_N = 8  # choices one request may ask for
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """The seed of choice `i` of a request seeded `seed`: the seed itself for the first (so
+    n=1 is what it was), then a function of both (a golden-ratio step, within the wire's
+    0..2^63-1)."""
+    return seed if i == 0 else (seed + i * 0x9E3779B97F4A7C15) % (2**63)
 
 
 # fields accepted only at their neutral value; anything else is refused by name
 _NEUTRAL: dict[str, Any] = {
-    "n": 1, "best_of": 1, "echo": False,
+    "best_of": 1, "echo": False,
     "suffix": None,
     "functions": None, "function_call": None, "audio": None, "modalities": None,
     "prediction": None, "reasoning_effort": None, "service_tier": None, "web_search_options": None,
@@ -90,7 +110,7 @@ _NEUTRAL: dict[str, Any] = {
 _IGNORED = ("user", "store", "metadata")  # bookkeeping fields with no effect on the output
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
            "stream_options", "specbus", "logprobs", "top_k", "min_p", "repetition_penalty",
-           "presence_penalty", "frequency_penalty", "logit_bias")
+           "presence_penalty", "frequency_penalty", "logit_bias", "n")
 _CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
               "parallel_tool_calls", "response_format")
 _COMPLETION_ONLY = ("prompt",)
@@ -195,7 +215,10 @@ def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
     sampling = _sampling(body)
     stream = _bool(body, "stream", False)
     include_usage = _stream_options(body.get("stream_options"), stream)
-    common = dict(model=model, max_tokens=max_tokens, sampling=sampling,
+    n = _int(body, "n", 1, 1, MAX_N)
+    if n > 1 and not sampling.greedy and sampling.seed is None:  # the choices' seeds' base
+        sampling = replace(sampling, seed=secrets.randbelow(2**63))
+    common = dict(model=model, max_tokens=max_tokens, sampling=sampling, n=n,
                   stop=_stop(body.get("stop")), stream=stream,
                   include_usage=include_usage, extra=_extension(body.get("specbus")),
                   logprobs=_logprobs(kind, body))

@@ -237,7 +237,7 @@ def test_sse_framing_raw(raw, reference):
     ({"model": MODEL, "prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ({"model": MODEL, "prompt": PROMPT, "temperature": 5}, 400, "temperature", "invalid_value"),
     ({"model": MODEL, "prompt": PROMPT, "stream": "yes"}, 400, "stream", "invalid_type"),
-    ({"model": MODEL, "prompt": PROMPT, "n": 2}, 400, "n", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": PROMPT, "n": 9}, 400, "n", "invalid_value"),
     ({"model": MODEL, "prompt": PROMPT, "logit_bias": {"one": 5}}, 400, "logit_bias",
      "invalid_value"),
     ({"model": MODEL, "prompt": PROMPT, "logit_bias": {"1": 500}}, 400, "logit_bias",

@@ -90,3 +90,24 @@ def test_the_verifier_refuses_bias_outside_its_vocabulary():
     with pytest.raises(BadRequestError) as info:
         admit_generate(msg, 100, 0)
     assert info.value.field == "logit_bias" and "vocabulary" in str(info.value)
+
+
+# ---- n (issue 47, item 2) ---------------------------------------------------------------------
+def test_n_up_to_the_maximum_and_seeds_per_choice():
+    from nodes.gateway.openai_schema import MAX_N, choice_seed
+
+    api = parse_request("chat", {**CHAT, "n": 3, "temperature": 0.8, "seed": 7})
+    assert api.n == 3
+    seeds = [api.choice(i).sampling.seed for i in range(3)]
+    assert seeds[0] == 7 and len(set(seeds)) == 3 and seeds == [choice_seed(7, i)
+                                                               for i in range(3)]
+    assert all(api.choice(i).n == 1 for i in range(3))
+    greedy = parse_request("completion", {**COMPLETION, "n": 3, "temperature": 0})
+    assert {greedy.choice(i).sampling for i in range(3)} == {greedy.sampling}
+    unseeded = parse_request("completion", {**COMPLETION, "n": 2})
+    assert unseeded.sampling.seed is not None  # one base seed for the choices
+    for bad_n, code in [(0, "invalid_value"), (MAX_N + 1, "invalid_value"),
+                        ("2", "invalid_type")]:
+        with pytest.raises(ApiError) as info:
+            parse_request("chat", {**CHAT, "n": bad_n})
+        assert info.value.param == "n" and info.value.code == code
