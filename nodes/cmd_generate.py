@@ -221,7 +221,8 @@ def _run_local(args: argparse.Namespace) -> int:
             args.backend or "torch",
             None if drafter == "none" else drafter,
             16 if args.max_draft is None else args.max_draft,
-            args.weights or default_weights(),
+            args.weights or default_weights(args.kv_sink is not None
+                                            or args.kv_window is not None),
             args.kv_sink,
             args.kv_window,
         )

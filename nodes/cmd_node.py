@@ -382,7 +382,8 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
 
     check_kv_bound(args.kv_sink, args.kv_window)  # before any model loads
     spec = RoleSpec(roles=config.roles, model=args.model or None,
-                    weights=args.weights or default_weights(),
+                    weights=args.weights or default_weights(
+                        args.kv_sink is not None or args.kv_window is not None),
                     kv_sink=args.kv_sink, kv_window=args.kv_window,
                     backend=args.backend or "torch", drafter=drafter,
                     max_draft=args.max_draft, tree_width=args.tree_width,

@@ -19,6 +19,9 @@ CHOICES = (*WEIGHTS, AUTO)
 ENV = "SPECBUS_WEIGHTS"
 
 
-def default_weights() -> str:
-    """`--weights` when not given: $SPECBUS_WEIGHTS, else auto."""
-    return os.environ.get(ENV, "").strip().lower() or AUTO
+def default_weights(bounded: bool = False) -> str:
+    """`--weights` when not given: $SPECBUS_WEIGHTS, else auto; with a bounded K/V
+    (`--kv-sink/--kv-window`), auto means fp32: the quantized forward does not serve a bound
+    (it writes each position at its own cache row)."""
+    chosen = os.environ.get(ENV, "").strip().lower() or AUTO
+    return "fp32" if bounded and chosen == AUTO else chosen
