@@ -84,6 +84,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="wrap the prompt in the model's chat template (default: on)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    shape = parser.add_argument_group("constrained output (one of)").add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", type=_constraint_file("json_schema"), metavar="FILE",
+                       dest="constraint", default=None,
+                       help="every output is JSON valid against the JSON schema in FILE "
+                            "(compact: no free whitespace); the prompt should ask for it")
+    shape.add_argument("--grammar", type=_constraint_file("lark"), metavar="FILE",
+                       dest="constraint", help="every output matches the Lark grammar in FILE "
+                                               "(llguidance's Lark: start rule `start`)")
+    shape.add_argument("--regex", type=_constraint_text("regex"), metavar="PATTERN",
+                       dest="constraint", help="every output matches the regular expression "
+                                               "PATTERN (whole output, anchored)")
     cluster = add_cluster_arguments(parser, "cluster mode (without --local)")
     cluster.add_argument("--wait", type=float, default=10.0,
                          help="seconds to wait for a verifier to appear (default 10)")
@@ -127,6 +138,57 @@ def _messages_file(path: str) -> list[dict[str, str]]:
         raise argparse.ArgumentTypeError(f"{path}: {exc}") from None
 
 
+def _checked(c, where: str):
+    """`c` checked without a tokenizer (size, JSON, compiles under the verifier's limits):
+    argparse's error naming `where` and the reason otherwise."""
+    from nodes.engine.errors import BadRequestError
+    from nodes.engine.grammar import validate
+
+    try:
+        validate(c)
+    except BadRequestError as exc:
+        raise argparse.ArgumentTypeError(f"{where}: {exc}") from None
+    return c
+
+
+def _constraint_file(kind: str):
+    """`--json-schema FILE` / `--grammar FILE`: read FILE, check its constraint (argparse
+    type): a missing file, bad JSON or a schema that does not compile is an error naming
+    FILE and why, before any model loads or anything is sent."""
+    from nodes.engine.grammar import Constraint
+
+    def read(path: str):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{path} is not UTF-8 text: {exc}") from None
+        if kind == "json_schema":
+            try:
+                schema = json.loads(text)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(f"{path} is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict | bool):
+                raise argparse.ArgumentTypeError(
+                    f"{path}: a JSON schema is an object (or a boolean), got "
+                    f"{type(schema).__name__}")
+            return _checked(Constraint.json_schema(schema), path)
+        return _checked(Constraint(kind, text), path)
+
+    return read
+
+
+def _constraint_text(kind: str):
+    from nodes.engine.grammar import Constraint
+
+    def parse(text: str):
+        return _checked(Constraint(kind, text), repr(text))
+
+    return parse
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         return _run_local(args) if args.local else _run_cluster(args)
@@ -161,6 +223,7 @@ def _request(args: argparse.Namespace):
         chat=args.chat, speculate=not getattr(args, "no_speculate", False),
         proposers=getattr(args, "proposers", None),
         force_draft=getattr(args, "force_draft", False),
+        grammar=None if args.constraint is None else args.constraint.to_wire(),
     )
 
 

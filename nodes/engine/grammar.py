@@ -124,6 +124,19 @@ def _grammar_text(c: Constraint) -> str:
     return llg.LLMatcher.grammar_from_lark(c.text)
 
 
+def validate(c: Constraint) -> None:
+    """Check `c` without a tokenizer (a client, before it sends or loads a model): its size,
+    its JSON, and that llguidance compiles it under the verifier's limits; `BadRequestError`
+    naming why. (A grammar that accepts nothing is found only against a tokenizer.)"""
+    import llguidance as llg
+
+    c.check()
+    grammar = _grammar_text(c)
+    error = llg.LLMatcher.validate_grammar(grammar, limits=llg.LLParserLimits(**_LIMITS))
+    if error:
+        raise BadRequestError(f"{c.kind} does not compile: {_first_line(error)}", "grammar")
+
+
 class Grammars:
     """A verifier's grammar compiler: llguidance's tokenizer for `tokenizer` (our
     `nodes.backends.tokenizer.Tokenizer`; built once, about half a second) and a bounded LRU of
@@ -202,7 +215,12 @@ def _build(ll: Any, c: Constraint) -> Any:
 
 
 def _first_line(text: str) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else "unknown error"
+    """llguidance's error, its first line (and its `error: ...` line, where the reason is)."""
+    lines = text.strip().splitlines()
+    if not lines:
+        return "unknown error"
+    why = next((x.strip() for x in lines[1:] if x.strip().startswith("error:")), "")
+    line = f"{lines[0].rstrip(':')} ({why})" if why else lines[0]
     return line[:300]
 
 
