@@ -14,4 +14,5 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prefix": ("tools.bench_prefix", "a conversation's TTFT per turn, prefix cache on vs off"),
     "flood": ("tools.bench_suffix_flood", "a suffix proposer fed GiBs of hostile publications"),
     "shard": ("tools.bench_shard", "a verifier sharded into 1-3 pipeline stages: RSS, tok/s"),
+    "structured": ("tools.bench_structured", "constrained plain vs speculative, tool calls"),
 }

@@ -1,0 +1,400 @@
+"""`specbus bench structured`: constrained decoding, plain against speculative (issue 46).
+
+In process, on the real embedded SmolLM2 with the product's default weights (`--weights`), one
+core (`os.sched_setaffinity(0, {0})`) and one torch thread. Two workloads:
+
+- extraction: fill a JSON schema from a given text (6 texts, each its own schema);
+- tool calls: a fixed tool set (weather, calendar, email, search, unit conversion),
+  `tool_choice` required, one call per answer: the gateway's grammar and tool prompt
+  (`nodes.gateway.tools`).
+
+Configurations, rounds interleaved (round r runs every request under every configuration):
+free plain (no constraint), constrained plain, constrained with the grammar's forced tokens as the
+only drafts, constrained with grammar + ngram drafts. Reports per configuration the median tok/s
+over requests, the median and the worst request's speedup over constrained plain, acceptance;
+the mask and matcher cost per token (`GrammarMatcher.seconds / tokens`) against the decode
+step; schema compile time p50/p99 (a fresh compile each time); constrained plain against free
+plain; and invalid outputs (every constrained output parsed and checked against its schema:
+must be 0; an answer cut by max_tokens is counted apart, not judged). Greedy: every
+speculative output must equal constrained plain's token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+EXTRACTION: list[tuple[str, dict[str, Any]]] = [
+    ("Dr. Maria Lopez, 42, joined Acme Robotics in March 2019 as head of research. She lives in "
+     "Valencia and can be reached at maria.lopez@acme.example.",
+     {"type": "object", "properties": {
+         "name": {"type": "string"}, "age": {"type": "integer"},
+         "company": {"type": "string"}, "role": {"type": "string"},
+         "city": {"type": "string"}, "email": {"type": "string"}},
+      "required": ["name", "age", "company", "role", "city", "email"],
+      "additionalProperties": False}),
+    ("Invoice 2024-0117 from Northwind Supplies: 3 boxes of printer paper at 24.50 each, 1 "
+     "stapler at 12.00, shipping 8.90. Total due 94.40 EUR by 15 February.",
+     {"type": "object", "properties": {
+         "invoice_number": {"type": "string"}, "vendor": {"type": "string"},
+         "items": {"type": "array", "maxItems": 4, "items": {
+             "type": "object", "properties": {"description": {"type": "string"},
+                                              "quantity": {"type": "integer"},
+                                              "unit_price": {"type": "number"}},
+             "required": ["description", "quantity", "unit_price"],
+             "additionalProperties": False}},
+         "total": {"type": "number"}, "currency": {"enum": ["EUR", "USD", "GBP"]}},
+      "required": ["invoice_number", "vendor", "items", "total", "currency"],
+      "additionalProperties": False}),
+    ("The flight BA 2490 from London Gatwick to Pisa leaves at 07:15 on 2 June and lands at "
+     "10:30 local time. Gate closes 30 minutes before departure. Seat 14C, economy.",
+     {"type": "object", "properties": {
+         "flight": {"type": "string"}, "from": {"type": "string"}, "to": {"type": "string"},
+         "departure": {"type": "string"}, "arrival": {"type": "string"},
+         "seat": {"type": "string"},
+         "cabin": {"enum": ["economy", "premium", "business", "first"]}},
+      "required": ["flight", "from", "to", "departure", "arrival", "seat", "cabin"],
+      "additionalProperties": False}),
+    ("I bought the X200 headphones last week. The sound is great and the battery lasts two "
+     "days, but the ear cushions hurt after an hour. Three stars out of five.",
+     {"type": "object", "properties": {
+         "product": {"type": "string"},
+         "sentiment": {"enum": ["positive", "mixed", "negative"]},
+         "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+         "pros": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+         "cons": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+      "required": ["product", "sentiment", "rating", "pros", "cons"],
+      "additionalProperties": False}),
+    ("Recipe: pancakes for four. Mix 200 g flour, 2 eggs, 300 ml milk and a pinch of salt. "
+     "Rest the batter 20 minutes, then cook each pancake 2 minutes per side.",
+     {"type": "object", "properties": {
+         "dish": {"type": "string"}, "servings": {"type": "integer"},
+         "ingredients": {"type": "array", "maxItems": 6, "items": {
+             "type": "object", "properties": {"name": {"type": "string"},
+                                              "amount": {"type": "string"}},
+             "required": ["name", "amount"], "additionalProperties": False}},
+         "rest_minutes": {"type": "integer"}},
+      "required": ["dish", "servings", "ingredients", "rest_minutes"],
+      "additionalProperties": False}),
+    ("Server web-3 in eu-west reported 97% CPU at 14:02 UTC; the on-call engineer Sam restarted "
+     "the nginx service and the alert cleared at 14:09. Severity: high.",
+     {"type": "object", "properties": {
+         "host": {"type": "string"}, "region": {"type": "string"},
+         "metric": {"enum": ["cpu", "memory", "disk", "network"]},
+         "value_percent": {"type": "integer", "minimum": 0, "maximum": 100},
+         "action": {"type": "string"}, "resolved": {"type": "boolean"},
+         "severity": {"enum": ["low", "medium", "high", "critical"]}},
+      "required": ["host", "region", "metric", "value_percent", "action", "resolved",
+                   "severity"], "additionalProperties": False}),
+]
+
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather for a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "create_event", "description": "Add an event to the calendar",
+        "parameters": {"type": "object", "properties": {
+            "title": {"type": "string"}, "date": {"type": "string"},
+            "time": {"type": "string"}, "duration_minutes": {"type": "integer"}},
+            "required": ["title", "date", "time", "duration_minutes"],
+            "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "send_email", "description": "Send an email",
+        "parameters": {"type": "object", "properties": {
+            "to": {"type": "string"}, "subject": {"type": "string"},
+            "body": {"type": "string"}},
+            "required": ["to", "subject", "body"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "search_web", "description": "Search the web",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string"}, "max_results": {"type": "integer", "minimum": 1,
+                                                         "maximum": 10}},
+            "required": ["query", "max_results"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "convert_units", "description": "Convert a value between units",
+        "parameters": {"type": "object", "properties": {
+            "value": {"type": "number"}, "from_unit": {"type": "string"},
+            "to_unit": {"type": "string"}},
+            "required": ["value", "from_unit", "to_unit"], "additionalProperties": False}}},
+]
+TOOL_ASKS = [
+    "What's the weather like in Lisbon right now, in celsius?",
+    "Put a dentist appointment in my calendar for 12 March at 09:30, one hour.",
+    "Email bob@example.com to say the report is late, subject 'Report'.",
+    "Search the web for the best hiking trails near Innsbruck, five results.",
+    "How many kilometres is 26.2 miles?",
+    "Is it going to be cold in Oslo today? Use fahrenheit.",
+]
+
+CONFIGS = ("free", "plain", "grammar", "grammar+ngram")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from nodes.backends.weights import CHOICES, default_weights
+
+    parser.add_argument("--weights", default=default_weights(), choices=CHOICES,
+                        help="the verifier's weights (default: the product's, "
+                             f"{default_weights()})")
+    parser.add_argument("--model", default=None, help="default: the embedded smollm2-135m")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--quick", action="store_true",
+                        help="3 texts and 3 tool asks, 2 rounds")
+    parser.add_argument("--compiles", type=int, default=20,
+                        help="fresh compiles per constraint for the compile-time figures")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
+
+
+# ---- validation --------------------------------------------------------------------------------
+def conforms(value: Any, schema: Any) -> bool:
+    """`value` valid against `schema` (the keywords this benchmark's schemas use)."""
+    if schema is True or schema == {}:
+        return True
+    if "const" in schema:
+        return value == schema["const"]
+    if "enum" in schema:
+        return value in schema["enum"]
+    if "oneOf" in schema:
+        return sum(conforms(value, s) for s in schema["oneOf"]) == 1
+    kind = schema.get("type")
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind in ("integer", "number"):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if kind == "integer" and not float(value).is_integer():
+            return False
+        return math.isfinite(value) and schema.get("minimum", -math.inf) <= value <= \
+            schema.get("maximum", math.inf)
+    if kind == "string":
+        return isinstance(value, str) and schema.get("minLength", 0) <= len(value) <= \
+            schema.get("maxLength", math.inf)
+    if kind == "array":
+        return isinstance(value, list) and schema.get("minItems", 0) <= len(value) <= \
+            schema.get("maxItems", math.inf) and all(conforms(v, schema.get("items", {}))
+                                                     for v in value)
+    if kind == "object":
+        props = schema.get("properties", {})
+        if not isinstance(value, dict) or not set(schema.get("required", ())) <= set(value):
+            return False
+        if schema.get("additionalProperties", True) is False and set(value) - set(props):
+            return False
+        return all(conforms(v, props.get(k, {})) for k, v in value.items())
+    raise ValueError(f"keyword not known to this validator: {schema}")
+
+
+def _valid_json(text: str, schema: dict) -> bool:
+    try:
+        return conforms(json.loads(text), schema)
+    except ValueError:
+        return False
+
+
+def _valid_calls(text: str) -> bool:
+    from nodes.gateway.tools import parse_calls
+
+    calls = parse_calls(text)
+    if not calls:
+        return False
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for c in calls:
+        fn = c.get("function", c)
+        name, args = fn.get("name"), fn.get("arguments")
+        if name not in params:
+            return False
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            return False
+        if not conforms(args, params[name]):
+            return False
+    return True
+
+
+# ---- the workload ------------------------------------------------------------------------------
+def _requests(tokenizer, quick: bool) -> list[dict[str, Any]]:
+    """Each request: workload, prompt ids, constraint, validity check."""
+    from nodes.engine.grammar import Constraint
+    from nodes.gateway.tools import parse_tools, tool_grammar, tools_message
+
+    out = []
+    for text, schema in EXTRACTION[: 3 if quick else None]:
+        msgs = [{"role": "system", "content": "Extract the facts of the user's text as JSON "
+                 "matching this schema: " + json.dumps(schema)},
+                {"role": "user", "content": text}]
+        out.append({"workload": "extraction", "ids": tokenizer.encode_messages(msgs),
+                    "constraint": Constraint.json_schema(schema),
+                    "valid": lambda t, s=schema: _valid_json(t, s)})
+    tools = parse_tools(TOOLS, "required", False)  # one call per answer
+    g = tool_grammar(tools)
+    for ask in TOOL_ASKS[: 3 if quick else None]:
+        msgs = [tools_message(tools), {"role": "user", "content": ask}]
+        out.append({"workload": "tools", "ids": tokenizer.encode_messages(msgs),
+                    "constraint": Constraint(g["kind"], g["text"]), "valid": _valid_calls})
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from nodes.backends.torch_backend import TorchBackend
+    from nodes.drafters.ngram import NgramDrafter
+    from nodes.engine import Engine, GenerationParams
+    from nodes.engine.grammar import Grammars
+
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    backend = TorchBackend.load(args.model, device="cpu", weights=args.weights)
+    print(f"loaded {args.model or 'smollm2-135m'} ({args.weights}) in "
+          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    engines = {"free": Engine(backend, None, grammar_drafts=False),
+               "plain": Engine(backend, None, grammar_drafts=False),
+               "grammar": Engine(backend, None),
+               "grammar+ngram": Engine(backend, NgramDrafter())}
+    matchers: list = []
+    for e in engines.values():  # record each run's matcher (its mask and matcher seconds)
+        orig = e.grammars.matcher
+
+        def record(c, orig=orig):
+            m = orig(c)
+            matchers.append(m)
+            return m
+
+        e.grammars.matcher = record
+    reqs = _requests(backend.tokenizer, args.quick)
+    rounds = 2 if args.quick else args.rounds
+    # runs[config][i]: list of (seconds, tokens, drafted, accepted, mask s, masks)
+    runs: dict[str, list[list[tuple]]] = {c: [[] for _ in reqs] for c in CONFIGS}
+    outputs: dict[str, list] = {c: [None] * len(reqs) for c in CONFIGS}
+    invalid = 0
+    cut = 0
+    mismatched = 0
+    for e in engines.values():  # warm: compile each grammar once, the first forwards
+        e.generate(reqs[0]["ids"], GenerationParams(max_tokens=4))
+    for r in range(rounds):
+        for i, req in enumerate(reqs):
+            for c in CONFIGS:
+                p = GenerationParams(max_tokens=args.max_tokens,
+                                     constraint=None if c == "free" else req["constraint"])
+                matchers.clear()
+                t = time.perf_counter()
+                gen = engines[c].generate(req["ids"], p)
+                dt = time.perf_counter() - t
+                m = matchers[0] if matchers else None
+                runs[c][i].append((dt, len(gen.token_ids), gen.stats.drafted,
+                                   gen.stats.accepted, m.seconds if m else 0.0,
+                                   m.masks if m else 0))
+                if c != "free":
+                    if r == 0 and gen.finish_reason == "length":
+                        cut += 1  # the model ran out of max_tokens mid-answer: not judged
+                    elif r == 0 and not req["valid"](gen.text):
+                        invalid += 1
+                        print(f"INVALID ({c}, {req['workload']} {i}): {gen.text!r}",
+                              file=sys.stderr)
+                    if outputs["plain"][i] is not None and gen.token_ids != outputs["plain"][i]:
+                        mismatched += 1
+                outputs[c][i] = gen.token_ids
+        print(f"round {r + 1}/{rounds} done", file=sys.stderr)
+
+    # compile time: a fresh compile of each request's constraint, many times
+    fresh = Grammars(backend.tokenizer, backend.vocab_size, cache_size=1)
+    fresh._ll = engines["plain"].grammars.ll_tokenizer
+    compile_ms = []
+    for _ in range(args.compiles):
+        for req in reqs:
+            fresh._cache.clear()
+            t = time.perf_counter()
+            fresh.compile(req["constraint"])
+            compile_ms.append((time.perf_counter() - t) * 1e3)
+
+    report = _summarise(reqs, runs)
+    report.update({
+        "model": args.model or "smollm2-135m", "weights": args.weights, "rounds": rounds,
+        "max_tokens": args.max_tokens, "requests": len(reqs), "invalid_outputs": invalid,
+        "cut_by_max_tokens": cut,
+        "speculative_not_equal_plain": mismatched,
+        "compile_ms": {"p50": _pct(compile_ms, 50), "p99": _pct(compile_ms, 99),
+                       "n": len(compile_ms)},
+        "machine": platform.machine(), "load": os.getloadavg(),
+    })
+    _print(report)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    return 1 if invalid or mismatched else 0
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))
+    return xs[k]
+
+
+def _summarise(reqs, runs) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for w in ("extraction", "tools"):
+        idx = [i for i, r in enumerate(reqs) if r["workload"] == w]
+        rows = {}
+        for c in CONFIGS:
+            secs = [statistics.median(x[0] for x in runs[c][i]) for i in idx]
+            toks = [runs[c][i][0][1] for i in idx]
+            base = [statistics.median(x[0] for x in runs["plain"][i]) / runs["plain"][i][0][1]
+                    for i in idx]  # constrained plain's seconds per token, per request
+            # tok/s against constrained plain's (the same tokens, but for free text)
+            speed = [b * t / s for b, t, s in zip(base, toks, secs, strict=True)]
+            drafted = sum(runs[c][i][0][2] for i in idx)
+            accepted = sum(runs[c][i][0][3] for i in idx)
+            mask_s = sum(statistics.median(x[4] for x in runs[c][i]) for i in idx)
+            rows[c] = {
+                "tok_s_median": statistics.median(t / s for t, s in zip(toks, secs,
+                                                                        strict=True)),
+                "tokens": sum(toks),
+                "speedup_median": statistics.median(speed), "speedup_worst": min(speed),
+                "acceptance": accepted / drafted if drafted else 0.0,
+                "mask_ms_per_token": 1e3 * mask_s / max(1, sum(toks)),
+                "step_ms_per_token": 1e3 * sum(secs) / max(1, sum(toks)),
+            }
+            rows[c]["mask_share"] = rows[c]["mask_ms_per_token"] / rows[c]["step_ms_per_token"]
+        out[w] = rows
+    return out
+
+
+def _print(rep: dict[str, Any]) -> None:
+    print(f"\nspecbus bench structured: {rep['model']} ({rep['weights']}), one core, one torch "
+          f"thread, {rep['rounds']} rounds interleaved, max_tokens {rep['max_tokens']}, load "
+          f"{' '.join(f'{x:.2f}' for x in rep['load'])}")
+    head = (f"{'workload':<11} {'config':<14} {'tok/s':>7} {'x plain':>8} {'worst':>6} "
+            f"{'accept':>6} {'tokens':>6} {'ms/tok':>7} {'mask ms/tok':>11} {'mask %':>6}")
+    print(head)
+    print("-" * len(head))
+    for w in ("extraction", "tools"):
+        for c, r in rep[w].items():
+            print(f"{w:<11} {c:<14} {r['tok_s_median']:7.1f} {r['speedup_median']:8.2f} "
+                  f"{r['speedup_worst']:6.2f} {r['acceptance']:6.2f} {r['tokens']:6d} "
+                  f"{r['step_ms_per_token']:7.2f} {r['mask_ms_per_token']:11.3f} "
+                  f"{100 * r['mask_share']:6.2f}")
+    print(f"constrained plain vs free plain (ms/token): extraction "
+          f"{rep['extraction']['plain']['step_ms_per_token']:.2f} vs "
+          f"{rep['extraction']['free']['step_ms_per_token']:.2f}, tools "
+          f"{rep['tools']['plain']['step_ms_per_token']:.2f} vs "
+          f"{rep['tools']['free']['step_ms_per_token']:.2f} (prefill included: free text "
+          f"differs in length)")
+    print(f"schema compile: p50 {rep['compile_ms']['p50']:.2f} ms, p99 "
+          f"{rep['compile_ms']['p99']:.2f} ms ({rep['compile_ms']['n']} fresh compiles)")
+    print(f"invalid outputs (finished answers): {rep['invalid_outputs']}; cut by max_tokens "
+          f"(not judged): {rep['cut_by_max_tokens']}; speculative != constrained plain: "
+          f"{rep['speculative_not_equal_plain']}")
+
+
