@@ -316,11 +316,16 @@ class QuantForward:
         def q(m: Matrix) -> Any:
             return kernel.QMat(m.kind, m.qs, m.d, m.m, m.n, m.k)
 
-        for ly in w.layers:
-            self.model.add_layer(ly.attn_norm, ly.ffn_norm, q(stack([ly.q, ly.k, ly.v])),
-                                 q(ly.o), q(stack([ly.gate, ly.up])), q(ly.down))
-        embed = q(w.embed)
-        self.model.set_ends(embed, embed if w.head is w.embed else q(w.head), w.final_norm)
+        try:  # the kernels check every shape against the config: a file that disagrees
+            for ly in w.layers:
+                self.model.add_layer(ly.attn_norm, ly.ffn_norm, q(stack([ly.q, ly.k, ly.v])),
+                                     q(ly.o), q(stack([ly.gate, ly.up])), q(ly.down))
+            embed = q(w.embed)
+            self.model.set_ends(embed, embed if w.head is w.embed else q(w.head),
+                                w.final_norm)
+        except RuntimeError as exc:
+            first = (str(exc).strip().splitlines() or ["?"])[0][:200]
+            raise QuantError(f"weights that do not fit the model's config ({first})") from None
         self.layers = len(w.layers)
         self.kv_heads, self.head_dim = w.kv_heads, w.head_dim
 

@@ -344,3 +344,15 @@ def test_file_weights_need_a_gguf_model(tiny_folder):
 
     with pytest.raises(BadRequestError, match="GGUF model's own blocks"):
         TorchBackend.load(str(tiny_folder), device="cpu", weights="file")
+
+
+def test_weights_that_do_not_fit_the_config_are_refused(tiny_folder):
+    """A file whose matrices disagree with its config gets a QuantError (a 400 on load), not
+    the kernel's exception."""
+    from nodes.backends.torch_backend import TorchBackend
+
+    backend = TorchBackend.load(str(tiny_folder), device="cpu")
+    w = qf.from_model(backend.model, "q8")
+    w.layers[0].o = w.layers[0].down  # [hidden, intermediate] where [hidden, heads x dim] goes
+    with pytest.raises(qf.QuantError, match="do not fit"):
+        qf.QuantForward(w)
