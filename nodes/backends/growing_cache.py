@@ -110,24 +110,17 @@ class WindowLayer(GrowingLayer):
     """A layer attending to a band of absolute positions: the first `sink` (0 for none) and
     the last `window` (query q sees key p when p > q - window or p < sink), the mask a
     function of positions alone, so prefill, decoding, a draft tree and a batch compute the
-    same thing (docs: "Cache shapes").
+    same thing (docs/engine/cache-shapes.md).
 
-    `trim=False` (a model's own sliding-window layer): every position is kept, the attention
+    This class (a model's own sliding-window layer): every position is kept, the attention
     reads a view of the last `window - 1` plus the fed rows, so a crop, a prefix copy or a
-    tree compaction is exact at any length. `trim=True` (`--kv-sink/--kv-window` on a full
-    layer): positions no future query can see (below `length - window + 1`, past the sinks)
-    are dropped at the start of each forward (`trim`), rows moved down in place once at least
-    `SLACK // 2` of them are dead, the buffer held at `sink + window + SLACK` rows (room for
-    the dead rows and a draft tree of `SLACK // 2` more; a larger feed grows it for that
-    forward, the next trim shrinks it back): memory is constant in the context length.
-    Rolling back below the first kept position is refused.
+    tree compaction is exact at any length. `BoundedLayer` keeps only the band."""
 
-    Rows: [0, held sinks) are positions [0, min(sink, length)); the rest are positions
-    [off, length), off = held sinks + `_drop`."""
+    #: whether positions no future query sees are dropped (`BoundedLayer`)
+    trim_rows = False
 
-    def __init__(self, sink: int = 0, window: int | None = None, trim: bool = False,
-                 **kwargs: Any) -> None:
-        self.sink, self.window, self.trim_rows = int(sink), window, bool(trim)
+    def __init__(self, sink: int = 0, window: int | None = None, **kwargs: Any) -> None:
+        self.sink, self.window = int(sink), window
         self._drop = 0  # positions dropped between the sinks and the kept tail
         super().__init__(**kwargs)
 
@@ -135,7 +128,6 @@ class WindowLayer(GrowingLayer):
     def is_sliding(self) -> bool:  # type: ignore[override]
         return not self.trim_rows
 
-    # -- positions ------------------------------------------------------------------------------
     def get_seq_length(self) -> int:
         return (self._length + self._drop) if self.is_initialized else 0
 
@@ -150,12 +142,151 @@ class WindowLayer(GrowingLayer):
         """For a forward appending after `past` positions: the first row its attention reads
         and the key of the positions it reads before the fed ones, (sink, window, a, b):
         positions [0, a) then [b, past), the same before and after the forward's update."""
-        if not self.trim_rows:
-            start = max(0, past - self.window + 1) if self.window else 0
-            return start, (0, self.window or 0, 0, start)
+        start = max(0, past - self.window + 1) if self.window else 0
+        return start, (0, self.window or 0, 0, start)
+
+    def trim(self, exact: bool = False) -> None:
+        """Nothing to drop: every position is kept (`BoundedLayer` commits here)."""
+
+    def reset(self) -> None:
+        super().reset()
+        self._drop = 0
+
+
+class BoundedLayer(WindowLayer):
+    """`--kv-sink/--kv-window` on a full layer (or, under a bound, a sliding layer with
+    sink 0): the resident K/V holds only the band, `sink + window` committed positions, and a
+    forward's fed rows live in a transient overlay that commits only what was accepted
+    (mlx-swift-lm #516's shape). Memory between steps is constant in the context length.
+
+    Resident rows: [0, held sinks) are positions [0, min(sink, length)); the rest are the
+    last `window` committed positions [off, committed), off = held sinks + `_drop` (one more
+    than the next query reads, so a rollback of one position stays exact).
+
+    `update` (once per layer per forward) builds the attention's input, the work buffer
+    [resident rows ; fed rows], and keeps it as the overlay: `_pend` of its rows past the
+    resident ones are positions not yet committed. `crop` (the engine's word on what stays)
+    cuts the overlay and commits it; so does `trim`, at the start of the next forward (a step
+    whose drafts were all accepted is never cropped). Committing copies the sinks and the last
+    `window` rows of the work buffer into the resident buffer and frees the overlay. A
+    rollback into committed positions is exact only while the next query's band is still held
+    (to at least off + window - 1); deeper ones are refused, never served with missing K/V."""
+
+    trim_rows = True
+
+    def __init__(self, sink: int = 0, window: int | None = None, **kwargs: Any) -> None:
+        if not window:
+            raise ValueError("a bounded layer needs a window")
+        self._work_k: torch.Tensor | None = None  # the overlay: [resident ; fed rows]
+        self._work_v: torch.Tensor | None = None
+        self._pend = 0  # rows of the overlay past the resident ones (uncommitted positions)
+        super().__init__(sink, window, **kwargs)
+
+    # -- the rows a forward reads: the overlay while there is one ------------------------------
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        if self._work_k is not None:
+            return self._work_k[..., :self._length + self._pend, :]
+        return None if self._keys is None else self._keys[..., :self._length, :]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._work_k = self._work_v = None
+        self._pend = 0
+        GrowingLayer.keys.fset(self, value)
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        if self._work_v is not None:
+            return self._work_v[..., :self._length + self._pend, :]
+        return None if self._values is None else self._values[..., :self._values_length, :]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._work_k = self._work_v = None
+        self._pend = 0
+        GrowingLayer.values.fset(self, value)
+
+    def get_seq_length(self) -> int:
+        return (self._length + self._drop + self._pend) if self.is_initialized else 0
+
+    def committed(self) -> int:
+        return (self._length + self._drop) if self.is_initialized else 0
+
+    def held_sinks(self) -> int:
+        return min(self.sink, self.committed())
+
+    def band(self, past: int) -> tuple[int, tuple[int, int, int, int]]:
         if not self._drop:
             return 0, (self.sink, self.window or 0, 0, 0)
         return 0, (self.sink, self.window or 0, self.sink, self.sink + self._drop)
+
+    def steady(self) -> int:
+        """The rows of the resident buffer: the sinks and the window."""
+        return self.sink + int(self.window or 0)
+
+    # -- a forward -------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized or self._keys is None or self._keys.dim() < 4:
+            self.device = key_states.device
+            self.is_initialized = True
+            self._alloc(key_states, value_states, keep=0)
+        if self._work_k is not None:  # a second forward without a crop: all accepted
+            self.commit()
+        self._work_k = torch.cat([self._keys[..., :self._length, :], key_states], dim=-2)
+        self._work_v = torch.cat([self._values[..., :self._length, :], value_states], dim=-2)
+        self._pend = int(key_states.shape[-2])
+        return self.keys, self.values
+
+    def _alloc(self, like_k: torch.Tensor, like_v: torch.Tensor, keep: int) -> None:
+        buffers = []
+        for old, ref in ((self._keys, like_k), (self._values, like_v)):
+            buf = torch.empty((*ref.shape[:-2], self.steady(), ref.shape[-1]), dtype=ref.dtype,
+                              device=ref.device)
+            if keep:
+                buf[..., :keep, :] = old[..., :keep, :]
+            buffers.append(buf)
+        self._keys, self._values = buffers
+        self._length = self._values_length = keep
+
+    def commit(self) -> None:
+        """The overlay's rows become resident: the sinks and the last `window` committed
+        positions kept, the rest dropped, the overlay freed."""
+        work_k, work_v = self._work_k, self._work_v
+        if work_k is None or work_v is None:
+            return
+        total = self._length + self._pend  # rows of the work buffer that stay
+        length = total + self._drop
+        sinks = min(self.sink, length)
+        tail = min(int(self.window or 0), length - sinks)
+        if self._keys is None or self._keys.shape[-2] < self.steady():
+            with torch.inference_mode():
+                self._alloc(work_k, work_v, keep=0)
+        with torch.inference_mode():  # the buffers are inference tensors; crop runs outside
+            for buf, work in ((self._keys, work_k), (self._values, work_v)):
+                buf[..., :sinks, :] = work[..., :sinks, :]
+                buf[..., sinks:sinks + tail, :] = work[..., total - tail:total, :]
+        self._drop = length - sinks - tail
+        self._length = self._values_length = sinks + tail
+        self._work_k = self._work_v = None
+        self._pend = 0
+
+    def trim(self, exact: bool = False) -> None:
+        """The start of a forward (or a cache kept): what the overlay still holds is accepted."""
+        self.commit()
+
+    def compact(self, base: int, keep: torch.Tensor) -> None:
+        """After a tree forward at length `base`: the overlay's fed rows `keep` (feed indices)
+        moved to positions base.., the rest dropped."""
+        if self._work_k is None or base != self.committed():
+            raise ValueError(f"compact at {base}: the overlay holds positions from "
+                             f"{self.committed()} ({self._pend} of them)")
+        row = self._length
+        with torch.inference_mode():
+            for work in (self._work_k, self._work_v):
+                work[..., row:row + len(keep), :] = work[..., row + keep, :]  # a copy first
+        self._pend = len(keep)
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -164,55 +295,24 @@ class WindowLayer(GrowingLayer):
         if not self.is_initialized:
             return
         target = max(self.get_seq_length() - abs(tokens_to_remove), 0)
-        if self._drop and target < self.offset():
-            raise ValueError(f"cannot roll back to {target} positions: positions below "
-                             f"{self.offset()} were dropped (kv window {self.window})")
+        committed = self.committed()
+        if self._work_k is not None and target >= committed:
+            self._pend = target - committed
+            self.commit()
+            return
+        self._work_k = self._work_v = None
+        self._pend = 0
+        if self._drop and target < self.sink + self._drop + int(self.window or 0) - 1:
+            raise ValueError(f"cannot roll back to {target} positions: its window needs "
+                             f"positions from {max(0, target - int(self.window or 0) + 1)}, "
+                             f"and those below {self.offset()} were dropped (kv window "
+                             f"{self.window})")
         self._length = self._values_length = target - self._drop
 
     def reset(self) -> None:
         super().reset()
-        self._drop = 0
-
-    def steady(self) -> int:
-        """The rows a trimming layer's buffer keeps once past sink + window."""
-        return self.sink + (self.window or 0) + SLACK
-
-    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, keep: int) -> None:
-        if not self.trim_rows:
-            return super()._grow(key_states, value_states, keep)
-        total = keep + int(key_states.shape[-2])
-        capacity = max(total + max(SLACK, total // 4), self.steady())
-        self._realloc(capacity, keep, like=(key_states, value_states))
-
-    def _realloc(self, capacity: int, keep: int, like: tuple[torch.Tensor, torch.Tensor]
-                 ) -> None:
-        buffers = []
-        for old, ref in zip((self._keys, self._values), like, strict=True):
-            shape = (*ref.shape[:-2], capacity, ref.shape[-1])
-            buf = torch.empty(shape, dtype=ref.dtype, device=ref.device)
-            if keep:
-                buf[..., :keep, :] = old[..., :keep, :]
-            buffers.append(buf)
-        self._keys, self._values = buffers
-        self._length = self._values_length = keep
-
-    def trim(self, exact: bool = False) -> None:
-        """Drop the positions no query from the current length on can see (class
-        docstring): when at least `SLACK // 2` are dead, or any with `exact`; then shrink a buffer
-        grown past its steady size (a long prompt fed at once)."""
-        if not (self.trim_rows and self.is_initialized and self._keys is not None):
-            return
-        length, sinks = self.get_seq_length(), self.held_sinks()
-        dead = max(0, length - self.window + 1 - self.offset())
-        if dead and (exact or dead >= SLACK // 2):
-            first = sinks + dead  # the row of the first position kept
-            n = self._length - first
-            for buf in (self._keys, self._values):
-                buf[..., sinks:sinks + n, :] = buf[..., first:first + n, :].clone()
-            self._drop += dead
-            self._length = self._values_length = sinks + n
-        if self._keys.shape[-2] > self.steady() and self._length <= self.steady() - SLACK:
-            self._realloc(self.steady(), self._length, like=(self._keys, self._values))
+        self._work_k = self._work_v = None
+        self._pend = 0
 
 
 def band_layer(layer: Any) -> bool:
@@ -220,15 +320,25 @@ def band_layer(layer: Any) -> bool:
 
 
 def trim(cache: Any, exact: bool = False) -> None:
-    """Trim every trimming layer of `cache` (the start of a forward; `exact` when kept)."""
+    """Commit every bounded layer's overlay (the start of a forward; a cache kept)."""
     for layer in cache.layers:
-        if isinstance(layer, WindowLayer):
+        if isinstance(layer, BoundedLayer):
             layer.trim(exact)
+
+
+def commit(cache: Any) -> None:
+    """The engine's crop said what stays: every bounded layer's overlay committed."""
+    for layer in getattr(cache, "layers", ()):
+        if isinstance(layer, BoundedLayer):
+            layer.commit()
 
 
 def compact(layer: Any, base: int, keep: torch.Tensor) -> None:
     """After a tree forward at length `base`: the fed rows `keep` (feed indices) moved, in
     place, to positions base.., the rest dropped."""
+    if isinstance(layer, BoundedLayer):
+        layer.compact(base, keep)
+        return
     if layer.keys is None:
         return
     row = base - (layer._drop if isinstance(layer, WindowLayer) else 0)
@@ -239,12 +349,13 @@ def compact(layer: Any, base: int, keep: torch.Tensor) -> None:
 
 
 def kv_bytes(cache: Any) -> int:
-    """Bytes of K/V buffers the cache holds (allocated, room ahead included)."""
+    """Bytes of K/V buffers the cache holds (allocated, room ahead included; a bounded
+    layer's overlay too, while a forward's rows are not yet committed)."""
     total = 0
     for layer in cache.layers:
-        for name in ("_keys", "_values"):
+        for name in ("_keys", "_values", "_work_k", "_work_v"):
             t = getattr(layer, name, None)
-            if t is None:
+            if t is None and name in ("_keys", "_values"):
                 t = getattr(layer, name.lstrip("_"), None)
             if isinstance(t, torch.Tensor):
                 total += t.nbytes
@@ -258,7 +369,7 @@ def windowed(config: Any) -> bool:
 
 def new_cache(config: Any, bound: tuple[int, int] | None = None) -> DynamicCache:
     """A `DynamicCache` for `config`: full-attention layers grow in place (`GrowingLayer`), or
-    keep sinks + window under `bound` = (sink, window) (`WindowLayer(trim=True)`); sliding-
+    keep sinks + window under `bound` = (sink, window) (`BoundedLayer`); sliding-
     window layers become `WindowLayer`s keeping everything, their window applied by the mask
     (exact crops and prefix copies at any length), or under a bound trimmed to their window.
     Any other kind of layer (chunked attention, shared K/V) is refused."""
@@ -269,10 +380,11 @@ def new_cache(config: Any, bound: tuple[int, int] | None = None) -> DynamicCache
     for layer in cache.layers:
         if type(layer) is DynamicLayer:
             layers.append(GrowingLayer() if bound is None
-                          else WindowLayer(bound[0], bound[1], trim=True))
+                          else BoundedLayer(bound[0], bound[1]))
         elif type(layer) is DynamicSlidingWindowLayer:
             # bounded (constant memory): its window trimmed too; else every position kept
-            layers.append(WindowLayer(0, int(layer.sliding_window), trim=bound is not None))
+            window = int(layer.sliding_window)
+            layers.append(WindowLayer(0, window) if bound is None else BoundedLayer(0, window))
         else:
             raise BadRequestError(f"model type {getattr(config, 'model_type', '?')!r}: cache "
                                   f"layer {type(layer).__name__} is served by no path here "

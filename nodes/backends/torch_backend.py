@@ -353,6 +353,7 @@ class TorchBackend(Backend):
         extra = self.cache_length(cache) - length
         if extra > 0:
             cache.crop(-extra)
+        growing_cache.commit(cache)  # bounded layers: what stays is committed, overlay freed
         #: the K/V bytes of the cache cropped last (each step's end): `generate --json`'s
         #: `kv_bytes`
         self.last_kv_bytes = growing_cache.kv_bytes(cache)

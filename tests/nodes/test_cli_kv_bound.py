@@ -51,4 +51,4 @@ def test_a_bounded_local_run_reports_its_kv_bytes(tiny_folder):
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["kv_bound"] == [4, 16]
-    assert got["kv_bytes"] == 2 * 2 * 2 * 16 * 4 * (4 + 16 + 64)  # layers, K+V, heads, dim
+    assert got["kv_bytes"] == 2 * 2 * 2 * 16 * 4 * (4 + 16)  # layers, K+V, heads, dim
