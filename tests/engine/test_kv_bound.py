@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from nodes.backends import growing_cache
 from nodes.backends.torch_backend import TorchBackend, check_kv_bound
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.errors import BadRequestError
