@@ -15,4 +15,5 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "flood": ("tools.bench_suffix_flood", "a suffix proposer fed GiBs of hostile publications"),
     "shard": ("tools.bench_shard", "a verifier sharded into 1-3 pipeline stages: RSS, tok/s"),
     "structured": ("tools.bench_structured", "constrained plain vs speculative, tool calls"),
+    "memory": ("tools.bench_memory", "K/V bytes, RSS and decode tok/s at 1k-16k, bounded vs full"),
 }
