@@ -70,11 +70,15 @@ inline __m256 exp8(__m256 x) {
 // 32), Q4_1 (a nibble q per weight, w = d q + m per block; the 16 bytes of a block as GGUF
 // stores them: element j in the low nibble of byte j, element j + 16 in its high nibble), or
 // F32. Given unpacked (qs [N, K] / [N, K/2], d and m [N, K/32] float32) and packed here for
-// the kernels: groups of 4 rows (zero rows pad the last), and within a group, block by block,
-// the 4 rows' float16 scales (Q4_1: then their minimums) and the 4 rows' quants, so that a group
-// is one sequential stream (read as 4 row streams plus their scales, one core reached about a
-// third of the bandwidth).
-constexpr int64_t RG = 4;  // rows per group
+// the kernels in groups of rows (zero rows pad the last), each group one sequential stream,
+// block by block (read as separate row streams, one core reached about a third of the
+// bandwidth). Block kinds: 16 rows a group, and a block holds the 16 rows' float16 scales
+// (Q4_1: then their minimums), then their quants interleaved 4 bytes a row: bytes 4c..4c+3 of
+// every row make the 64 bytes of vector c, so one 512-bit dot instruction (or two 256-bit
+// halves) serves the 16 rows (quant_tiles.h). F32: rows as they are, 4 a group.
+constexpr int64_t RG = 4;   // F32 rows per group
+constexpr int64_t BG = 16;  // block-kind rows per group
+inline int64_t group_rows(int kind) { return kind == F32 ? RG : BG; }
 
 // Block scales travel as GGUF keeps them, float16 (exact: every scale comes from a float16
 // field, and a float16 converts to float32 exactly); a Q4_1 block is then 20 bytes, not 24.
@@ -106,35 +110,39 @@ struct QMat {
     TORCH_CHECK(K % QK == 0, "quant: K must be a multiple of 32 for block kinds, not ", K);
     TORCH_CHECK(d.scalar_type() == torch::kFloat && d.numel() == N * (K / QK), "quant: bad d");
     const int64_t nb = K / QK;
-    groups = (N + RG - 1) / RG;
+    groups = (N + BG - 1) / BG;
     const float* dp = d.data_ptr<float>();
     if (kind == Q8_0) {
       TORCH_CHECK(qs.scalar_type() == torch::kChar && qs.numel() == N * K, "quant: Q8_0 qs");
-      block_bytes = RG * 2 + RG * QK;
+      block_bytes = BG * 2 + BG * QK;
       packed = torch::zeros({groups * nb * block_bytes}, torch::kByte);
       uint8_t* out = packed.data_ptr<uint8_t>();
       const int8_t* q = qs.data_ptr<int8_t>();
       for (int64_t n = 0; n < N; n++)
         for (int64_t b = 0; b < nb; b++) {
-          uint8_t* blk = out + ((n / RG) * nb + b) * block_bytes;
-          put_half(blk + (n % RG) * 2, dp[n * nb + b]);
-          std::memcpy(blk + RG * 2 + (n % RG) * QK, q + n * K + b * QK, QK);
+          uint8_t* blk = out + ((n / BG) * nb + b) * block_bytes;
+          const int64_t i = n % BG;
+          put_half(blk + i * 2, dp[n * nb + b]);
+          for (int64_t c = 0; c < QK / 4; c++)
+            std::memcpy(blk + BG * 2 + 64 * c + 4 * i, q + n * K + b * QK + 4 * c, 4);
         }
     } else {
       TORCH_CHECK(qs.scalar_type() == torch::kByte && qs.numel() == N * K / 2, "quant: Q4_1 qs");
       m = m.contiguous();
       TORCH_CHECK(m.scalar_type() == torch::kFloat && m.numel() == N * nb, "quant: bad m");
       const float* mp = m.data_ptr<float>();
-      block_bytes = RG * 4 + RG * QK / 2;
+      block_bytes = BG * 4 + BG * QK / 2;
       packed = torch::zeros({groups * nb * block_bytes}, torch::kByte);
       uint8_t* out = packed.data_ptr<uint8_t>();
       const uint8_t* q = qs.data_ptr<uint8_t>();
       for (int64_t n = 0; n < N; n++)
         for (int64_t b = 0; b < nb; b++) {
-          uint8_t* blk = out + ((n / RG) * nb + b) * block_bytes;
-          put_half(blk + (n % RG) * 2, dp[n * nb + b]);
-          put_half(blk + RG * 2 + (n % RG) * 2, mp[n * nb + b]);
-          std::memcpy(blk + RG * 4 + (n % RG) * (QK / 2), q + n * (K / 2) + b * (QK / 2), QK / 2);
+          uint8_t* blk = out + ((n / BG) * nb + b) * block_bytes;
+          const int64_t i = n % BG;
+          put_half(blk + i * 2, dp[n * nb + b]);
+          put_half(blk + BG * 2 + i * 2, mp[n * nb + b]);
+          for (int64_t j = 0; j < QK / 8; j++)
+            std::memcpy(blk + BG * 4 + 64 * j + 4 * i, q + n * (K / 2) + b * (QK / 2) + 4 * j, 4);
         }
     }
   }
@@ -150,6 +158,7 @@ struct Act {
   int64_t M = 0, K = 0;
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> sum;  // sum of q per block (the Q8_0 tiles' unsigned offset comes back out)
 };
 
 void quantize_act(const float* x, int64_t M, int64_t K, Act& a) {
@@ -159,6 +168,7 @@ void quantize_act(const float* x, int64_t M, int64_t K, Act& a) {
   a.q.resize(M * K);
   a.d.resize(M * nb);
   a.s.resize(M * nb);
+  a.sum.resize(M * nb);
 #if defined(__x86_64__)
   // the scalar loop's arithmetic, 8 lanes at a time: an exact max, the same product and the
   // same round-half-to-even, so the same integers and scales
@@ -194,6 +204,7 @@ void quantize_act(const float* x, int64_t M, int64_t K, Act& a) {
                           _mm256_permutevar8x32_epi32(p16, order));
       a.d[r * nb + b] = d;
       a.s[r * nb + b] = d * static_cast<float>(sum);
+      a.sum[r * nb + b] = sum;
     }
   }
 #else
@@ -213,32 +224,30 @@ void quantize_act(const float* x, int64_t M, int64_t K, Act& a) {
       }
       a.d[r * nb + b] = d;
       a.s[r * nb + b] = d * static_cast<float>(sum);
+      a.sum[r * nb + b] = sum;
     }
   }
 #endif
 }
 
 #if defined(__x86_64__)
-constexpr int PREFETCH = 768;  // bytes ahead in a group's stream
 
 // The block tiles, compiled twice: for AVX2 and, where the CPU has it, AVX-512 VNNI (one
 // instruction for a block's integer dot product, and 32 vector registers for wider tiles).
 // Both compute the same integers and the same float operations in the same order, so their
 // results are identical, bit for bit; only their speed differs.
 namespace avx2 {
-#define QDOT(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
-constexpr int MT_MAX = 2;  // input rows a tile: 16 registers hold 8 sums, 2 inputs, 2 scales
+constexpr int MT_MAX = 2;  // input rows a tile: 16 registers hold 2 x 2 sums and 2 x 2 minimum sums
 #include "quant_tiles.h"
-#undef QDOT
 }  // namespace avx2
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")
 namespace vnni {
-#define QDOT(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
-constexpr int MT_MAX = 4;  // 32 registers: 16 sums, 4 inputs, 4 scales
+#define WIDE
+constexpr int MT_MAX = 8;  // 32 registers: 8 weight vectors, 8 sums, 8 minimum sums, 2 scales
 #include "quant_tiles.h"
-#undef QDOT
+#undef WIDE
 }  // namespace vnni
 #pragma GCC pop_options
 
@@ -283,7 +292,7 @@ inline void tile_f32(const QMat& w, const float* x, float* y, int64_t ldy, int64
     }
 }
 
-// F32 weight rows [4 g_begin, 4 g_end) against every input row.
+// F32 weight rows [RG g_begin, RG g_end) against every input row.
 void rows_range_f32(const QMat& w, const float* x, float* y, int64_t M, int64_t g_begin,
                     int64_t g_end) {
   for (int64_t g = g_begin; g < g_end; g++) {
@@ -313,8 +322,8 @@ void matmul(const QMat& w, const float* x, int64_t M, float* y, Act& scratch) {
   TORCH_CHECK(w.N > 0, "quant: an empty weight matrix");
   if (w.kind != F32) quantize_act(x, M, w.K, scratch);
 #if defined(__x86_64__)
-  constexpr int64_t P = 16;  // weight groups per task
-  const int64_t groups = (w.N + RG - 1) / RG, panels = (groups + P - 1) / P;
+  const int64_t P = 64 / group_rows(w.kind);  // weight groups per task: 64 rows
+  const int64_t groups = (w.N + group_rows(w.kind) - 1) / group_rows(w.kind), panels = (groups + P - 1) / P;
   at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; p++)
       rows_range(w, scratch, x, y, M, p * P, std::min(groups, (p + 1) * P));
@@ -366,6 +375,39 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float s = hsum8(acc);
   for (int64_t i = n8; i < n; i++) s += a[i] * b[i];
   return s;
+}
+#endif
+
+#if defined(__x86_64__)
+// Attention scores q . k_j for positions [0, n) of one head, into out[j] (times `scale`), 4
+// positions at a time. Each score is computed by the same steps wherever it falls (8 lanes over
+// the head width in order, then one fixed tree over the lanes), so a position's score does not
+// depend on its neighbours, its index or how many rows share the call: the last 1-3 positions
+// go through the same code from a zero-padded copy. The head width: a multiple of 8.
+inline void scores4(const float* q, const float* k, int64_t D, float scale, float* out) {
+  __m256 acc[4];
+  for (int p = 0; p < 4; p++) acc[p] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8) {
+    const __m256 qc = _mm256_loadu_ps(q + c);
+    for (int p = 0; p < 4; p++) acc[p] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + p * D + c), acc[p]);
+  }
+  // lanes (0+1)+(2+3) in each 128-bit half for the 4 positions, then the halves added
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  _mm_storeu_ps(out, _mm_mul_ps(s, _mm_set1_ps(scale)));
+}
+
+void scores(const float* q, const float* k, int64_t n, int64_t D, float scale, float* out,
+            float* pad /* 4 x D */) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) scores4(q, k + j * D, D, scale, out + j);
+  if (j < n) {
+    std::fill(pad, pad + 4 * D, 0.f);
+    std::copy(k + j * D, k + n * D, pad);
+    alignas(16) float tail[4];
+    scores4(q, pad, D, scale, tail);
+    for (int64_t i = j; i < n; i++) out[i] = tail[i - j];
+  }
 }
 #endif
 
@@ -468,7 +510,7 @@ struct Model {
 
   void embed_row(int64_t id, float* out) const {
     TORCH_CHECK(id >= 0 && id < embed.N, "quant: token id ", id, " out of range");
-    const int64_t K = embed.K, g = id / RG, r = id % RG;
+    const int64_t K = embed.K, g = id / BG, r = id % BG;
     if (embed.kind == F32) {
       const float* p = embed.packed.data_ptr<float>() + id * K;
       std::copy(p, p + K, out);
@@ -478,14 +520,16 @@ struct Model {
       const uint8_t* blk = embed.block(g, b);
       const float d = get_half(blk + r * 2);
       if (embed.kind == Q8_0) {
-        const int8_t* q = reinterpret_cast<const int8_t*>(blk + RG * 2 + r * QK);
-        for (int j = 0; j < QK; j++) out[b * QK + j] = d * static_cast<float>(q[j]);
+        for (int j = 0; j < QK; j++) {
+          const int8_t q = static_cast<int8_t>(blk[BG * 2 + 64 * (j / 4) + 4 * r + j % 4]);
+          out[b * QK + j] = d * static_cast<float>(q);
+        }
       } else {
-        const float m = get_half(blk + RG * 2 + r * 2);
-        const uint8_t* q = blk + RG * 4 + r * (QK / 2);
+        const float m = get_half(blk + BG * 2 + r * 2);
         for (int j = 0; j < 16; j++) {
-          out[b * QK + j] = d * static_cast<float>(q[j] & 0x0F) + m;
-          out[b * QK + j + 16] = d * static_cast<float>(q[j] >> 4) + m;
+          const uint8_t q = blk[BG * 4 + 64 * (j / 4) + 4 * r + j % 4];
+          out[b * QK + j] = d * static_cast<float>(q & 0x0F) + m;
+          out[b * QK + j + 16] = d * static_cast<float>(q >> 4) + m;
         }
       }
     }
@@ -573,6 +617,7 @@ struct Model {
     for (int64_t b = 0; b < B; b++) max_ctx = std::max(max_ctx, pasts[b] + offs[b + 1] - offs[b]);
     std::vector<float> score((max_ctx + 7) / 8 * 8), prob((max_ctx + 7) / 8 * 8);
     std::vector<char> vis(max_ctx);
+    std::vector<float> pad(4 * D);
 
     PhaseClock clock;
     clock.lap(0);
@@ -623,11 +668,17 @@ struct Model {
           const int64_t g = hh / group;
           const float* q = qkv.data() + t * W + hh * D;
           float mx = -INFINITY;
-          for (int64_t j = 0; j < last; j++) {
-            if (!vis[j]) continue;
-            const float s = dot(q, kbuf + (g * cap + j) * D, D) * attn_scale;
-            score[j] = s;
-            mx = std::max(mx, s);
+          if (D % 8 == 0) {
+            scores(q, kbuf + g * cap * D, last, D, attn_scale, score.data(), pad.data());
+            for (int64_t j = 0; j < last; j++)
+              if (vis[j]) mx = std::max(mx, score[j]);
+          } else {
+            for (int64_t j = 0; j < last; j++) {
+              if (!vis[j]) continue;
+              const float s = dot(q, kbuf + (g * cap + j) * D, D) * attn_scale;
+              score[j] = s;
+              mx = std::max(mx, s);
+            }
           }
           for (int64_t j = 0; j < padded; j++) if (j >= last || !vis[j]) score[j] = mx;
           const __m256 mxv = _mm256_set1_ps(mx);

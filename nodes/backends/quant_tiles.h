@@ -1,105 +1,197 @@
 // The quantized block tiles (Q8_0, Q4_1 weights against Q8 activations), included by
-// quant_rows.cpp once per instruction set, inside a namespace that defines QDOT (8 int32 lanes,
-// lane i the sum of products of bytes 4i..4i+3: the same integers either way) and MT_MAX.
-// Each output: a block's integer dot, scaled by d_w d_x, added into 8 float lanes in block
-// order, the lanes summed last in one fixed order (Q4_1: plus the minimum terms, one scalar
-// per row in block order, added at the very end). Nothing depends on MT or on the tiling.
+// quant_rows.cpp once per instruction set, inside a namespace that defines MT_MAX and either
+// WIDE (AVX-512 VNNI: a group's 16 outputs in one 512-bit register) or not (AVX2: two 256-bit
+// halves).
+//
+// The layout (QMat's packing) puts a group's 16 weight rows side by side: 4 bytes of each row
+// (4 consecutive weights of a block) make one 64-byte vector, lane i for row i. An activation
+// row's 4 matching bytes are broadcast to every lane, so one dot instruction advances all 16
+// outputs' integer block sums at once, and a block's float work (convert, scale, accumulate) is
+// one operation for 16 outputs instead of one each.
+//
+// Each output: a block's integer dot (exact), converted, times round(d_w * d_x), accumulated by
+// one fused multiply-add in block order (Q4_1: plus the minimum terms m_w s_x, accumulated the
+// same way apart, the two added last). Both instruction sets compute exactly these steps lane by
+// lane, so their results are identical; nothing depends on MT or on the tiling.
 
-// MT activation rows from m0 against weight group g (4 rows), Q8_0: y[m, 4g + r].
+#ifdef WIDE
+// MT activation rows from m0 against weight group g: y[m, 16 g + i].
 template <int MT>
 inline void tile_q8(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t m0, int64_t g) {
   const int64_t K = w.K, nb = K / QK;
-  __m256 acc[RG][MT];
-  for (int r = 0; r < RG; r++)
-    for (int m = 0; m < MT; m++) acc[r][m] = _mm256_setzero_ps();
-    const uint8_t* blk = w.block(g, 0);
+  __m512 acc[MT];
+  for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const uint8_t* blk = w.block(g, 0);
   for (int64_t b = 0; b < nb; b++, blk += w.block_bytes) {
-    _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH + 64), _MM_HINT_T0);
-    __m256i xv[MT];
-    __m256 xd[MT];
+    for (int64_t o = 0; o < w.block_bytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * w.block_bytes + o), _MM_HINT_T0);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    __m512i wq[8];  // w + 128 as unsigned bytes: dpbusd multiplies unsigned by signed
+    for (int c = 0; c < 8; c++)
+      wq[c] = _mm512_xor_si512(_mm512_loadu_si512(blk + 32 + 64 * c), bias);
     for (int m = 0; m < MT; m++) {
-      xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m0 + m) * K + b * QK));
-      xd[m] = _mm256_set1_ps(a.d[(m0 + m) * nb + b]);
-    }
-    const __m256 dw4 = _mm256_castps128_ps256(
-        _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk))));
-    for (int r = 0; r < RG; r++) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + RG * 2 + r * QK));
-      const __m256i aw = _mm256_sign_epi8(wv, wv);
-      const __m256 dwv = _mm256_permutevar8x32_ps(dw4, _mm256_set1_epi32(r));
-      for (int m = 0; m < MT; m++) {
-        const __m256i p32 = QDOT(aw, _mm256_sign_epi8(xv[m], wv));
-        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_mul_ps(dwv, xd[m]), acc[r][m]);
+      const int64_t row = (m0 + m) * nb + b;
+      const int8_t* xq = a.q.data() + (m0 + m) * K + b * QK;
+      __m512i s = _mm512_set1_epi32(-128 * a.sum[row]);  // takes the 128 back out, exactly
+      for (int c = 0; c < 8; c++) {
+        int32_t x4;
+        std::memcpy(&x4, xq + 4 * c, 4);
+        s = _mm512_dpbusd_epi32(s, wq[c], _mm512_set1_epi32(x4));
       }
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[row])), acc[m]);
     }
   }
-  for (int r = 0; r < RG; r++) {
-    if (g * RG + r >= w.N) break;
-    for (int m = 0; m < MT; m++) y[(m0 + m) * ldy + g * RG + r] = hsum8(acc[r][m]);
+  for (int m = 0; m < MT; m++) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, acc[m]);
+    for (int i = 0; i < 16 && g * 16 + i < w.N; i++) y[(m0 + m) * ldy + g * 16 + i] = out[i];
   }
 }
 
-// The same for Q4_1 weights: y = sum_b d_w d_x (q_w . q_x) [vector lanes] + sum_b m_w s_x
-// [one scalar, block order], the two added last.
 template <int MT>
 inline void tile_q4(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t m0, int64_t g) {
   const int64_t K = w.K, nb = K / QK;
-  __m256 acc[RG][MT];
-  __m128 mins[MT];  // the 4 rows' minimum terms, one lane each
-  for (int m = 0; m < MT; m++) mins[m] = _mm_setzero_ps();
-  for (int r = 0; r < RG; r++)
-    for (int m = 0; m < MT; m++) acc[r][m] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m512 acc[MT], mins[MT];
+  for (int m = 0; m < MT; m++) acc[m] = mins[m] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
   const uint8_t* blk = w.block(g, 0);
   for (int64_t b = 0; b < nb; b++, blk += w.block_bytes) {
-    _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
-    __m256i xv[MT];
-    __m256 xd[MT];
-    const __m128 mw = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + RG * 2)));
-    for (int m = 0; m < MT; m++) {
-      xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m0 + m) * K + b * QK));
-      xd[m] = _mm256_set1_ps(a.d[(m0 + m) * nb + b]);
-      mins[m] = _mm_fmadd_ps(mw, _mm_set1_ps(a.s[(m0 + m) * nb + b]), mins[m]);
+    for (int64_t o = 0; o < w.block_bytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * w.block_bytes + o), _MM_HINT_T0);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+    __m512i wq[8];  // wq[j]: weights 4j..4j+3 of each row; wq[j + 4]: weights 16 + 4j..
+    for (int j = 0; j < 4; j++) {
+      const __m512i raw = _mm512_loadu_si512(blk + 64 + 64 * j);
+      wq[j] = _mm512_and_si512(raw, low);
+      wq[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
     }
-    const __m256 dw4 = _mm256_castps128_ps256(
-        _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk))));
-    for (int r = 0; r < RG; r++) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + RG * 4 + r * (QK / 2)));
-      const __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-      const __m256 dwv = _mm256_permutevar8x32_ps(dw4, _mm256_set1_epi32(r));
-      for (int m = 0; m < MT; m++) {
-        const __m256i p32 = QDOT(wv, xv[m]);
-        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_mul_ps(dwv, xd[m]), acc[r][m]);
+    for (int m = 0; m < MT; m++) {
+      const int64_t row = (m0 + m) * nb + b;
+      const int8_t* xq = a.q.data() + (m0 + m) * K + b * QK;
+      __m512i s = _mm512_setzero_si512();
+      for (int c = 0; c < 8; c++) {
+        int32_t x4;
+        std::memcpy(&x4, xq + (c < 4 ? 4 * c : 16 + 4 * (c - 4)), 4);
+        s = _mm512_dpbusd_epi32(s, wq[c], _mm512_set1_epi32(x4));
+      }
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[row])), acc[m]);
+      mins[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[row]), mins[m]);
+    }
+  }
+  for (int m = 0; m < MT; m++) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, _mm512_add_ps(acc[m], mins[m]));
+    for (int i = 0; i < 16 && g * 16 + i < w.N; i++) y[(m0 + m) * ldy + g * 16 + i] = out[i];
+  }
+}
+
+#else  // AVX2: the same lanes in two 256-bit halves (rows 0-7, rows 8-15)
+
+inline __m256i dot4(__m256i u, __m256i s) {  // unsigned x signed bytes, 4 to a lane, exact
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+inline __m256 half_cvtph(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int MT>
+inline void tile_q8(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t m0, int64_t g) {
+  const int64_t K = w.K, nb = K / QK;
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const uint8_t* blk = w.block(g, 0);
+  for (int64_t b = 0; b < nb; b++, blk += w.block_bytes) {
+    for (int64_t o = 0; o < w.block_bytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * w.block_bytes + o), _MM_HINT_T0);
+    for (int m = 0; m < MT; m++) {
+      const int64_t row = (m0 + m) * nb + b;
+      const int8_t* xq = a.q.data() + (m0 + m) * K + b * QK;
+      const __m256 dx = _mm256_set1_ps(a.d[row]);
+      for (int h = 0; h < 2; h++) {
+        __m256i s = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+          int32_t x4;
+          std::memcpy(&x4, xq + 4 * c, 4);
+          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 64 * c + 32 * h));
+          // |w| times x with w's sign: the same integer products as w times x
+          s = _mm256_add_epi32(s, dot4(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(_mm256_set1_epi32(x4), wv)));
+        }
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(half_cvtph(blk + 16 * h), dx), acc[m][h]);
       }
     }
   }
   for (int m = 0; m < MT; m++) {
-    alignas(16) float mn[4];
-    _mm_store_ps(mn, mins[m]);
-    for (int r = 0; r < RG; r++) {
-      if (g * RG + r >= w.N) break;
-      y[(m0 + m) * ldy + g * RG + r] = hsum8(acc[r][m]) + mn[r];
-    }
+    alignas(32) float out[16];
+    _mm256_store_ps(out, acc[m][0]);
+    _mm256_store_ps(out + 8, acc[m][1]);
+    for (int i = 0; i < 16 && g * 16 + i < w.N; i++) y[(m0 + m) * ldy + g * 16 + i] = out[i];
   }
 }
 
-// Weight groups [g_begin, g_end) against every input row, MT_MAX rows a tile and the rest.
+template <int MT>
+inline void tile_q4(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t m0, int64_t g) {
+  const int64_t K = w.K, nb = K / QK;
+  __m256 acc[MT][2], mins[MT][2];
+  for (int m = 0; m < MT; m++)
+    for (int h = 0; h < 2; h++) acc[m][h] = mins[m][h] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const uint8_t* blk = w.block(g, 0);
+  for (int64_t b = 0; b < nb; b++, blk += w.block_bytes) {
+    for (int64_t o = 0; o < w.block_bytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * w.block_bytes + o), _MM_HINT_T0);
+    for (int m = 0; m < MT; m++) {
+      const int64_t row = (m0 + m) * nb + b;
+      const int8_t* xq = a.q.data() + (m0 + m) * K + b * QK;
+      const __m256 dx = _mm256_set1_ps(a.d[row]), sx = _mm256_set1_ps(a.s[row]);
+      for (int h = 0; h < 2; h++) {
+        __m256i s = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+          int32_t lo4, hi4;
+          std::memcpy(&lo4, xq + 4 * j, 4);
+          std::memcpy(&hi4, xq + 16 + 4 * j, 4);
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + 64 * j + 32 * h));
+          s = _mm256_add_epi32(s, dot4(_mm256_and_si256(raw, low), _mm256_set1_epi32(lo4)));
+          s = _mm256_add_epi32(s, dot4(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), _mm256_set1_epi32(hi4)));
+        }
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(half_cvtph(blk + 16 * h), dx), acc[m][h]);
+        mins[m][h] = _mm256_fmadd_ps(half_cvtph(blk + 32 + 16 * h), sx, mins[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; m++) {
+    alignas(32) float out[16];
+    _mm256_store_ps(out, _mm256_add_ps(acc[m][0], mins[m][0]));
+    _mm256_store_ps(out + 8, _mm256_add_ps(acc[m][1], mins[m][1]));
+    for (int i = 0; i < 16 && g * 16 + i < w.N; i++) y[(m0 + m) * ldy + g * 16 + i] = out[i];
+  }
+}
+#endif
+
 template <int MT>
 inline void group(const QMat& w, const Act& a, float* y, int64_t m0, int64_t g) {
   if (w.kind == Q8_0) tile_q8<MT>(w, a, y, w.N, m0, g);
   else tile_q4<MT>(w, a, y, w.N, m0, g);
 }
 
+// Weight groups [g_begin, g_end) against every input row: per group, MT_MAX rows a tile, then
+// the rest in one smaller tile (the group's stream stays in cache between tiles).
 inline void rows_range(const QMat& w, const Act& a, float* y, int64_t M, int64_t g_begin,
                        int64_t g_end) {
-  int64_t m = 0;
-  for (; m + MT_MAX <= M; m += MT_MAX)
-    for (int64_t g = g_begin; g < g_end; g++) group<MT_MAX>(w, a, y, m, g);
-  const int64_t rest = M - m;
   for (int64_t g = g_begin; g < g_end; g++) {
-    if (rest == 3) group<3 < MT_MAX ? 3 : 1>(w, a, y, m, g);
-    if (rest == 2) group<2 < MT_MAX ? 2 : 1>(w, a, y, m, g);
-    if (rest == 1) group<1>(w, a, y, m, g);
+    int64_t m = 0;
+    for (; m + MT_MAX <= M; m += MT_MAX) group<MT_MAX>(w, a, y, m, g);
+    switch (M - m) {
+      case 0: break;
+      case 1: group<1>(w, a, y, m, g); break;
+      case 2: group<2 < MT_MAX ? 2 : 1>(w, a, y, m, g); break;
+      case 3: group<3 < MT_MAX ? 3 : 1>(w, a, y, m, g); break;
+      case 4: group<4 < MT_MAX ? 4 : 1>(w, a, y, m, g); break;
+      case 5: group<5 < MT_MAX ? 5 : 1>(w, a, y, m, g); break;
+      case 6: group<6 < MT_MAX ? 6 : 1>(w, a, y, m, g); break;
+      default: group<7 < MT_MAX ? 7 : 1>(w, a, y, m, g); break;
+    }
   }
 }
