@@ -161,7 +161,18 @@ def member_fields(m: Member) -> dict[str, Any]:
         "heartbeat_age_s": round(max(0.0, time.monotonic() - m.last_heard), 2),
         "endpoints": dict(c.endpoints), "observer": c.observer,
         "insecure": bool(c.extras.get("insecure")),
+        "kv_bound": card_kv_bound(c),
     }
+
+
+def card_kv_bound(card) -> str:
+    """A verifier's bounded K/V as its card says it (`extras.kv_bound`, [sink, window]:
+    `--kv-sink/--kv-window`), e.g. "kv 4+64", or "" for full attention."""
+    got = card.extras.get("kv_bound") if isinstance(card.extras, dict) else None
+    if (isinstance(got, list | tuple) and len(got) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in got)):
+        return f"kv {got[0]}+{got[1]}"
+    return ""
 
 
 def card_drafter(card) -> str:
@@ -214,7 +225,8 @@ def member_rows(view: ClusterView) -> list[tuple[str, ...]]:
         load = ns.latest.get("load") if ns is not None else None
         if isinstance(load, bool) or not isinstance(load, int | float):
             load = f["load"]
-        rows.append((display_name(m), m.node_id, roles, f["backend"] or "-", f["model"] or "-",
+        model = " ".join(x for x in (f["model"], f["kv_bound"]) if x)  # the bound beside it
+        rows.append((display_name(m), m.node_id, roles, f["backend"] or "-", model or "-",
                      f["drafter"] or "-", f["state"] + (" INSECURE" if f["insecure"] else ""),
                      str(f["incarnation"]), f"{f['heartbeat_age_s']:.1f}s",
                      f"{float(load):.2f}"))
