@@ -9,7 +9,7 @@ tensor are not both given) are each class's `_cross_check`. A bad value raises
 `codec.errors.BadRequest` naming the field.
 
 Limits that need node knowledge (vocabulary size, model context) are checked by the node right
-after this parse (`nodes/roles/requests.py`). The gossip types (`card`, `heartbeat`, ...) and
+after this parse (`nodes/node_common/requests.py`). The gossip types (`card`, `heartbeat`, ...) and
 `blob` have only a kind-level schema (`codec.schema.UNTYPED`): discovery parses its own.
 """
 

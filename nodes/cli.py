@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tools.demo", "start a local cluster and compare plain vs speculative decoding"),
     "bench": ("tools.bench", "benchmarks: bus, membership, decode, serve"),
     "keygen": ("nodes.cmd_keygen", "write a fresh cluster secret for --secret-file"),
-    "train-drafter": ("nodes.cmd_train_drafter", "train an EAGLE-3 draft head for a verifier"),
+    "train-drafter": ("nodes.training.command", "train an EAGLE-3 draft head for a verifier"),
 }
 
 

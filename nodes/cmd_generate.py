@@ -269,7 +269,7 @@ def _run_local(args: argparse.Namespace) -> int:
         load_engine,
         result_dict,
     )
-    from nodes.roles.requests import generation_params
+    from nodes.node_common.requests import generation_params
 
     # validate cheap things before loading a model: the same typed path as the wire
     req = _request(args)

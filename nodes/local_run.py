@@ -32,7 +32,7 @@ def load_engine(cfg: LocalConfig) -> Engine:
     backend = load_backend(cfg.backend, cfg.model,
                            **({"weights": cfg.weights} if cfg.weights != "fp32" else {}))
     if cfg.kv_sink is not None or cfg.kv_window is not None:
-        from nodes.roles.assemble import _bound_kv
+        from nodes.node_common.assemble import _bound_kv
 
         _bound_kv(backend, cfg.kv_sink, cfg.kv_window)
     drafter = make_drafter(cfg.drafter, backend)

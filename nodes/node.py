@@ -28,7 +28,7 @@ from discovery.interfaces import DEFAULT_INTERFACE, NetChoice, resolve_interface
 from discovery.mdns import Mdns
 from discovery.membership import UPDATABLE, Membership
 from discovery.table import Timeouts
-from nodes.roles.admission import RATE_LIMITED, AdmissionLimits, RateLimiter
+from nodes.node_common.admission import RATE_LIMITED, AdmissionLimits, RateLimiter
 from nodes.secret import security_for
 
 log = logging.getLogger(__name__)

@@ -109,7 +109,7 @@ def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int
 
     def hf_int8():
         """HF's assistant must be an HF model: the same smoothed int8 copy, as HF modules (the
-        drafter's lean forward computes the same logits, nodes/drafters/lean_llama.py)."""
+        drafter's lean forward computes the same logits, nodes/backends/lean_llama.py)."""
         verifier = torch_backend()
         return quantize_int8(verifier.model, calibration_batches(verifier.tokenizer))
 

@@ -121,7 +121,7 @@ def _flood(node, cluster: str, tokenizer: str, gib: float, senders: int) -> dict
 
     from codec.messages import make
     from codec.structs import SuffixPub
-    from nodes.roles.suffix_share import share_topic
+    from nodes.node_common.suffix_share import share_topic
 
     topic = share_topic(cluster)
     rng = np.random.default_rng(25)

@@ -35,7 +35,7 @@ from nodes.backends import few_rows
 
 def supported(model: Any) -> bool:
     """Whether `LeanForward(model)` reproduces the model's own forward here."""
-    from nodes.drafters.lean_llama import lean_supported
+    from nodes.backends.lean_llama import lean_supported
 
     if not lean_supported(model) or few_rows.load() is None:
         return False

@@ -5,7 +5,7 @@ Load is what the verifier last reported in its telemetry (active + queued, about
 the gateway feeds `Balancer.report`), else the load on its card, or what this client has in
 flight on it, whichever is larger: our own count is exact and fresh, the report also counts
 other clients. A client keeps at most what a verifier admits per connection in flight on it
-(its card's `per_client`: the batch plus a bounded queue, nodes/roles/verifier.py) and, when
+(its card's `per_client`: the batch plus a bounded queue, nodes/verifier/role.py) and, when
 asked, less (`max_inflight`, the gateway's `--gateway-max-inflight`).
 
 Beyond that a generation waits in the client's own line (`queue` places, `queue_wait_s` at

@@ -21,7 +21,7 @@ No second model to ship. Two forms:
   int8 too: ~81%).
 
 A plain Llama (the embedded model) drafts through a lean forward of the same weights
-(nodes/drafters/lean_llama.py); other models through their HF modules. torch backend only.
+(nodes/backends/lean_llama.py); other models through their HF modules. torch backend only.
 """
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ def _quantize_modules(clone: Any, smoothed: bool) -> Any:
 def int8_backend(verifier: Backend) -> Backend:
     """The verifier's model as an int8 drafting backend: weight-only int8 where the kernel is
     available, smoothed dynamic int8 otherwise; through the lean forward
-    (nodes/drafters/lean_llama.py) for a plain Llama, the HF modules otherwise."""
+    (nodes/backends/lean_llama.py) for a plain Llama, the HF modules otherwise."""
     from nodes.backends import w8
+    from nodes.backends.lean_llama import LeanBackend, LeanLlama, lean_supported
     from nodes.backends.torch_backend import TorchBackend
-    from nodes.drafters.lean_llama import LeanBackend, LeanLlama, lean_supported
 
     name = f"{verifier.model_name}-int8"
     why = w8.available()

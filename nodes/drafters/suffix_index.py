@@ -73,7 +73,7 @@ DOC_OVERHEAD = 240
 #: the largest token id the int32 buffer stores
 MAX_ID = 2**31 - 1
 #: the key of prompt hashes outside a cluster (an in-process engine's own drafter); a node
-#: uses its cluster's (nodes/roles/suffix_share.py: `prompt_key`)
+#: uses its cluster's (nodes/node_common/suffix_share.py: `prompt_key`)
 LOCAL_PROMPT_KEY = b"specbus suffix prompt v1 (in process)"
 #: documents filed under one prompt hash (most recent first): answers of different lengths
 #: or sampled ones

@@ -20,7 +20,7 @@ from codec.errors import BadRequest
 from codec.sampling import SamplingParams, logit_bias_pairs
 from nodes.gateway.logprobs import MAX_CHAT_TOP, MAX_COMPLETION_TOP
 
-MAX_TOKENS_LIMIT = 4096  # the verifier's own limit (nodes/roles/verifier.py)
+MAX_TOKENS_LIMIT = 4096  # the verifier's own limit (nodes/verifier/role.py)
 DEFAULT_MAX_TOKENS_COMPLETION = 16  # OpenAI's default for /v1/completions
 DEFAULT_MAX_TOKENS_CHAT = 256  # OpenAI has none; ours keeps an unbounded chat bounded
 MAX_STOP = 4

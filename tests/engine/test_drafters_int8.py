@@ -84,9 +84,9 @@ def dynamic_int8(monkeypatch):
 
 def _int8_pair(tiny_torch):
     """The HF int8 copy and the int8 drafter's backend (the lean forward) of the tiny model."""
+    from nodes.backends.lean_llama import LeanBackend
     from nodes.backends.torch_backend import TorchBackend
     from nodes.drafters.int8 import Int8Drafter
-    from nodes.drafters.lean_llama import LeanBackend
 
     hf = TorchBackend.from_model(quantize_int8(tiny_torch.model,
                                                _calibration(tiny_torch.tokenizer)),
@@ -147,9 +147,9 @@ def test_the_lean_cache_grows_past_its_first_buffer(tiny_torch, dynamic_int8):
 def test_layouts_the_lean_forward_does_not_know_keep_the_hf_modules(tiny_torch, dynamic_int8):
     import copy
 
+    from nodes.backends.lean_llama import lean_supported
     from nodes.backends.torch_backend import TorchBackend
     from nodes.drafters.int8 import Int8Drafter
-    from nodes.drafters.lean_llama import lean_supported
 
     assert lean_supported(tiny_torch.model)
     other = copy.copy(tiny_torch)

@@ -226,7 +226,7 @@ def test_tree_nodes_get_what_a_chain_through_them_gets(tiny_torch, foreign_head)
 def test_the_training_unroll_equals_inference(tiny_torch, foreign_head):
     """Step s of the training-time test at position j is the depth-s draft entry after the
     committed entries 0..j-s, fed the true tokens."""
-    from nodes.drafters.eagle.train import unroll
+    from nodes.training.train import unroll
 
     head = _double_head(foreign_head, tiny_torch)
     g = torch.Generator().manual_seed(1)
@@ -251,7 +251,7 @@ def test_the_training_unroll_runs_on_a_weight_only_int8_head(tiny_torch, foreign
     same unroll: its first step equals the quantized head's own committed-entry forward."""
     from nodes.backends.w8 import W8Linear
     from nodes.drafters.eagle.quantize import quantize_head
-    from nodes.drafters.eagle.train import unroll
+    from nodes.training.train import unroll
 
     head, _ = load_head(foreign_head, VerifierShape.of(tiny_torch))
     head = quantize_head(head)

@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from nodes.drafters.eagle import data as D
-from nodes.drafters.eagle.evaluate import EVAL_PROMPTS
-from nodes.drafters.eagle.prompts import all_prompts, chat_prompts
+from nodes.training import data as D
+from nodes.training.evaluate import EVAL_PROMPTS
+from nodes.training.prompts import all_prompts, chat_prompts
 from tools.prompts import PROMPTS as BENCH_PROMPTS
 
 LAYERS = (0, 1, 1)

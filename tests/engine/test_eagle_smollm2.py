@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from nodes.drafters.eagle.checkpoint import save_head
-from nodes.drafters.eagle.train import new_head
 from nodes.drafters.registry import make_drafter
 from nodes.engine import Engine, GenerationParams
+from nodes.training.train import new_head
 from tests.engine.conftest import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -115,7 +115,7 @@ def test_on_a_cpu_the_shipped_head_drafts_int8_and_agrees_with_its_fp32_self(smo
 def test_the_verifier_writes_varied_prompts_of_its_own(smollm2):
     """`train-drafter --self-prompts`: user turns sampled after the chat template's user
     header; kept only when the model ended them, each text once, the same for the same seed."""
-    from nodes.drafters.eagle.data import model_written_prompts, user_turn_prefix
+    from nodes.training.data import model_written_prompts, user_turn_prefix
 
     prefix = smollm2.tokenizer.decode(user_turn_prefix(smollm2.tokenizer))
     assert prefix.rstrip().endswith("user")

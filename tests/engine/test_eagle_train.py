@@ -8,10 +8,10 @@ import json
 import torch
 
 from nodes.cli import main
-from nodes.drafters.eagle import data as D
-from nodes.drafters.eagle import train as T
 from nodes.drafters.registry import make_drafter
 from nodes.engine import Engine, GenerationParams
+from nodes.training import data as D
+from nodes.training import train as T
 from tests.engine.conftest import hf_greedy
 
 LAYERS = (0, 1, 1)

@@ -82,7 +82,7 @@ def test_bad_controls_are_a_400_naming_them(key, value, code):
 
 def test_the_verifier_refuses_bias_outside_its_vocabulary():
     from nodes.engine.errors import BadRequestError
-    from nodes.roles.requests import admit_generate
+    from nodes.node_common.requests import admit_generate
 
     sp = SamplingParams(logit_bias=((100, 1.0),))
     msg = GenerateReq(prompt="x", sampling=sp).to_message(rid=1)

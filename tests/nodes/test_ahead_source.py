@@ -17,7 +17,7 @@ import pytest
 from codec.messages import make
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import Feedback
-from nodes.roles.remote_draft import DraftPolicy, ProposerLink, ProposerSource
+from nodes.verifier.proposer_client import DraftPolicy, ProposerLink, ProposerSource
 
 PROMPT = [1, 2, 3, 4]
 VOCAB = 100
@@ -371,7 +371,7 @@ def test_a_chunks_classes_name_the_draft_past_the_prefix_and_are_bounded(
     that does not extend the prefix names none; a proposer naming more classes than
     MAX_CLASSES gets the rest judged unclassed (the cost model's estimates stay bounded)."""
     from codec.structs import DraftChunk
-    from nodes.roles.remote_draft import MAX_CLASSES
+    from nodes.verifier.proposer_client import MAX_CLASSES
 
     src, req = make_source()
     assert src.draft_class(PROMPT) is None  # nothing came yet

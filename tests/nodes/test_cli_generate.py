@@ -13,7 +13,7 @@ import pytest
 
 from nodes.engine.core import Engine
 from nodes.node import Node, NodeConfig
-from nodes.roles.verifier import VerifierRole
+from nodes.verifier.role import VerifierRole
 from tests.nodes.test_verifier_requests import tiny_backend  # noqa: F401 - fixture
 
 ROOT = Path(__file__).resolve().parents[2]

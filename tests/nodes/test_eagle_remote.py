@@ -9,9 +9,9 @@ import pytest
 
 from nodes.drafters.eagle.source import EagleDrafter
 from nodes.engine.core import Engine
-from nodes.roles.proposer import ProposerRole
-from nodes.roles.remote_draft import DraftPolicy
-from nodes.roles.verifier import VerifierRole
+from nodes.proposer.role import ProposerRole
+from nodes.verifier.proposer_client import DraftPolicy
+from nodes.verifier.role import VerifierRole
 from tests.engine.eagle_heads import head_config, head_tensors, write_head
 from tests.nodes.conftest import BusHost
 from tests.nodes.test_verifier_requests import (  # noqa: F401 - fixture

@@ -10,7 +10,7 @@ import pytest
 from codec.structs import SessionExtend
 from nodes.drafters.ngram import NgramDrafter
 from nodes.engine.errors import BadRequestError
-from nodes.roles.proposer import ProposerRole, _Session
+from nodes.proposer.role import ProposerRole, _Session
 
 
 class _HeadSession:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nodes.roles.remote_draft import RTT_WINDOW, ProposerLink
+from nodes.verifier.proposer_client import RTT_WINDOW, ProposerLink
 
 
 def test_late_reads_never_inflate_the_round_trip():

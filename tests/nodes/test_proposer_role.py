@@ -9,7 +9,7 @@ import pytest
 from bus.streams import RemoteError
 from codec.messages import make
 from nodes.drafters.ngram import NgramDrafter
-from nodes.roles.proposer import ProposerRole
+from nodes.proposer.role import ProposerRole
 
 PROMPT = np.array([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], dtype=np.int32)
 
@@ -274,7 +274,7 @@ def test_the_verifier_reads_a_real_proposers_classes(host, proposer):
     """End to end over the bus: a verifier's source for a real ngram proposer names the class
     of the draft past each committed prefix, and none where no chunk extends it."""
     from nodes.engine.sampling import SamplingParams
-    from nodes.roles.remote_draft import DraftPolicy, ProposerLink, ProposerSource
+    from nodes.verifier.proposer_client import DraftPolicy, ProposerLink, ProposerSource
 
     policy = DraftPolicy()
     link = ProposerLink("p1", host.server.endpoint, "ngram")

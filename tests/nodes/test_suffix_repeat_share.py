@@ -17,7 +17,7 @@ from codec.structs import MAX_PUB_TOKENS, SuffixPub, SuffixSnapshot
 from discovery.counters import Counters
 from nodes.drafters.suffix import SuffixDrafter
 from nodes.engine.errors import BUSY
-from nodes.roles.suffix_share import (
+from nodes.node_common.suffix_share import (
     SNAPSHOT_BURST,
     SNAPSHOT_RATE,
     SNAPSHOT_RETRY_S,

@@ -16,10 +16,10 @@ from bus.streams import RemoteError
 from codec.messages import encode, make
 from nodes.drafters.ngram import NgramDrafter
 from nodes.engine.core import Engine
-from nodes.roles.assemble import Roles
-from nodes.roles.proposer import ProposerRole
-from nodes.roles.remote_draft import DraftPolicy
-from nodes.roles.verifier import VerifierRole
+from nodes.node_common.assemble import Roles
+from nodes.proposer.role import ProposerRole
+from nodes.verifier.proposer_client import DraftPolicy
+from nodes.verifier.role import VerifierRole
 from tests.nodes.conftest import BusHost
 
 CONTEXT = 1024  # the tiny model's max_position_embeddings
@@ -310,7 +310,7 @@ def test_a_connection_may_fill_the_batch_plus_a_bounded_queue_and_others_go_firs
     queue is taken fewest-running-connection first). The compute thread is held in its first
     request's start until everything is queued, so the order is not a matter of timing."""
     from bus.streams import StreamClient
-    from nodes.roles.admission import AdmissionLimits
+    from nodes.node_common.admission import AdmissionLimits
     from tests.polling import wait_until
 
     role = VerifierRole(Engine(tiny_backend, None, max_draft=4), max_batch=2)

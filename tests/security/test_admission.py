@@ -13,8 +13,8 @@ from bus.streams import RemoteError, StreamClient, StreamServer
 from codec.messages import make
 from nodes.drafters.ngram import NgramDrafter
 from nodes.node import Node, NodeConfig
-from nodes.roles.admission import AdmissionLimits, PeerSlots, RateLimiter, TokenBucket
-from nodes.roles.proposer import ProposerRole
+from nodes.node_common.admission import AdmissionLimits, PeerSlots, RateLimiter, TokenBucket
+from nodes.proposer.role import ProposerRole
 
 PROMPT = np.array([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], dtype=np.int32)
 LIMITS = AdmissionLimits(sessions_per_peer=8, sessions_total=64)

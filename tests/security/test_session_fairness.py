@@ -12,8 +12,8 @@ from bus.loop import IOLoop
 from bus.sockets import SocketFactory
 from codec.messages import make
 from nodes.drafters.ngram import NgramDrafter
-from nodes.roles.admission import AdmissionLimits
-from nodes.roles.proposer import ProposerRole
+from nodes.node_common.admission import AdmissionLimits
+from nodes.proposer.role import ProposerRole
 
 from .test_admission import PROMPT, Host, first_chunk, outcome
 

@@ -11,7 +11,7 @@ from codec.messages import make
 from codec.structs import SuffixPub
 from nodes.drafters.suffix import SuffixDrafter
 from nodes.node import Node, NodeConfig
-from nodes.roles.suffix_share import Subscriber, share_topic
+from nodes.node_common.suffix_share import Subscriber, share_topic
 from tests.polling import wait_until
 
 BUDGET_MB = 2

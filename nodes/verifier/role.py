@@ -12,7 +12,7 @@ pushed every commit, and the engine merges their chains into one tree per forwar
 from the node's own drafter if it has one, else plain decoding.
 
 Each request is parsed into `codec.structs.GenerateReq` and checked against this node
-(`nodes/roles/requests.py`) on the I/O thread, so bad or over-long input is refused before it
+(`nodes/node_common/requests.py`) on the I/O thread, so bad or over-long input is refused before it
 is queued. The proposer links belong to the compute thread; telemetry reads the immutable
 `proposer_snapshot` it publishes after each block and generation.
 
@@ -21,7 +21,7 @@ Client liveness: work whose client is gone is dropped, and every drop is answere
 A client that cancels (or closes) has its queued request removed and its running one stopped
 within a block. Whether a client is gone is decided by its connection alone: while any
 generation is queued or running, the I/O thread probes each requesting connection every
-two seconds (`nodes/roles/liveness.py`) and drops the work of those that are gone, so
+two seconds (`nodes/node_common/liveness.py`) and drops the work of those that are gone, so
 an anonymous client (a raw DEALER that never joined) that queues work and vanishes costs at
 most one sweep. Membership only makes it sooner: when the sender of a request leaves or is
 declared dead, its connections are probed at once. A client membership calls dead or left but
@@ -50,10 +50,10 @@ from discovery.counters import Counters
 from nodes.backends.base import Backend
 from nodes.engine.core import Block, Engine, SequenceState, Stats
 from nodes.engine.errors import BUSY, GenerationError, NoProposerError, error_code
-from nodes.roles import requests
-from nodes.roles.admission import AdmissionLimits, PeerSlots
-from nodes.roles.liveness import ConnectionSweep
-from nodes.roles.remote_draft import DraftPolicy, ProposerLink, ProposerSource
+from nodes.node_common import requests
+from nodes.node_common.admission import AdmissionLimits, PeerSlots
+from nodes.node_common.liveness import ConnectionSweep
+from nodes.verifier.proposer_client import DraftPolicy, ProposerLink, ProposerSource
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """`specbus train-drafter`: train an EAGLE-3 head for a verifier, offline.
 
-Data is made from the verifier itself (nodes/drafters/eagle/data.py): its answers to built-in
+Data is made from the verifier itself (nodes/training/data.py): its answers to built-in
 prompts, whose generating forwards also keep the three hidden states and its next-token
 distributions (no second pass), and any `--text` files, teacher-forced through it once; the
 head is
-trained with EAGLE-3's training-time test (nodes/drafters/eagle/train.py) and written in the
+trained with EAGLE-3's training-time test (nodes/training/train.py) and written in the
 published layout (config.json + fp16 model.safetensors) that `--drafter eagle:DIR` loads.
 Work files (the data, the optimizer state) live in DIR/.train, so an interrupted run resumes
 where it was: run the same command again.
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use the first N built-in prompts (default: all)")
     parser.add_argument("--chat-prompts", type=int, default=0,
                         help="use N generated open-ended chat prompts (templates x topics, "
-                        "nodes/drafters/eagle/prompts.py) instead of the 64 built-in ones")
+                        "nodes/training/prompts.py) instead of the 64 built-in ones")
     parser.add_argument("--self-prompts", type=int, default=0,
                         help="add N prompts the verifier writes itself (sampled after its chat "
                         "template's user header; far more varied than templates), answered "
@@ -89,10 +89,10 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from nodes.backends.torch_backend import TorchBackend
-    from nodes.drafters.eagle import data as D
-    from nodes.drafters.eagle import train as T
     from nodes.drafters.eagle.checkpoint import save_head
     from nodes.drafters.eagle.config import default_layer_ids
+    from nodes.training import data as D
+    from nodes.training import train as T
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -182,7 +182,7 @@ def _make_data(args, backend, layers, D) -> dict:
     import torch
 
     if args.chat_prompts:
-        from nodes.drafters.eagle.prompts import chat_prompts
+        from nodes.training.prompts import chat_prompts
 
         prompts = chat_prompts(args.chat_prompts, seed=args.seed)
     elif not args.self_prompts:
@@ -291,6 +291,6 @@ def _load_shards(folder: Path, D):
 def _shared_prefix(backend) -> int:
     """Positions every chat-template prompt starts with (its system prompt), less the two
     tokens that lead into the user's turn."""
-    from nodes.drafters.eagle.data import user_turn_prefix
+    from nodes.training.data import user_turn_prefix
 
     return max(0, len(user_turn_prefix(backend.tokenizer)) - 2)

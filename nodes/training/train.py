@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from nodes.drafters.eagle.config import EagleConfig
-from nodes.drafters.eagle.data import Example
 from nodes.drafters.eagle.head import Eagle3Head
+from nodes.training.data import Example
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Measure EAGLE heads on open-ended chat prompts no head was trained on.
 
-    python -m nodes.drafters.eagle.evaluate HEAD [HEAD ...] [--max-tokens 96]
+    python -m nodes.training.evaluate HEAD [HEAD ...] [--max-tokens 96]
 
 For every prompt, in turn (interleaved, so load drifts hit every configuration alike): plain
 greedy decoding, then each head with 8-node trees (`fixed_k=8`) and with the adaptive budget.
@@ -8,7 +8,7 @@ Reports committed tokens per verifier forward (the prefill's block excluded), ch
 every output equals plain greedy token for token (lossless), and the wall time of each
 generation against plain's. One torch thread; pin the process (`taskset -c N`) yourself.
 The prompts are written for this check: not from the training prompt set
-(nodes/drafters/eagle/prompts.py) nor from the benchmarks' (tools/prompts.py).
+(nodes/training/prompts.py) nor from the benchmarks' (tools/prompts.py).
 """
 
 from __future__ import annotations

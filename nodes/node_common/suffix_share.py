@@ -55,7 +55,7 @@ from codec.structs import (
 from discovery.counters import Counters
 from nodes.drafters.suffix_index import prompt_digest
 from nodes.engine.errors import BUSY
-from nodes.roles.admission import TokenBucket
+from nodes.node_common.admission import TokenBucket
 
 log = logging.getLogger(__name__)
 

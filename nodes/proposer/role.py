@@ -50,13 +50,13 @@ from nodes.engine.errors import (
     error_code,
 )
 from nodes.engine.sources import class_at
-from nodes.roles import requests
-from nodes.roles.admission import FORBIDDEN, TOO_MANY_SESSIONS, AdmissionLimits, SessionBook
-from nodes.roles.liveness import ConnectionSweep
+from nodes.node_common import requests
+from nodes.node_common.admission import FORBIDDEN, TOO_MANY_SESSIONS, AdmissionLimits, SessionBook
+from nodes.node_common.liveness import ConnectionSweep
 
 log = logging.getLogger(__name__)
 
-MAX_SESSIONS = AdmissionLimits.sessions_total  # default total; see nodes/roles/admission.py
+MAX_SESSIONS = AdmissionLimits.sessions_total  # default total; see nodes/node_common/admission.py
 DEFAULT_HORIZON = 16
 _STRUCTS = {c.TYPE: c for c in (SessionOpen, SessionExtend, SessionClose)}
 
@@ -426,7 +426,7 @@ class ProposerRole:
             self.stats.sessions_expired += 1
             self._close(s, "expired")
         for s in [s for s in self._sessions.values() if s.stream.cancelled.is_set()]:
-            if s.stream.dropped:  # its connection is gone (nodes/roles/liveness.py)
+            if s.stream.dropped:  # its connection is gone (nodes/node_common/liveness.py)
                 log.info("session %s of %s dropped: its connection is gone", s.sid, s.owner)
                 self.stats.sessions_dropped += 1
             else:

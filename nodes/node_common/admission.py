@@ -8,7 +8,7 @@ Three limits, each refused with a typed error (nodes/engine/errors.py) and count
 - draft sessions per connection and in total on a proposer, and their state in bytes, each
   with a fair share per connection (`SessionBook`): `too_many_sessions`; a session belongs to the
   connection that opened it, and another connection naming its id gets `forbidden` (ids are
-  unguessable anyway). Sessions also die with their connection (nodes/roles/liveness.py).
+  unguessable anyway). Sessions also die with their connection (nodes/node_common/liveness.py).
 A "peer" is the ZeroMQ routing identity the ROUTER gave the connection. With a cluster secret
 only members can connect at all; without one this is still the finest identity there is.
 """
@@ -125,7 +125,7 @@ class SessionBook:
     (one owner thread: the proposer's worker).
 
     Sessions are counted (per connection, in total) and weighed in bytes (the drafter's state:
-    tokens x bytes per token, measured; nodes/roles/proposer.py). Both the count and the bytes
+    tokens x bytes per token, measured; nodes/proposer/role.py). Both the count and the bytes
     of all sessions stay within their limits (`sessions_total`, `session_bytes`) by the same
     rule: when a new session (or a session that grew) does not fit, room is made by closing
     the least recently used sessions of connections holding more than their fair share (the

@@ -176,7 +176,7 @@ def assemble(spec: RoleSpec) -> Roles:
 
     if "verifier" in spec.roles:
         from nodes.engine.core import Engine
-        from nodes.roles.verifier import VerifierRole
+        from nodes.verifier.role import VerifierRole
 
         # the verifier's own drafter is its fallback when no proposer is around
         local = drafter if "proposer" not in spec.roles else None
@@ -199,28 +199,28 @@ def assemble(spec: RoleSpec) -> Roles:
         if getattr(backend, "kv_bound", None):  # --kv-sink/--kv-window: [sink, window]
             roles.card["extras"]["kv_bound"] = list(backend.kv_bound)
         if spec.share != "off":
-            from nodes.roles.suffix_share import Publisher
+            from nodes.node_common.suffix_share import Publisher
 
             roles.publisher = Publisher(spec.share, backend.fingerprint)
             roles.verifier.on_finished = roles.publisher.publish
 
     if "proposer" in spec.roles:
-        from nodes.roles.proposer import ProposerRole
-        from nodes.roles.verifier import ANY_TOKENIZER
+        from nodes.proposer.role import ProposerRole
+        from nodes.verifier.role import ANY_TOKENIZER
 
         if drafter is None:
             raise BadRequestError("a proposer needs a drafter: ngram, suffix, int8, eagle or "
                                   "model:<ref>")
         own = getattr(drafter, "backend", None) or backend  # a model drafter's own model
         vocab = own.vocab_size if own is not None else 0
-        from nodes.roles.requests import model_context
+        from nodes.node_common.requests import model_context
 
         context = spec.max_context or (model_context(own) if own is not None else 0)
         roles.proposer = ProposerRole(drafter, vocab_size=vocab,
                                       max_context=context, tree_width=spec.tree_width)
         index = getattr(drafter, "index", None)
         if callable(getattr(index, "add", None)):  # a drafter with a global index (suffix)
-            from nodes.roles.suffix_share import Subscriber
+            from nodes.node_common.suffix_share import Subscriber
 
             roles.subscriber = Subscriber(index)
         if drafter.fingerprint is None:

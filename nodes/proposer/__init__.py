@@ -1,0 +1,1 @@
+"""The proposer role: draft sessions for remote verifiers."""

@@ -1,1 +1,0 @@
-"""Node roles: what a node does with the bus once it has joined (verifier, proposer)."""
