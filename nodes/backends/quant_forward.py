@@ -381,7 +381,7 @@ def build(model: Any, weights: str, gguf_path: Path | None = None) -> QuantForwa
     """The quantized forward for `model` in the form `weights` names: the GGUF's own blocks
     when `gguf_path` is given (`file`, and the embedded model's q4), else q8 / q4 quantized
     at load. Raises QuantError where it cannot serve."""
-    from nodes.drafters.lean_llama import lean_supported
+    from nodes.backends.lean_llama import lean_supported
 
     if not lean_supported(model):
         raise QuantError("the quantized forward serves Llama-layout models (this is "
