@@ -1,7 +1,7 @@
 """`specbus node`: run a node that joins its cluster, serves its roles, and leaves on
 SIGINT/SIGTERM.
 
-Roles (nodes/verifier, nodes/proposer; built by nodes/node_common/assemble.py) are assembled
+Roles (nodes/verifier, nodes/proposer; built by nodes/assemble.py) are assembled
 before joining — models loaded, speed measured — so the first card is complete; they register
 their request handlers on `Node` before it starts.
 """
@@ -368,7 +368,7 @@ def _assemble_roles(args: argparse.Namespace, config: NodeConfig):
     """
     if config.observer or not config.roles:
         return None
-    from nodes.node_common.assemble import (
+    from nodes.assemble import (
         DEFAULT_PREFIX_CACHE_MB,
         DEFAULT_PROPOSER_DRAFTER,
         RoleSpec,

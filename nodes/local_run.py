@@ -26,13 +26,13 @@ class LocalConfig:
 
 def load_engine(cfg: LocalConfig) -> Engine:
     """Load the verifier backend and the drafter (heavy: imports torch or mlx)."""
-    from nodes.backends.base import load_backend
+    from nodes.backends.registry import load_backend
     from nodes.drafters.registry import make_drafter
 
     backend = load_backend(cfg.backend, cfg.model,
                            **({"weights": cfg.weights} if cfg.weights != "fp32" else {}))
     if cfg.kv_sink is not None or cfg.kv_window is not None:
-        from nodes.node_common.assemble import _bound_kv
+        from nodes.assemble import _bound_kv
 
         _bound_kv(backend, cfg.kv_sink, cfg.kv_window)
     drafter = make_drafter(cfg.drafter, backend)

@@ -22,23 +22,13 @@ import statistics
 import sys
 from collections.abc import Callable
 
+from tools.arg_types import positive_int
 from tools.decode_runs import Run, hf_runner
 from tools.prompts import PROMPTS
 
 log = logging.getLogger(__name__)
 
 MLX_MAX_TOKENS = 48  # mlx[cpu] on Linux decodes at a few tok/s; keep its rows short
-
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--repeat",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="runs per prompt and configuration; --local: the fastest counts; over the bus: "
         "whole passes over each prompt (plain first and last in each), the median run counts",
@@ -89,7 +79,7 @@ def _engine_runner(engine) -> Callable[[list[int], int], Run]:
 
 def _configs(args) -> list[tuple[str, str, Callable[[], Callable[[list[int], int], Run]]]]:
     """(name, backend, factory); factories load lazily so a failing one is skipped alone."""
-    from nodes.backends.base import load_backend
+    from nodes.backends.registry import load_backend
     from nodes.drafters.int8 import Int8Drafter, calibration_batches, quantize_int8
     from nodes.drafters.model import TREE_WIDTH
     from nodes.drafters.ngram import NgramDrafter

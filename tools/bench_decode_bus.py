@@ -176,7 +176,7 @@ class _HfRows:
     def __init__(self, args) -> None:
         import torch
 
-        from nodes.backends.base import load_backend
+        from nodes.backends.registry import load_backend
         from tools.decode_runs import hf_runner
 
         torch.set_num_threads(1)

@@ -162,7 +162,7 @@ def micro(n_tokens: int, spec: str) -> dict:
 def _backend():
     import torch
 
-    from nodes.backends.base import load_backend
+    from nodes.backends.registry import load_backend
 
     torch.set_num_threads(1)
     return load_backend("torch", None)

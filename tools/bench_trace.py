@@ -99,7 +99,7 @@ HELD_OUT: list[tuple[str, str]] = [
 
 def add_arguments(parser) -> None:
     """The trace options of `specbus bench decode` (tools/bench_decode.py adds them)."""
-    from tools.bench_decode import _positive_int
+    from tools.arg_types import positive_int as _positive_int
 
     parser.add_argument("--trace", default=None, metavar="NAME[,NAME...]|all",
                         help="replay tools/traces/NAME.json (several: taken in turn, "
@@ -188,7 +188,7 @@ class InProcess:
     def __init__(self, model: str | None, spec: str, hf_lookup: int, threads: int = 1) -> None:
         import torch
 
-        from nodes.backends.base import load_backend
+        from nodes.backends.registry import load_backend
         from nodes.drafters.registry import make_drafter
         from nodes.engine.core import Engine
         from tools.decode_runs import hf_runner

@@ -3,6 +3,7 @@
 Implementations import their framework lazily; use `load_backend` to pick one by name.
 """
 
-from nodes.backends.base import Backend, load_backend
+from nodes.backends.base import Backend
+from nodes.backends.registry import load_backend
 
 __all__ = ["Backend", "load_backend"]

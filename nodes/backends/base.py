@@ -83,6 +83,13 @@ class Backend(ABC):
                 out.append(self.forward_tree(cache, ids, parents))
         return out
 
+    def batches_rows(self) -> bool:
+        """Whether `forward_batch` feeds several sequences in one call (torch, outside
+        `batch_invariant`); the default one at a time (MLX) gains nothing from prompt rows
+        beside the others and loses `prefill`'s own split (the engine's scheduler asks)."""
+        return (type(self).forward_batch is not Backend.forward_batch
+                and not getattr(self, "batch_invariant", False))
+
     def compact(self, cache: Any, base: int, keep: Sequence[int]) -> None:
         """After a tree forward at cache length `base`: keep the fed nodes `keep` (ascending
         feed indices, one root-to-node path), moved to positions base.., and drop the rest."""
@@ -143,18 +150,3 @@ def tree_layout(parents: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
             depth[i] = depth[p] + 1
     return depth, visible
 
-
-def load_backend(name: str, model_ref: str | None = None, **kwargs: Any) -> Backend:
-    """Load `model_ref` (alias, folder or cached HF repo id) on backend `name`."""
-    if name == "torch":
-        from nodes.backends.torch_backend import TorchBackend
-
-        return TorchBackend.load(model_ref, **kwargs)
-    if name == "mlx":
-        from nodes.backends.mlx_backend import MlxBackend
-
-        if kwargs.pop("weights", "fp32") != "fp32":
-            raise BadRequestError("--weights q8|q4 is the torch backend's CPU forward; the mlx "
-                                  "backend takes the model's own weights")
-        return MlxBackend.load(model_ref, **kwargs)
-    raise BadRequestError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -38,7 +38,7 @@ def make_drafter(spec: str | None, verifier: Backend | None = None) -> Drafter |
             raise BadRequestError("the int8 drafter needs the verifier model to quantize")
         return Int8Drafter.from_verifier(verifier)
     if spec.startswith("model:") and len(spec) > len("model:"):
-        from nodes.backends.base import load_backend
+        from nodes.backends.registry import load_backend
         from nodes.drafters.model import ModelDrafter
 
         backend_name = verifier.name if verifier is not None else "torch"

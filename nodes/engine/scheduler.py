@@ -187,14 +187,9 @@ class Scheduler:
                 log.info("prefill %d/%d positions", seq.prefilled, len(seq.prompt))
 
     def batches_rows(self) -> bool:
-        """Whether the backend's `forward_batch` feeds several sequences in one call (torch,
-        outside `batch_invariant`); the default one at a time (MLX) gains nothing from prompt
-        rows beside the others and loses `prefill`'s own split, so there prefills run alone."""
-        from nodes.backends.base import Backend as Base  # (imports the engine: not at the top)
-
-        backend = self.backend
-        return (type(backend).forward_batch is not Base.forward_batch
-                and not getattr(backend, "batch_invariant", False))
+        """Whether the backend's `forward_batch` feeds several sequences in one call
+        (`Backend.batches_rows`): where it does not, prefills run alone."""
+        return self.backend.batches_rows()
 
     def _may_reuse(self, seq: SequenceState) -> bool:
         """Whether `seq` may still start from another cache: a prefix cache is kept, nothing of

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import math
-import secrets
 import re
+import secrets
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from codec.errors import BadRequest
 from codec.sampling import SamplingParams, logit_bias_pairs
+from nodes.gateway.errors import ApiError, bad, unsupported  # noqa: F401 - ApiError re-exported
 from nodes.gateway.logprobs import MAX_CHAT_TOP, MAX_COMPLETION_TOP
 
 MAX_TOKENS_LIMIT = 4096  # the verifier's own limit (nodes/verifier/role.py)
@@ -28,34 +29,6 @@ MAX_STOP_LEN = 200
 MAX_MESSAGES = 256
 OPENAI_MAX_TEMPERATURE = 2.0  # the OpenAI API's range, narrower than the wire's
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class ApiError(Exception):
-    """An HTTP error answered with an OpenAI error object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type_
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def bad(param: str | None, message: str, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-def unsupported(param: str, why: str = "") -> ApiError:
-    return ApiError(400, f"parameter {param!r} is not supported by specbus{why}", param=param,
-                    code="unsupported_parameter")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from nodes.gateway.openai_schema import ApiError, bad
+from nodes.gateway.errors import ApiError, bad
 
 MAX_TOOLS = 128
 CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"

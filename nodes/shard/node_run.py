@@ -186,7 +186,7 @@ class ShardProcess:
         log.info("rank 0 stopped the pipeline; re-forming")
 
     def _serve(self, plan, stage) -> None:
-        from nodes.node_common.assemble import RoleSpec, assemble
+        from nodes.assemble import RoleSpec, assemble
         from nodes.shard.pipeline import ShardedBackend
         from nodes.telemetry import Telemetry
 

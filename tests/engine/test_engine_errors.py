@@ -68,7 +68,7 @@ def test_tokenizer_mismatch(tiny_torch, tiny_folder, tmp_path):
 
 
 def test_unknown_drafter_and_backend(tiny_torch):
-    from nodes.backends.base import load_backend
+    from nodes.backends.registry import load_backend
     from nodes.drafters.registry import make_drafter
 
     with pytest.raises(BadRequestError):

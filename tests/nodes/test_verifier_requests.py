@@ -14,9 +14,9 @@ import pytest
 
 from bus.streams import RemoteError
 from codec.messages import encode, make
+from nodes.assemble import Roles
 from nodes.drafters.ngram import NgramDrafter
 from nodes.engine.core import Engine
-from nodes.node_common.assemble import Roles
 from nodes.proposer.role import ProposerRole
 from nodes.verifier.proposer_client import DraftPolicy
 from nodes.verifier.role import VerifierRole

@@ -74,7 +74,7 @@ def test_json_events_join_stats_leave_dead(two_proposers):
         st = ok["stats"]
         assert st["proposer"]["sessions_open"] == 0 and st["proposer"]["drafts_served"] == 0
         # a proposer started without --drafter drafts with the suffix drafter, whose shared
-        # index it reports (nodes/node_common/assemble.py, DEFAULT_PROPOSER_DRAFTER)
+        # index it reports (nodes/assemble.py, DEFAULT_PROPOSER_DRAFTER)
         assert st["proposer"]["suffix_index"]["index_bytes"] >= 0, st["proposer"]
         assert st["rss_bytes"] > 0 and "cpu_percent" in st and "dropped" in st
         p1.signal(signal.SIGTERM)

@@ -129,9 +129,9 @@ def test_batch_figures_render_from_a_real_verifier_telemetry_snapshot(tiny_backe
     from bus.loop import IOLoop
     from bus.sockets import SocketFactory
     from codec.messages import make
+    from nodes.assemble import Roles
     from nodes.drafters.ngram import NgramDrafter
     from nodes.engine.core import Engine
-    from nodes.node_common.assemble import Roles
     from nodes.verifier.role import VerifierRole
     from tests.nodes.conftest import BusHost
     from tools.monitor_view import ClusterView, render_text, role_lines

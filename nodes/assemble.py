@@ -153,7 +153,7 @@ def assemble(spec: RoleSpec) -> Roles:
     needs_model = "verifier" in spec.roles or spec.drafter == "int8" or eagle
     backend = None
     if needs_model:
-        from nodes.backends.base import load_backend
+        from nodes.backends.registry import load_backend
 
         t0 = time.perf_counter()
         backend = spec.prebuilt or load_backend(
@@ -286,7 +286,7 @@ def _prefix_cache(backend: Any, spec: RoleSpec) -> Any:
 def _make_drafter(name: str, backend, backend_name: str):
     """A drafter by name; `model:<ref>` loads its own model on this node's backend."""
     if name.startswith("model:") and len(name) > len("model:"):
-        from nodes.backends.base import load_backend
+        from nodes.backends.registry import load_backend
         from nodes.drafters.model import ModelDrafter
 
         return ModelDrafter(load_backend(backend_name, name[len("model:"):]))
