@@ -4,10 +4,12 @@
 Each (mode, context) runs in a process of its own (so its RSS is its own), pinned to core 0
 with one torch thread, on the embedded SmolLM2-135M in fp32 (the bound's forward). The
 context is a long text that ships with Python itself (`pydoc_data.topics`, the language
-reference's prose), repeated where it is shorter. Then `--steps` plain greedy decode steps,
-each a one-row forward and the engine's crop (which commits a bounded layer's overlay): tok/s
-is one over the median step. Reported: K/V bytes the cache holds after the steps (allocated:
-a full cache's room ahead included), VmRSS and VmHWM of the process.
+reference's prose), repeated where it is shorter. Then plain greedy decode steps, each a
+one-row forward and the engine's crop (which commits a bounded layer's overlay). Reported:
+K/V bytes the cache holds after the steps (allocated: a full cache's room ahead included),
+VmRSS and VmHWM of that process, and tok/s, one over the median step, taken in one more
+process that holds every row's cache and steps them in turn (`--steps` rounds), so load on a
+shared machine falls on all rows alike ("solo": the row's own process, fewer steps).
 
 `--fill real` prefills every context token (512 at a time); full attention at 16k then takes
 minutes on one core. `--fill tiled` (`--quick`'s) prefills the first 1,024 tokens and extends
@@ -49,8 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill every context token, or 1,024 and tile their K/V")
     parser.add_argument("--spec-tokens", type=int, default=128,
                         help="tokens generated per speculation run (0: skip that section)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="speculation rounds, modes and drafters in turn (median)")
     parser.add_argument("--quick", action="store_true",
-                        help="--fill tiled, 24 steps, 64 speculated tokens")
+                        help="--fill tiled, 32 steps, 64 speculated tokens, 2 rounds")
+    parser.add_argument("--quality", type=int, metavar="TOKENS", default=0,
+                        help="instead: perplexity and greedy agreement over TOKENS of the text, "
+                             "full vs bounded with absolute and re-indexed positions")
+    parser.add_argument("--no-full", action="store_true",
+                        help="with --quality: skip full attention (long texts)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
 
 
@@ -88,7 +97,10 @@ def _tiled(backend: Any, cache: Any, length: int) -> None:
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
-    """One (mode, context) in this process: fill, decode, measure."""
+    """One (mode, context) in this process: fill, decode, measure (or, as `spec` says, the
+    interleaved timing or the speculation section)."""
+    if spec.get("interleaved"):
+        return _interleaved(spec)
     import numpy as np
     import torch
 
@@ -103,7 +115,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     ids = b.tokenizer.encode(long_text())
     out: dict[str, Any] = {"mode": "bounded" if spec["bound"] else "full"}
     if spec.get("spec_tokens"):
-        return {**out, **_speculate(b, ids, spec["spec_tokens"])}
+        return _speculate(b, ids, spec["spec_tokens"], spec["rounds"], spec["bound"])
     length = spec["context"]
     ids = (ids * (length // len(ids) + 1))[:length]
     cache = b.new_cache()
@@ -130,7 +142,50 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
             "tok_s": round(1 / statistics.median(times), 2), **_rss()}
 
 
-def _speculate(b: Any, ids: list[int], tokens: int) -> dict[str, Any]:
+def _interleaved(spec: dict[str, Any]) -> dict[str, Any]:
+    """Decode tok/s of every (mode, context) from steps taken in turn in one process (one
+    backend, a cache per row): load that comes and goes on a shared machine falls on all rows
+    alike, so their ratios hold where separate runs' do not."""
+    import numpy as np
+    import torch
+
+    from nodes.backends import growing_cache
+    from nodes.backends.torch_backend import TorchBackend
+
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    b = TorchBackend.load(None, device="cpu", weights="fp32")
+    b.bound_kv(*spec["bound"])  # forwards through the banded path; full caches stay full
+    text = b.tokenizer.encode(long_text())
+    rows = []
+    for context in spec["contexts"]:
+        for bound in (None, tuple(spec["bound"])):
+            ids = (text * (context // len(text) + 1))[:context]
+            cache = growing_cache.new_cache(b.model.config, bound)
+            fill = context if spec["fill"] == "real" else min(context, 1024)
+            with torch.inference_mode():
+                for s in range(0, fill, 512):
+                    b.forward_last(cache, ids[s:min(s + 512, fill)])
+                b.crop(cache, fill)
+                if fill < context:
+                    _tiled(b, cache, context)
+            rows.append({"mode": "bounded" if bound else "full", "context": context,
+                         "cache": cache, "tok": int(ids[-1]), "times": []})
+    for _ in range(spec["steps"]):
+        for row in rows:
+            cache = row["cache"]
+            t = time.perf_counter()
+            logits = b.forward(cache, [row["tok"]])
+            b.crop(cache, b.cache_length(cache))
+            row["times"].append(time.perf_counter() - t)
+            row["tok"] = int(np.argmax(logits[-1]))
+    return {"rows": [{"mode": r["mode"], "context": r["context"],
+                      "tok_s": round(1 / statistics.median(r["times"]), 2)} for r in rows]}
+
+
+def _speculate(b: Any, ids: list[int], tokens: int, rounds: int,
+               bound: list[int]) -> dict[str, Any]:
     """Greedy plain, ngram-speculative and oracle-speculative generation after a ~1k-token
     input-grounded prompt (the text, then its own beginning to continue). The oracle drafts
     the mode's own plain output, 8 deep: every draft accepted in both modes, so its speedup
@@ -157,27 +212,41 @@ def _speculate(b: Any, ids: list[int], tokens: int) -> dict[str, Any]:
             got = self.truth[at:at + min(budget, 8)]
             return [Candidate(np.asarray(got))] if got and budget else []
 
-    got: dict[str, Any] = {}
-    for name in ("plain", "ngram", "oracle"):
+    def generate(name: str, truth: list[int] | None) -> tuple[list[int], float]:
         drafter = make_drafter("ngram", b) if name == "ngram" else None
-        sources = [Oracle(got["plain"]["tokens"])] if name == "oracle" else None
-        engine = Engine(b, drafter)
+        kw = {"sources": [Oracle(truth)]} if name == "oracle" else {}
         params = GenerationParams(max_tokens=tokens, eos_token_ids=())
-        out, stats, first, n0 = [], Stats(), None, 0
-        kw = {"sources": sources} if sources else {}
-        for block in engine.stream(prompt, params, stats=stats, **kw):
+        out, first, n0 = [], None, 0
+        for block in Engine(b, drafter).stream(prompt, params, stats=Stats(), **kw):
             if first is None:
                 first, n0 = time.perf_counter(), len(block.token_ids)
             out.extend(block.token_ids)
-        got[name] = {"tokens": out, "tok_s": (len(out) - n0) / (time.perf_counter() - first)}
-    plain = got["plain"]["tok_s"]
-    return {"plain_tok_s": round(plain, 2),
-            "ngram_tok_s": round(got["ngram"]["tok_s"], 2),
-            "ngram_speedup": round(got["ngram"]["tok_s"] / plain, 3),
-            "oracle_tok_s": round(got["oracle"]["tok_s"], 2),
-            "oracle_speedup": round(got["oracle"]["tok_s"] / plain, 3),
-            "identical": got["plain"]["tokens"] == got["ngram"]["tokens"]
-            == got["oracle"]["tokens"]}
+        return out, (len(out) - n0) / (time.perf_counter() - first)
+
+    modes = {"full": None, "bounded": tuple(bound)}
+    speeds: dict[tuple[str, str], list[float]] = {}
+    outs: dict[tuple[str, str], list[int]] = {}
+    for _ in range(rounds):  # modes and drafters in turn: load falls on all alike
+        for mode, kv in modes.items():
+            b.kv_bound = kv
+            for name in ("plain", "ngram", "oracle"):
+                out, tok_s = generate(name, outs.get((mode, "plain")))
+                speeds.setdefault((mode, name), []).append(tok_s)
+                outs.setdefault((mode, name), out)
+    result = []
+    for mode in modes:  # speedups: the median of each round's ratio (runs taken together)
+        med = {n: statistics.median(speeds[mode, n]) for n in ("plain", "ngram", "oracle")}
+        ratio = {n: statistics.median(a / p for a, p in zip(speeds[mode, n],
+                                                             speeds[mode, "plain"], strict=True))
+                 for n in ("ngram", "oracle")}
+        result.append({"mode": mode, "plain_tok_s": round(med["plain"], 2),
+                       "ngram_tok_s": round(med["ngram"], 2),
+                       "ngram_speedup": round(ratio["ngram"], 3),
+                       "oracle_tok_s": round(med["oracle"], 2),
+                       "oracle_speedup": round(ratio["oracle"], 3),
+                       "identical": outs[mode, "plain"] == outs[mode, "ngram"]
+                       == outs[mode, "oracle"]})
+    return {"speculation": result}
 
 
 def _spawn(spec: dict[str, Any]) -> dict[str, Any]:
@@ -193,9 +262,16 @@ def _spawn(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.quality:
+        got = quality(args.quality, args.kv_sink, args.kv_window, full=not args.no_full)
+        print(json.dumps(got))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(got, f, indent=1)
+        return 0
     if args.quick:
-        args.fill, args.steps = "tiled", min(args.steps, 24)
-        args.spec_tokens = min(args.spec_tokens, 64)
+        args.fill, args.steps = "tiled", min(args.steps, 32)
+        args.spec_tokens, args.rounds = min(args.spec_tokens, 64), min(args.rounds, 2)
     contexts = [int(c) for c in str(args.contexts).split(",") if c.strip()]
     bound = [args.kv_sink, args.kv_window]
     from nodes.backends.kv_bound import check_kv_bound
@@ -206,14 +282,18 @@ def run(args: argparse.Namespace) -> int:
     for context in contexts:
         for b in (None, bound):
             row = _spawn({"bound": b, "context": context, "fill": args.fill,
-                          "steps": args.steps})
+                          "steps": max(4, args.steps // 4)})
             print(f"{row['mode']:<8} {context:>6}: {row['kv_bytes'] / 1e6:8.2f} MB K/V, "
-                  f"{row['tok_s']:6.2f} tok/s", file=sys.stderr)
+                  f"RSS {row['VmRSS'] / 1e6:.0f} MB", file=sys.stderr)
             rows.append(row)
+    timed = _spawn({"interleaved": True, "bound": bound, "contexts": contexts,
+                    "fill": args.fill, "steps": args.steps})["rows"]
+    for row, t in zip(rows, timed, strict=True):
+        row["solo_tok_s"], row["tok_s"] = row["tok_s"], t["tok_s"]
     spec = []
     if args.spec_tokens:
-        for b in (None, bound):
-            spec.append(_spawn({"bound": b, "spec_tokens": args.spec_tokens}))
+        spec = _spawn({"bound": bound, "spec_tokens": args.spec_tokens,
+                       "rounds": args.rounds})["speculation"]
     report = {"model": "smollm2-135m (fp32)", "bound": bound, "fill": args.fill,
               "steps": args.steps, "load_1min_at_start": load, "rows": rows,
               "speculation": spec, "summary": _summary(rows, spec, contexts)}
@@ -250,14 +330,118 @@ def _print(rep: dict[str, Any]) -> None:
     s, w = rep["bound"]
     print(f"\nspecbus bench memory: {rep['model']}, one core, one torch thread, bound S={s} "
           f"W={w}, fill {rep['fill']}, {rep['steps']} steps (load {rep['load_1min_at_start']})")
-    head = f"{'mode':<8} {'context':>7} {'K/V MB':>8} {'RSS MB':>8} {'peak MB':>8} {'tok/s':>7}"
+    head = (f"{'mode':<8} {'context':>7} {'K/V MB':>8} {'RSS MB':>8} {'peak MB':>8} "
+            f"{'tok/s':>7} {'solo':>7}")
     print(head)
     print("-" * len(head))
     for r in rep["rows"]:
         print(f"{r['mode']:<8} {r['context']:>7} {r['kv_bytes'] / 1e6:8.2f} "
-              f"{r['VmRSS'] / 1e6:8.0f} {r['VmHWM'] / 1e6:8.0f} {r['tok_s']:7.2f}")
+              f"{r['VmRSS'] / 1e6:8.0f} {r['VmHWM'] / 1e6:8.0f} {r['tok_s']:7.2f} "
+              f"{r['solo_tok_s']:7.2f}")
     for r in rep["speculation"]:
         print(f"speculation ({r['mode']}): plain {r['plain_tok_s']} tok/s; ngram "
               f"{r['ngram_tok_s']} tok/s, {r['ngram_speedup']}x; oracle 8 deep "
               f"{r['oracle_tok_s']} tok/s, {r['oracle_speedup']}x; identical {r['identical']}")
     print("summary: " + ", ".join(f"{k} {v}" for k, v in rep["summary"].items()))
+
+
+# -- the bound's quality: perplexity and agreement, absolute vs re-indexed positions -------------
+def _band_attention(state: dict[str, Any]):
+    """An eager attention for a teacher-forced pass under the sink + window band (key p seen by
+    query q when p <= q and (p < sink or p > q - window)), in query chunks so its cost and
+    memory are linear in the length. `state["reindex"]`: the sinks are scored as StreamingLLM
+    re-indexes them (at cache positions 0..S-1, the query at most at S + W - 1: each query
+    rotated back by max(0, q - S - W + 1) against them; RoPE is relative, so the window's
+    keys score the same both ways)."""
+    import torch
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                  **kwargs):
+        s, w, chunk = state["sink"], state["window"], 512
+        groups = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+        n = query.shape[2]
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        outs = []
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            q = query[:, :, a:b]
+            qpos = torch.arange(a, b)
+            lo = max(min(s, n), a - w + 1)
+            kpos = torch.cat([torch.arange(min(s, n)), torch.arange(lo, b)])
+            k = torch.cat([key[:, :, :min(s, n)], key[:, :, lo:b]], dim=2)
+            v = torch.cat([value[:, :, :min(s, n)], value[:, :, lo:b]], dim=2)
+            scores = torch.matmul(q, k.transpose(2, 3)) * scale
+            if state["reindex"]:
+                cos, sin = state["cos"][a:b], state["sin"][a:b]  # rotation by -shift(q)
+                q_back = q * cos + rotate_half(q) * sin
+                sink_scores = torch.matmul(q_back, key[:, :, :min(s, n)].transpose(2, 3)) * scale
+                scores[..., :min(s, n)] = sink_scores
+            visible = (kpos[None, :] <= qpos[:, None]) & (
+                (kpos[None, :] < s) | (kpos[None, :] > qpos[:, None] - w))
+            scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+            outs.append(torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32), v))
+        return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def quality(tokens: int, sink: int, window: int, full: bool = True) -> dict[str, Any]:
+    """Teacher-forced over the first `tokens` of the long text: perplexity with full attention
+    (when `full`), bounded with absolute positions and bounded re-indexed; the share of
+    positions where each bounded mode's greedy choice equals full attention's."""
+    import torch
+    from transformers import AttentionInterface
+
+    from nodes.backends.torch_backend import TorchBackend
+
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    b = TorchBackend.load(None, device="cpu", weights="fp32")
+    model = b.model
+    ids = torch.tensor([b.tokenizer.encode(long_text())[:tokens]])
+    n = ids.shape[1]
+    state: dict[str, Any] = {"sink": sink, "window": window, "reindex": False}
+    shift = torch.clamp(torch.arange(n) - (sink + window - 1), min=0)
+    cos, sin = model.model.rotary_emb(torch.zeros(1, n, 1), (-shift)[None])
+    state["cos"], state["sin"] = cos[0], sin[0]
+    AttentionInterface.register("specbus_band_quality", _band_attention(state))
+
+    def run(impl: str | None) -> tuple[float, torch.Tensor]:
+        before = model.config._attn_implementation
+        if impl:
+            model.config._attn_implementation = impl
+        try:
+            with torch.inference_mode():
+                h = model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+                nll, picks = 0.0, []
+                for a in range(0, n - 1, 1024):
+                    logits = model.lm_head(h[a:min(a + 1024, n - 1)]).float()
+                    target = ids[0, a + 1:a + 1 + logits.shape[0]]
+                    nll += float(torch.nn.functional.cross_entropy(logits, target,
+                                                                   reduction="sum"))
+                    picks.append(logits.argmax(-1))
+        finally:
+            model.config._attn_implementation = before
+        return float(np.exp(nll / (n - 1))), torch.cat(picks)
+
+    import numpy as np
+
+    out: dict[str, Any] = {"tokens": n, "sink": sink, "window": window}
+    full_picks = None
+    if full:
+        t = time.perf_counter()
+        out["ppl_full"], full_picks = run(None)
+        out["full_s"] = round(time.perf_counter() - t, 1)
+    for name, reindex in (("absolute", False), ("reindexed", True)):
+        state["reindex"] = reindex
+        ppl, picks = run("specbus_band_quality")
+        out[f"ppl_{name}"] = round(ppl, 3)
+        if full_picks is not None:
+            out[f"agree_{name}"] = round(float((picks == full_picks).float().mean()), 4)
+    if full:
+        out["ppl_full"] = round(out["ppl_full"], 3)
+    return out
