@@ -287,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
                   f"RSS {row['VmRSS'] / 1e6:.0f} MB", file=sys.stderr)
             rows.append(row)
     timed = _spawn({"interleaved": True, "bound": bound, "contexts": contexts,
-                    "fill": args.fill, "steps": args.steps})["rows"]
+                    "fill": args.fill, "steps": args.steps})["rows"] if contexts else []
     for row, t in zip(rows, timed, strict=True):
         row["solo_tok_s"], row["tok_s"] = row["tok_s"], t["tok_s"]
     spec = []
@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _summary(rows: list[dict], spec: list[dict], contexts: list[int]) -> dict[str, Any]:
     by = {(r["mode"], r["context"]): r for r in rows}
-    lo, hi = min(contexts), max(contexts)
+    lo, hi = (min(contexts), max(contexts)) if contexts else (0, 0)
     out: dict[str, Any] = {}
     for mode in ("full", "bounded"):
         if (mode, lo) in by and (mode, hi) in by:
@@ -417,19 +417,24 @@ def quality(tokens: int, sink: int, window: int, full: bool = True) -> dict[str,
         try:
             with torch.inference_mode():
                 h = model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
-                nll, picks = 0.0, []
+                losses, picks = [], []
                 for a in range(0, n - 1, 1024):
                     logits = model.lm_head(h[a:min(a + 1024, n - 1)]).float()
                     target = ids[0, a + 1:a + 1 + logits.shape[0]]
-                    nll += float(torch.nn.functional.cross_entropy(logits, target,
-                                                                   reduction="sum"))
+                    losses.append(torch.nn.functional.cross_entropy(logits, target,
+                                                                    reduction="none"))
                     picks.append(logits.argmax(-1))
         finally:
             model.config._attn_implementation = before
-        return float(np.exp(nll / (n - 1))), torch.cat(picks)
+        loss = torch.cat(losses)
+        if n - 1 > trained:  # past the trained context alone too
+            tails[impl or "full"] = float(np.exp(float(loss[trained:].mean())))
+        return float(np.exp(float(loss.mean()))), torch.cat(picks)
 
     import numpy as np
 
+    trained = int(getattr(model.config, "max_position_embeddings", 0) or 0) or n
+    tails: dict[str, float] = {}
     out: dict[str, Any] = {"tokens": n, "sink": sink, "window": window}
     full_picks = None
     if full:
@@ -440,8 +445,12 @@ def quality(tokens: int, sink: int, window: int, full: bool = True) -> dict[str,
         state["reindex"] = reindex
         ppl, picks = run("specbus_band_quality")
         out[f"ppl_{name}"] = round(ppl, 3)
+        if "specbus_band_quality" in tails:
+            out[f"ppl_{name}_past_{trained}"] = round(tails.pop("specbus_band_quality"), 3)
         if full_picks is not None:
             out[f"agree_{name}"] = round(float((picks == full_picks).float().mean()), 4)
     if full:
         out["ppl_full"] = round(out["ppl_full"], 3)
+        if "full" in tails:
+            out[f"ppl_full_past_{trained}"] = round(tails["full"], 3)
     return out
