@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodes.engine.errors import BadRequestError
+from nodes.node_common.host import RoleHost
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class Roles:
     publisher: Any = None  # a verifier's side of the shared suffix index
     subscriber: Any = None  # a suffix proposer's side
 
-    def attach(self, node) -> None:
+    def attach(self, node: RoleHost) -> None:
         for role in (self.verifier, self.proposer, self.publisher, self.subscriber):
             if role is not None:
                 role.attach(node)

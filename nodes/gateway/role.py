@@ -29,6 +29,7 @@ from nodes.gateway.http_server import (
 )
 from nodes.gateway.metrics import GatewayMetrics
 from nodes.gateway.origins import Origins
+from nodes.node_common.host import RoleHost
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class GatewayRole:
     def card_extras(self) -> dict[str, Any]:
         return {"http": self.url}
 
-    def attach(self, node) -> None:
+    def attach(self, node: RoleHost) -> None:
         """Before the node starts: listen to the cluster's telemetry (loads, acceptance)."""
         from nodes.telemetry import stats_topic
 

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable
 
 from bus.streams import Request
+from nodes.node_common.host import RoleHost
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ SWEEP_S = 2.0
 
 
 class ConnectionSweep:
-    def __init__(self, node, types: tuple[str, ...], every_s: float = SWEEP_S,
+    def __init__(self, node: RoleHost, types: tuple[str, ...], every_s: float = SWEEP_S,
                  on_drop: Callable[[Request], None] | None = None) -> None:
         self.node = node
         self.types = types

@@ -56,6 +56,7 @@ from discovery.counters import Counters
 from nodes.drafters.suffix_index import prompt_digest
 from nodes.engine.errors import BUSY
 from nodes.node_common.admission import TokenBucket
+from nodes.node_common.host import RoleHost
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class Publisher:
         self.snapshots_refused = 0  # over SNAPSHOT_RATE (I/O thread)
         self._key: bytes | None = None
 
-    def attach(self, node) -> None:
+    def attach(self, node: RoleHost) -> None:
         self._node = node
         self._key = prompt_key(node)
         node.register_request("suffix_snapshot_req", self._serve_snapshot)
@@ -184,7 +185,7 @@ class Subscriber:
         self.indexed = Counters(("indexed", "indexed_tokens"),
                                 is_owner=lambda: threading.current_thread() is self._thread)
 
-    def attach(self, node) -> None:
+    def attach(self, node: RoleHost) -> None:
         self._node = node
         self.index.prompt_key = prompt_key(node)  # the verifiers' key: their hashes match ours
         self.counters = Counters(SUBSCRIBER_COUNTERS, is_owner=node.loop.in_loop)

@@ -52,6 +52,7 @@ from nodes.engine.errors import (
 from nodes.engine.sources import class_at
 from nodes.node_common import requests
 from nodes.node_common.admission import FORBIDDEN, TOO_MANY_SESSIONS, AdmissionLimits, SessionBook
+from nodes.node_common.host import RoleHost
 from nodes.node_common.liveness import ConnectionSweep
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class ProposerRole:
         self._worker = threading.Thread(target=self._run, name="proposer-worker", daemon=True)
 
     # -- wiring -----------------------------------------------------------------------------
-    def attach(self, node) -> None:
+    def attach(self, node: RoleHost) -> None:
         for t in self.TYPES:
             node.register_request(t, self.enqueue)
         # sessions die with their connection, member or not (a session's stream is the

@@ -52,6 +52,7 @@ from nodes.engine.core import Block, Engine, SequenceState, Stats
 from nodes.engine.errors import BUSY, GenerationError, NoProposerError, error_code
 from nodes.node_common import requests
 from nodes.node_common.admission import AdmissionLimits, PeerSlots
+from nodes.node_common.host import RoleHost
 from nodes.node_common.liveness import ConnectionSweep
 from nodes.verifier.proposer_client import DraftPolicy, ProposerLink, ProposerSource
 
@@ -145,7 +146,7 @@ class VerifierRole:
         self.active = 0
         self._worker = threading.Thread(target=self._run, name="verifier-compute", daemon=True)
 
-    def attach(self, node) -> None:
+    def attach(self, node: RoleHost) -> None:
         self._node = node
         self.admission = Counters(ADMISSION_COUNTERS, is_owner=node.loop.in_loop)
         node.register_request("generate_req", self.enqueue)
