@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nodes.engine.core import Engine, Generation
+from nodes.engine.core import Engine, GenerationResult
 from nodes.engine.errors import BadRequestError
 
 
@@ -46,7 +46,7 @@ def encode_prompt(engine: Engine, prompt: str, chat: bool = True, system: str | 
     return engine.backend.tokenizer.encode(prompt, chat=chat, system=system)
 
 
-def result_dict(engine: Engine, gen: Generation) -> dict:
+def result_dict(engine: Engine, gen: GenerationResult) -> dict:
     """The JSON shape of `specbus generate --json`."""
     s = gen.stats
     return {

@@ -325,7 +325,7 @@ class _Cluster:
         """One turn through the cluster client's choice of verifier: TTFT, tok/s, the answer
         and what the verifier reported."""
         from nodes.cluster_client import GenerateRequest
-        from nodes.cluster_client.core import Final, Piece
+        from nodes.cluster_client.failover import Final, Piece
 
         req = GenerateRequest(messages=messages, max_tokens=max_tokens)
         t0 = time.perf_counter()

@@ -10,7 +10,7 @@ failover) with a sync face and an async face.
 """
 
 from nodes.cluster_client.choice import verifier_gone
-from nodes.cluster_client.core import LOST, ClusterError
+from nodes.cluster_client.failover import LOST, ClusterError
 from nodes.cluster_client.request import GenerateRequest
 from nodes.cluster_client.sync import ClusterClient, Result
 

@@ -1,4 +1,4 @@
-"""The cluster client's async face: `core.Failover` driven from an asyncio loop (the gateway).
+"""The cluster client's async face: `failover.Failover` driven from an asyncio loop (the gateway).
 
 The replies reach the loop through `loop.call_soon_threadsafe` from the bus I/O thread; the
 StreamClient's `request` and `cancel` are its thread-safe entry points, so no socket is touched
@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from nodes.cluster_client.core import POLL_S, Failover
+from nodes.cluster_client.failover import POLL_S, Failover
 
 
 async def events(core: Failover, client, loop: asyncio.AbstractEventLoop

@@ -2,7 +2,7 @@
 
 Used by `specbus generate` (without `--local`), the demo and the benchmarks; the observer never
 counts as a worker and is never offered work. Every decision (which verifier, lost or only
-stalled, resume where) is `core.Failover`'s; this face sends, waits on the call and hands
+stalled, resume where) is `failover.Failover`'s; this face sends, waits on the call and hands
 replies in, so `specbus generate --cluster` fails over exactly as the gateway does.
 """
 
@@ -20,7 +20,7 @@ from codec.structs import GenerateReq
 from discovery.interfaces import DEFAULT_INTERFACE
 from discovery.table import Member, State
 from nodes.cluster_client.choice import Balancer, ClusterView, info_of
-from nodes.cluster_client.core import POLL_S, ClusterError, Failover, Final, Piece
+from nodes.cluster_client.failover import POLL_S, ClusterError, Failover, Final, Piece
 
 #: the CLI and benches wait for a verifier that is silent but still connected (a forced draft
 #: waits for its proposers, a loaded machine pauses: seen in CI, a 15 s rule moved a forced
@@ -110,7 +110,7 @@ class ClusterClient:
 
     def events(self, req: GenerateReq, verifier: Member | None = None, failover: bool = True,
                idle_timeout: float = IDLE_S) -> Iterator[Any]:
-        """The generation as events (core.Started, Piece, Resuming, then Final), through
+        """The generation as events (failover.Started, Piece, Resuming, then Final), through
         `verifier` (default: the least loaded) and, when it is lost, another verifier of the
         model: with `failover` the prompt is tokenized here when the model's tokenizer
         resolves locally with the verifiers' fingerprint (nodes/client_tokenizers.py); without

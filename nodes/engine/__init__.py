@@ -10,8 +10,8 @@ for block in engine.stream(prompt_ids, GenerationParams(max_tokens=64)): ...
 from nodes.engine.core import (
     Block,
     Engine,
-    Generation,
     GenerationParams,
+    GenerationResult,
     SequenceState,
     Stats,
 )
@@ -34,7 +34,7 @@ __all__ = [
     "DraftSource",
     "Engine",
     "Feedback",
-    "Generation",
+    "GenerationResult",
     "GenerationError",
     "GenerationParams",
     "ModelNotFoundError",

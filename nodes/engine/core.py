@@ -42,8 +42,8 @@ from nodes.engine.settle import Settler, noise, row_rules
 from nodes.engine.sources import DraftSource, SourceOpener
 from nodes.engine.state import (
     Block,
-    Generation,
     GenerationParams,
+    GenerationResult,
     SequenceState,
     Slot,
     Stats,
@@ -144,7 +144,7 @@ class Engine:
 
     # ---- public API -------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: GenerationParams,
-                 on_block: Callable[[Block], None] | None = None) -> Generation:
+                 on_block: Callable[[Block], None] | None = None) -> GenerationResult:
         """Run a whole generation and collect it, calling `on_block` as each block is
         committed (for streaming)."""
         start = time.perf_counter()
@@ -158,9 +158,9 @@ class Engine:
                 on_block(block)
         assert last is not None and last.finish_reason is not None
         text = last.text if last.text is not None else self.backend.tokenizer.decode(tokens)
-        return Generation(prompt_ids=list(prompt_ids), token_ids=tokens, text=text,
-                          finish_reason=last.finish_reason,
-                          elapsed_s=time.perf_counter() - start, stats=stats)
+        return GenerationResult(prompt_ids=list(prompt_ids), token_ids=tokens, text=text,
+                                finish_reason=last.finish_reason,
+                                elapsed_s=time.perf_counter() - start, stats=stats)
 
     def stream(
         self,

@@ -122,7 +122,7 @@ class Stats:
 
 
 @dataclass
-class Generation:
+class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]
     text: str

@@ -18,10 +18,10 @@ from aiohttp import web
 
 from nodes.client_tokenizers import TokenizerCache, encode_messages, encode_prompt
 from nodes.cluster_client.choice import Balancer, verifiers_of
-from nodes.gateway.generation import Final, Generation, Piece, Plan, Started, StreamFailed
+from nodes.gateway.generation import Generation, Outcome, Piece, Plan, Started, StreamFailed
 from nodes.gateway.http_server import BODY_TIMEOUT_S, mark_request, read_body
-from nodes.gateway.logprobs import chat_logprobs, completion_logprobs
 from nodes.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from nodes.gateway.openai_logprobs import chat_logprobs, completion_logprobs
 from nodes.gateway.openai_schema import ApiError, ApiRequest, parse_json, parse_request
 from nodes.gateway.origins import Origins
 from nodes.gateway.responses import (
@@ -143,11 +143,11 @@ class GatewayApp:
             async def answer(events, first, plan):
                 final = None
                 async for ev in events:
-                    if isinstance(ev, Final):
+                    if isinstance(ev, Outcome):
                         final = ev
                     elif isinstance(ev, Piece) and api.stream:
                         await queue.put((i, ev, plan.tokenizer))
-                if final is None:  # pragma: no cover - events() ends with Final or raises
+                if final is None:  # pragma: no cover - events() ends with Outcome or raises
                     raise ApiError(502, "the generation ended without a result",
                                    type_="server_error")
                 await queue.put((i, final, plan.tokenizer))
@@ -236,11 +236,11 @@ class GatewayApp:
                     c["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                     await send(c)
             sent = [0] * api.n
-            finals: dict[int, Final] = {}
+            finals: dict[int, Outcome] = {}
             item = first
             while True:
                 i, ev, tok = item
-                if isinstance(ev, Final):
+                if isinstance(ev, Outcome):
                     finals[i] = ev
                     await send(chunk(i, None if chat else "", ev.finish_reason,
                                      extra={"specbus": ev.specbus}))
@@ -278,9 +278,9 @@ class GatewayApp:
                 return await self._responses_stream(request, req, events)
             final = None
             async for ev in events:
-                if isinstance(ev, Final):
+                if isinstance(ev, Outcome):
                     final = ev
-            if final is None:  # pragma: no cover - events() ends with Final or raises
+            if final is None:  # pragma: no cover - events() ends with Outcome or raises
                 raise ApiError(502, "the generation ended without a result",
                                type_="server_error")
             rid, msg_id, created = new_ids()
@@ -350,7 +350,7 @@ class GatewayApp:
                     text.append(ev.text)
                     await send("response.output_text.delta", **where, delta=ev.text,
                                logprobs=[])
-                elif isinstance(ev, Final):
+                elif isinstance(ev, Outcome):
                     done = "".join(text)
                     status = status_of(ev)
                     await send("response.output_text.done", **where, text=done, logprobs=[])
@@ -403,9 +403,9 @@ class GatewayApp:
                        tok) -> web.Response:
         final = None
         async for ev in events:
-            if isinstance(ev, Final):
+            if isinstance(ev, Outcome):
                 final = ev
-        if final is None:  # pragma: no cover - events() always ends with Final or raises
+        if final is None:  # pragma: no cover - events() always ends with Outcome or raises
             raise ApiError(502, "the generation ended without a result", type_="server_error")
         rid, created = _ids(api.kind)
         logprobs = _render_logprobs(api, tok, final.logprobs)
@@ -471,7 +471,7 @@ class GatewayApp:
                     verifier = {"specbus": {"verifier": ev.verifier}}
                 elif isinstance(ev, Piece) and held is not None:
                     held.append(ev.text)
-                elif isinstance(ev, Final) and held is not None:
+                elif isinstance(ev, Outcome) and held is not None:
                     text = "".join(held)
                     held, calls = None, _tool_calls(api, text)
                     for i, call in enumerate(calls or []):
@@ -491,7 +491,7 @@ class GatewayApp:
                                      _render_logprobs(api, tok, ev.logprobs, sent_chars)))
                     sent_chars += len(ev.text)
                     verifier = None
-                elif isinstance(ev, Final):
+                elif isinstance(ev, Outcome):
                     await send(chunk(None if chat else "", ev.finish_reason,
                                      {"timings": ev.timings, "specbus": ev.specbus}))
                     if api.include_usage:
@@ -625,7 +625,7 @@ def _ids(kind: str) -> tuple[str, int]:
     return f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
 
 
-def _usage(final: Final) -> dict[str, Any]:
+def _usage(final: Outcome) -> dict[str, Any]:
     return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
             "total_tokens": final.prompt_tokens + final.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}

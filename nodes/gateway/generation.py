@@ -24,18 +24,18 @@ from codec.errors import BadRequest
 from codec.structs import GenerateReq
 from nodes.cluster_client import aio
 from nodes.cluster_client.choice import Balancer, ClusterView
-from nodes.cluster_client.core import (
+from nodes.cluster_client.failover import (
     BUSY,
     LOST,
     NO_VERIFIER,
     ClusterError,
     Failover,
+    Final,
     Piece,
     Resuming,
     Started,
 )
-from nodes.cluster_client.core import Final as Finished
-from nodes.cluster_client.logprobs import ReceivedLogprobs
+from nodes.cluster_client.received_logprobs import ReceivedLogprobs
 from nodes.gateway.metrics import GatewayMetrics
 from nodes.gateway.openai_schema import ApiError, ApiRequest
 
@@ -45,7 +45,7 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 #: verifier error codes that blame the request (answered 400), not the server (5xx)
 CLIENT_ERRORS = ("bad_request", "generation", "too_long", "no_proposer", "unsupported")
 
-__all__ = ["Final", "Generation", "Piece", "Plan", "Started", "StreamFailed"]
+__all__ = ["Generation", "Outcome", "Piece", "Plan", "Started", "StreamFailed"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Plan:
 
 
 @dataclass
-class Final:
+class Outcome:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
@@ -94,8 +94,8 @@ class Generation:
         self.t_started: float | None = None
         self.t_first: float | None = None
 
-    async def events(self) -> AsyncIterator[Started | Piece | Final]:
-        """Started (again after a failover), Piece..., then Final; StreamFailed on an error
+    async def events(self) -> AsyncIterator[Started | Piece | Outcome]:
+        """Started (again after a failover), Piece..., then Outcome; StreamFailed on an error
         (before the first event: nothing sent yet, so the handler answers its status)."""
         plan = self.plan
         core = Failover(self._request(), ClusterView(self.node), self.balancer,
@@ -105,7 +105,7 @@ class Generation:
             async for ev in aio.events(core, self.node.client, self.loop):
                 if isinstance(ev, Resuming):
                     self.metrics.failovers += 1
-                elif isinstance(ev, Finished):
+                elif isinstance(ev, Final):
                     yield self._final(ev)
                 else:
                     if isinstance(ev, Started) and self.t_started is None:
@@ -136,7 +136,7 @@ class Generation:
             raise StreamFailed(ApiError(400, f"{exc.field}: {exc.reason}", param=exc.field,
                                         code="invalid_value")) from None
 
-    def _final(self, done: Finished) -> Final:
+    def _final(self, done: Final) -> Outcome:
         stats, verifier = done.stats, done.verifiers[-1]
         drafted, accepted = _int(stats.get("drafted")), _int(stats.get("accepted"))
         completion = len(done.token_ids)
@@ -145,7 +145,7 @@ class Generation:
         timings, seconds = self._timings(done.prompt_tokens, completion, stats)
         self.metrics.observe_request(model, seconds)
         proposers = stats.get("proposers") if isinstance(stats.get("proposers"), dict) else {}
-        return Final(FINISH.get(done.finish_reason, "stop"), done.prompt_tokens, completion,
+        return Outcome(FINISH.get(done.finish_reason, "stop"), done.prompt_tokens, completion,
                      done.text, cached_tokens=_int(stats.get("cached_tokens")),
                      timings=timings, specbus={
                          "acceptance": round(accepted / drafted, 4) if drafted else 0.0,

@@ -19,7 +19,7 @@ from typing import Any
 from codec.errors import BadRequest
 from codec.sampling import SamplingParams, logit_bias_pairs
 from nodes.gateway.errors import ApiError, bad, unsupported  # noqa: F401 - ApiError re-exported
-from nodes.gateway.logprobs import MAX_CHAT_TOP, MAX_COMPLETION_TOP
+from nodes.gateway.openai_logprobs import MAX_CHAT_TOP, MAX_COMPLETION_TOP
 
 MAX_TOKENS_LIMIT = 4096  # the verifier's own limit (nodes/verifier/role.py)
 DEFAULT_MAX_TOKENS_COMPLETION = 16  # OpenAI's default for /v1/completions

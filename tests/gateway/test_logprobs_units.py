@@ -8,7 +8,7 @@ import pytest
 
 from nodes import models
 from nodes.backends.tokenizer import Tokenizer
-from nodes.gateway.logprobs import ReceivedLogprobs, chat_logprobs, completion_logprobs
+from nodes.gateway.openai_logprobs import ReceivedLogprobs, chat_logprobs, completion_logprobs
 from nodes.gateway.openai_schema import ApiError, parse_request
 
 HI = [{"role": "user", "content": "hi"}]

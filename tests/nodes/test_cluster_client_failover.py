@@ -1,4 +1,4 @@
-"""The cluster client's decisions, without sockets: `core.Failover` fed scripted replies and
+"""The cluster client's decisions, without sockets: `failover.Failover` fed scripted replies and
 membership, and its async face over a stand-in StreamClient. (The real thing, with verifiers
 killed and stopped: test_cluster_faults.py, test_client_liveness.py, tests/gateway.)"""
 
@@ -13,7 +13,7 @@ from bus.streams import PeerUnavailable
 from codec.structs import Done, ErrorReply, TokenChunk
 from nodes.cluster_client import GenerateRequest, aio
 from nodes.cluster_client.choice import Balancer, VerifierInfo
-from nodes.cluster_client.core import ClusterError, Failover, Final, Piece, Resuming, Started
+from nodes.cluster_client.failover import ClusterError, Failover, Final, Piece, Resuming, Started
 
 WORD = {1: "one ", 2: "two ", 3: "three ", 4: "four ", 5: "five "}
 

@@ -52,7 +52,7 @@ from nodes.cluster_client.choice import (
     Ticket,
     VerifierInfo,
 )
-from nodes.cluster_client.logprobs import ReceivedLogprobs
+from nodes.cluster_client.received_logprobs import ReceivedLogprobs
 from nodes.cluster_client.text import TextAssembler
 
 log = logging.getLogger(__name__)

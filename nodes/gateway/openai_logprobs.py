@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nodes.cluster_client.logprobs import ReceivedLogprobs
+from nodes.cluster_client.received_logprobs import ReceivedLogprobs
 
 __all__ = ["MAX_CHAT_TOP", "MAX_COMPLETION_TOP", "ReceivedLogprobs", "chat_logprobs",
            "completion_logprobs"]
