@@ -447,6 +447,53 @@ float weigh_values(const float* p, const char* vis, int64_t last, const float* v
   return sum;
 }
 
+// The same sums for G heads of one kv group at once, over 32 of the head's lanes [d0, d0 + 32):
+// the group shares each value row's loads and runs its G probability sums side by side. Every
+// output element is still the one sequence of fused multiply-adds over visible positions in
+// order that `weigh_values` computes for one head, so the bits are the same.
+template <int G, bool SUMS>
+void weigh_pass(const float* const* p, const char* vis, int64_t last, const float* v, int64_t D,
+                int64_t d0, float* const* o, float* sums) {
+  __m256 acc[G][4];
+  float sm[G];
+  for (int h = 0; h < G; h++) {
+    sm[h] = 0.f;
+    for (int i = 0; i < 4; i++) acc[h][i] = _mm256_setzero_ps();
+  }
+  for (int64_t j = 0; j < last; j++) {
+    if (!vis[j]) continue;
+    const float* vj = v + j * D + d0;
+    __m256 vv[4];
+    for (int i = 0; i < 4; i++) vv[i] = _mm256_loadu_ps(vj + 8 * i);
+    for (int h = 0; h < G; h++) {
+      if (SUMS) sm[h] += p[h][j];
+      const __m256 pj = _mm256_set1_ps(p[h][j]);
+      for (int i = 0; i < 4; i++) acc[h][i] = _mm256_fmadd_ps(pj, vv[i], acc[h][i]);
+    }
+  }
+  for (int h = 0; h < G; h++) {
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(o[h] + d0 + 8 * i, acc[h][i]);
+    if (SUMS) sums[h] = sm[h];
+  }
+}
+
+// G heads (any number) of one kv group, head width a multiple of 32: 3 heads and 32 lanes a pass.
+void weigh_group(const float* const* p, const char* vis, int64_t last, const float* v, int64_t D,
+                 int64_t G, float* const* o, float* sums) {
+  for (int64_t h = 0; h < G; h += 3) {
+    const int64_t n = std::min<int64_t>(3, G - h);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      const bool first = d0 == 0;
+      if (n == 3) first ? weigh_pass<3, true>(p + h, vis, last, v, D, d0, o + h, sums + h)
+                        : weigh_pass<3, false>(p + h, vis, last, v, D, d0, o + h, sums + h);
+      else if (n == 2) first ? weigh_pass<2, true>(p + h, vis, last, v, D, d0, o + h, sums + h)
+                             : weigh_pass<2, false>(p + h, vis, last, v, D, d0, o + h, sums + h);
+      else first ? weigh_pass<1, true>(p + h, vis, last, v, D, d0, o + h, sums + h)
+                 : weigh_pass<1, false>(p + h, vis, last, v, D, d0, o + h, sums + h);
+    }
+  }
+}
+
 float weigh_values_any(const float* p, const char* vis, int64_t last, const float* v, int64_t D,
                        float* o) {
   std::fill(o, o + D, 0.f);
@@ -615,7 +662,10 @@ struct Model {
     const int64_t group = heads / kv_heads;
     int64_t max_ctx = 0;
     for (int64_t b = 0; b < B; b++) max_ctx = std::max(max_ctx, pasts[b] + offs[b + 1] - offs[b]);
-    std::vector<float> score((max_ctx + 7) / 8 * 8), prob((max_ctx + 7) / 8 * 8);
+    const int64_t stride = (max_ctx + 7) / 8 * 8;
+    std::vector<float> score(stride), prob(stride * group), sums(group);
+    std::vector<const float*> probs_of(group);
+    std::vector<float*> outs(group);
     std::vector<char> vis(max_ctx);
     std::vector<float> pad(4 * D);
 
@@ -664,38 +714,47 @@ struct Model {
         const float* vbuf = values[b * L + l].data_ptr<float>();
         const int64_t cap = keys[b * L + l].size(2);
         const int64_t padded = (last + 7) / 8 * 8;
-        for (int64_t hh = 0; hh < heads; hh++) {
-          const int64_t g = hh / group;
-          const float* q = qkv.data() + t * W + hh * D;
-          float mx = -INFINITY;
-          if (D % 8 == 0) {
-            scores(q, kbuf + g * cap * D, last, D, attn_scale, score.data(), pad.data());
-            for (int64_t j = 0; j < last; j++)
-              if (vis[j]) mx = std::max(mx, score[j]);
+        for (int64_t g = 0; g < kv_heads; g++) {
+          std::vector<const float*>& ph = probs_of;
+          for (int64_t e = 0; e < group; e++) {
+            const int64_t hh = g * group + e;
+            const float* q = qkv.data() + t * W + hh * D;
+            float mx = -INFINITY;
+            if (D % 8 == 0) {
+              scores(q, kbuf + g * cap * D, last, D, attn_scale, score.data(), pad.data());
+              for (int64_t j = 0; j < last; j++)
+                if (vis[j]) mx = std::max(mx, score[j]);
+            } else {
+              for (int64_t j = 0; j < last; j++) {
+                if (!vis[j]) continue;
+                const float s = dot(q, kbuf + (g * cap + j) * D, D) * attn_scale;
+                score[j] = s;
+                mx = std::max(mx, s);
+              }
+            }
+            for (int64_t j = 0; j < padded; j++) if (j >= last || !vis[j]) score[j] = mx;
+            const __m256 mxv = _mm256_set1_ps(mx);
+            float* pe = prob.data() + e * stride;
+            for (int64_t j = 0; j < padded; j += 8)
+              _mm256_storeu_ps(pe + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(score.data() + j), mxv)));
+            ph[e] = pe;
+            outs[e] = att.data() + t * qd + hh * D;
+          }
+          const float* vg = vbuf + g * cap * D;
+          if (D % 32 == 0) {
+            weigh_group(ph.data(), vis.data(), last, vg, D, group, outs.data(), sums.data());
           } else {
-            for (int64_t j = 0; j < last; j++) {
-              if (!vis[j]) continue;
-              const float s = dot(q, kbuf + (g * cap + j) * D, D) * attn_scale;
-              score[j] = s;
-              mx = std::max(mx, s);
+            for (int64_t e = 0; e < group; e++) {
+              switch (D) {  // the head widths models use keep their sums in registers
+                case 16: sums[e] = weigh_values<16>(ph[e], vis.data(), last, vg, outs[e]); break;
+                default: sums[e] = weigh_values_any(ph[e], vis.data(), last, vg, D, outs[e]);
+              }
             }
           }
-          for (int64_t j = 0; j < padded; j++) if (j >= last || !vis[j]) score[j] = mx;
-          const __m256 mxv = _mm256_set1_ps(mx);
-          for (int64_t j = 0; j < padded; j += 8)
-            _mm256_storeu_ps(prob.data() + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(score.data() + j), mxv)));
-          float* o = att.data() + t * qd + hh * D;
-          const float* vg = vbuf + g * cap * D;
-          float sum;
-          switch (D) {  // the head widths models use keep their sums in registers
-            case 64: sum = weigh_values<64>(prob.data(), vis.data(), last, vg, o); break;
-            case 128: sum = weigh_values<128>(prob.data(), vis.data(), last, vg, o); break;
-            case 32: sum = weigh_values<32>(prob.data(), vis.data(), last, vg, o); break;
-            case 16: sum = weigh_values<16>(prob.data(), vis.data(), last, vg, o); break;
-            default: sum = weigh_values_any(prob.data(), vis.data(), last, vg, D, o);
+          for (int64_t e = 0; e < group; e++) {
+            const float inv = 1.f / sums[e];
+            for (int64_t d = 0; d < D; d++) outs[e][d] *= inv;
           }
-          const float inv = 1.f / sum;
-          for (int64_t d = 0; d < D; d++) o[d] *= inv;
         }
       }
       clock.lap(4);
