@@ -236,7 +236,7 @@ class DraftChunk(wire.Struct):
     conf: np.ndarray | None = wire.probabilities(default=None)
     alt_conf: np.ndarray | None = wire.probabilities(default=None)
     #: per chain token, the drafter's class of the draft it came from (its
-    #: `DraftSession.draft_class` when it drafted it, e.g. the length of the match a lookup
+    #: `DraftState.draft_class` when it drafted it, e.g. the length of the match a lookup
     #: continued; "" for none): the verifier keeps a remote source's acceptance per class as
     #: it does its own sources'. Empty: the drafter names no classes.
     classes: tuple[str, ...] = wire.strings(MAX_HORIZON, chars=(0, MAX_CLASS_CHARS),

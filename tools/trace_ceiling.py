@@ -5,7 +5,7 @@ Why: a measured speedup mixes two things: whether the drafter proposed the right
 when to ask for them and how many (the cost model). With greedy decoding every row writes the
 same answer, so once the plain row has written it, a drafter can be replayed over it offline
 against an oracle verifier: at every step the drafter is asked for its proposals (chain and
-alternatives, `DraftSession.draft_ahead`, up to the engine's max draft), the oracle feeds only
+alternatives, `DraftState.draft_ahead`, up to the engine's max draft), the oracle feeds only
 the longest proposed path that the answer takes, and pays the verify cost of that many rows
 (a plain step where none is right). No engine verifying that drafter's proposals does better at
 that max draft, since every real step feeds at least the accepted path. So the measured row

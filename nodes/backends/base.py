@@ -2,7 +2,7 @@
 
 A backend owns one causal LM and its tokenizer. The engine never touches framework objects: it
 asks for a cache, feeds token ids, gets float32 logits rows back as numpy, and crops the cache to
-the committed length after each block. Caches are opaque per-session objects.
+the committed length after each block. Caches are opaque per-sequence objects.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def default_device() -> str:
 
 
 class TorchBackend(Backend):
-    """A transformers causal LM with a `DynamicCache` per session."""
+    """A transformers causal LM with a `DynamicCache` per sequence."""
 
     name = "torch"
     supports_tree = True

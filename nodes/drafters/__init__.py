@@ -3,7 +3,7 @@
 `make_drafter(spec, verifier)` builds one from a CLI-style spec: `ngram`, `int8`, `model:<ref>`.
 """
 
-from nodes.drafters.base import Drafter, DraftSession
+from nodes.drafters.base import Drafter, DraftState
 from nodes.drafters.registry import make_drafter
 
-__all__ = ["Drafter", "DraftSession", "make_drafter"]
+__all__ = ["Drafter", "DraftState", "make_drafter"]

@@ -3,16 +3,17 @@
 A `Drafter` is shared and long-lived. In process, the engine opens one `DraftSource` per
 sequence with `open_source` (the engine's one draft interface, nodes/engine/sources.py); a
 drafter with trees or hidden-state inputs implements it directly. Behind a proposer node the
-same drafter is driven through a `DraftSession` (`open(prompt_ids, params)`): told what was
+same drafter is driven through a `DraftState` (`open(prompt_ids, params)`): told what was
 committed with `extend(delta)`, asked `draft(k)` for up to k tokens, or `draft_ahead(k,
 width)` for a chain plus alternative paths (a model's runners-up at a position, the n-gram
 index's other continuations) as the engine's own `Candidate`s with the drafter's probability
 of each token, which the verifier uses to rank the nodes of the tree it builds: one draft type
-from the drafter to the engine, flattened only on the wire (`draft_chunk`); sessions can roll
-back (`truncate`).
+from the drafter to the engine, flattened only on the wire (`draft_chunk`); a state can roll
+back (`truncate`). ("Session" is the wire's draft session between a verifier and a proposer,
+nodes/proposer/role.py: it holds one `DraftState`.)
 `draft` returns `(ids int32 [n], probs float32 [n, vocab] | None)` with 0 <= n <= k and never
 padding; `probs` is the distribution each token was sampled from (None: a point mass). A
-drafter with only a session gets `open_source` for free (`SessionSource`).
+drafter with only a `DraftState` gets `open_source` for free (`DraftStateSource`).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def branch_points(chain: Sequence[int], paths: Sequence[Candidate]
     return out
 
 
-class DraftSession(ABC):
-    """Per-generation drafter state."""
+class DraftState(ABC):
+    """A drafter's state for one sequence (on a proposer: one per draft session)."""
 
     @abstractmethod
     def extend(self, delta: Sequence[int]) -> None:
@@ -133,39 +134,39 @@ class Drafter(SourceOpener):
     hidden_size: int | None = None
 
     @abstractmethod
-    def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftSession:
-        """Start a session for one generation."""
+    def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftState:
+        """Start drafting for one generation: its `DraftState`."""
 
     def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftSource:
-        """The session as a chain source; drafters with trees override this."""
-        return SessionSource(self.open(prompt_ids, params), len(prompt_ids), name=self.name)
+        """The state as a chain source; drafters with trees override this."""
+        return DraftStateSource(self.open(prompt_ids, params), len(prompt_ids), name=self.name)
 
 
-class SessionSource(DraftSource):
-    """A `DraftSession` as an engine source: extend(delta) then draft(k) on each step."""
+class DraftStateSource(DraftSource):
+    """A `DraftState` as an engine source: extend(delta) then draft(k) on each step."""
 
-    def __init__(self, session: DraftSession, told: int, *, name: str = "session") -> None:
-        self.session = session
-        self.told = told  # committed tokens the session has been told about
+    def __init__(self, state: DraftState, told: int, *, name: str = "session") -> None:
+        self.state = state
+        self.told = told  # committed tokens the state has been told about
         self.name = name
 
     def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
         delta = list(committed[self.told :])
         self.told = len(committed)
-        self.session.extend(delta)
+        self.state.extend(delta)
         if budget <= 0:
             return []
-        ids, probs = self.session.draft(budget)
+        ids, probs = self.state.draft(budget)
         return [Candidate(ids, probs)]
 
     def draft_class(self, committed: Sequence[int]) -> str | None:
-        if getattr(type(self.session), "draft_class",
-                   DraftSession.draft_class) is DraftSession.draft_class:
+        if getattr(type(self.state), "draft_class",
+                   DraftState.draft_class) is DraftState.draft_class:
             return None  # names none: its catch-up (a model's forward) stays in `propose`,
             # where the engine times it as drafting
-        self.session.extend(list(committed[self.told :]))
+        self.state.extend(list(committed[self.told :]))
         self.told = len(committed)
-        return self.session.draft_class()
+        return self.state.draft_class()
 
     def close(self) -> None:
-        self.session.close()
+        self.state.close()

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from nodes.backends.base import Backend
-from nodes.drafters.base import Drafter, DraftSession, draft_paths
+from nodes.drafters.base import Drafter, DraftState, draft_paths
 from nodes.engine.sampling import SamplingParams, probs_from_logits, sample
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import Candidate
@@ -35,7 +35,7 @@ BRANCH_RATIO = 0.2
 MIN_ALT_CONF = 0.05
 
 
-class ModelSession(DraftSession):
+class ModelState(DraftState):
     def __init__(self, backend: Backend, prompt_ids: Sequence[int], params: SamplingParams):
         self.backend = backend
         self.params = params
@@ -198,7 +198,7 @@ def leaf_candidates(toks: Sequence[int], parents: Sequence[int], score: Sequence
 class ModelTreeSource(DraftSource):
     """A model session as a tree source; a chain where the backend has no tree forward."""
 
-    def __init__(self, session: ModelSession, told: int, width: int, name: str) -> None:
+    def __init__(self, session: ModelState, told: int, width: int, name: str) -> None:
         self.session, self.told, self.width, self.name = session, told, width, name
 
     def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
@@ -233,8 +233,8 @@ class ModelDrafter(Drafter):
         self.fingerprint = backend.fingerprint
         self.tree_width = tree_width  # local trees, and runners-up per position drafting ahead
 
-    def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> ModelSession:
-        return ModelSession(self.backend, prompt_ids, params)
+    def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> ModelState:
+        return ModelState(self.backend, prompt_ids, params)
 
     def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> ModelTreeSource:
         return ModelTreeSource(self.open(prompt_ids, params), len(prompt_ids), self.tree_width,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession, draft_paths
+from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftState, draft_paths
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import DraftSource, match_class
@@ -25,7 +25,7 @@ MAX_OCCURRENCES = 16
 ALT_MIN_N = 2
 
 
-class NgramSession(DraftSession):
+class NgramState(DraftState):
     """Index of n-gram -> end positions (oldest first), excluding the n-gram ending at the tip."""
 
     def __init__(
@@ -126,7 +126,7 @@ class NgramSource(DraftSource):
 
     name = "ngram"
 
-    def __init__(self, session: NgramSession, told: int) -> None:
+    def __init__(self, session: NgramState, told: int) -> None:
         self.session = session
         self.told = told
 
@@ -166,8 +166,8 @@ class NgramDrafter(Drafter):
         self.min_n, self.max_n, self.branches = min_n, max_n, branches
         self.tree_width = branches
 
-    def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> NgramSession:
-        return NgramSession(prompt_ids, self.min_n, self.max_n, self.branches)
+    def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> NgramState:
+        return NgramState(prompt_ids, self.min_n, self.max_n, self.branches)
 
     def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> NgramSource:
         return NgramSource(self.open(prompt_ids, params), len(prompt_ids))

@@ -14,7 +14,7 @@ are counted (weighted) into a trie; the chain follows the heaviest child at each
 verifier's tree ranking and cost model read); alternatives are the other children whose path
 probability is at least `min_prob`, offered only when the global index matched. A match in the
 session's own text alone drafts a chain as ngram does: the continuation of the latest
-occurrence, continued around a loop the text is in (`SuffixSession._local_chain`). Its size
+occurrence, continued around a loop the text is in (`SuffixState._local_chain`). Its size
 follows the match (SuffixDecoding's adaptive speculation): from the global index at most
 `factor` x the matched length, so a one-token match drafts one token and a long one the whole
 budget; from the session's own text up to the budget by default (`local_factor=0`), as the
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftSession, draft_paths
+from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftState, draft_paths
 from nodes.drafters.suffix_index import MAX_MATCH, START, GlobalIndex, LocalIndex, Match
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
@@ -194,7 +194,7 @@ def _children(group, d: int) -> dict[int, list]:
     return kids
 
 
-class SuffixSession(DraftSession):
+class SuffixState(DraftState):
     """A session's local index and its view of the drafter's global one."""
 
     def __init__(self, drafter: SuffixDrafter, prompt_ids: Sequence[int]) -> None:
@@ -365,7 +365,7 @@ class SuffixSource(DraftSource):
 
     name = "suffix"
 
-    def __init__(self, session: SuffixSession, told: int, width: int) -> None:
+    def __init__(self, session: SuffixState, told: int, width: int) -> None:
         self.session = session
         self.told = told
         self.width = width
@@ -419,8 +419,8 @@ class SuffixDrafter(Drafter):
     def from_spec(cls, spec: str) -> SuffixDrafter:
         return cls(parse_spec(spec))
 
-    def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> SuffixSession:
-        return SuffixSession(self, [int(t) for t in prompt_ids])
+    def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> SuffixState:
+        return SuffixState(self, [int(t) for t in prompt_ids])
 
     def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> SuffixSource:
         return SuffixSource(self.open(prompt_ids, params), len(prompt_ids), self.opts.width)

@@ -11,8 +11,8 @@ bounded wait for them pays (`CostModel.wait_pays`), else it goes on without them
 A source comes from the caller (`Engine.start(..., sources=[...])`; an empty list is plain
 decoding) or, when the caller gives none, from the engine's `SourceOpener` (a drafter), one
 per sequence. This is the engine's only draft interface: drafters implement it, nothing here
-knows about drafters, and how a drafter keeps its own per-session state (the proposer's
-extend/draft sessions) is the drafter's business.
+knows about drafters, and how a drafter keeps its own per-sequence state (`DraftState`,
+what a proposer's draft session holds) is the drafter's business.
 """
 
 from __future__ import annotations

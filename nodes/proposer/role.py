@@ -6,9 +6,9 @@ expiry; the verifier pushes every commit with `session_extend` (delta + committe
 idempotent) and does not wait for drafts. Between commits the worker drafts past the last
 commit it knows, assuming its own drafts will be accepted, up to the session's horizon, and
 streams each chunk tagged with its base (that commit) and the tokens it assumed. A commit that
-disagrees with what it assumed rolls the drafter back (`DraftSession.truncate`, or a reopen)
+disagrees with what it assumed rolls the drafter back (`DraftState.truncate`, or a reopen)
 and drafting continues from the correction. With a tree width above 1 a chunk also carries the
-drafter's alternatives (`DraftSession.draft_ahead`'s further paths: a model's runners-up,
+drafter's alternatives (`DraftState.draft_ahead`'s further paths: a model's runners-up,
 the n-gram index's other continuations) and the drafter's probabilities, kept while the
 position they compete for
 is uncommitted (docs/protocol.md, "Draft trees"). Model drafters draft one token per turn, so a
@@ -42,7 +42,7 @@ from codec.structs import (
     SessionOpen,
 )
 from discovery.counters import Counters
-from nodes.drafters.base import Drafter, DraftSession, branch_points
+from nodes.drafters.base import Drafter, DraftState, branch_points
 from nodes.engine.errors import (
     GenerationError,
     OutOfSyncError,
@@ -66,7 +66,7 @@ _STRUCTS = {c.TYPE: c for c in (SessionOpen, SessionExtend, SessionClose)}
 class _Session:
     sid: str
     owner: str  # verifier node id
-    draft: DraftSession
+    draft: DraftState
     params: object  # SamplingParams, to reopen the drafter when it cannot truncate
     tokens: list[int]  # committed tokens this proposer knows (prompt + deltas)
     lease_s: float

@@ -268,7 +268,7 @@ class ProposerSource(DraftSource):
 
     def draft_class(self, committed: Sequence[int]) -> str | None:
         """The class the proposer gave the freshest chunk's first token past `committed`
-        (`DraftChunk.classes`; the drafter's `DraftSession.draft_class` when it drafted it),
+        (`DraftChunk.classes`; the drafter's `DraftState.draft_class` when it drafted it),
         if that chunk's chain extends `committed`."""
         if self.dropped:
             return None

@@ -185,7 +185,7 @@ def hf_greedy(backend, prompt_ids, max_new, eos_id):
 
 
 class Ahead:
-    """`DraftSession.draft_ahead`'s paths read back as a proposer sends them: the chain
+    """`DraftState.draft_ahead`'s paths read back as a proposer sends them: the chain
     (`ids`, `conf`) and the alternatives as `(at, tokens, conf)` branches off it."""
 
     def __init__(self, paths) -> None:

@@ -99,13 +99,13 @@ def test_the_source_names_the_length_of_the_match_it_would_continue():
 
 
 def test_a_generic_session_source_syncs_for_a_class_only_when_its_session_names_classes():
-    """`SessionSource` (a `DraftSession` as an engine source): a session naming classes is
+    """`DraftStateSource` (a `DraftState` as an engine source): a session naming classes is
     told the committed tokens to name one; one naming none (a model drafter) is not, so its
     catch-up, a forward, stays in `propose`, where the engine times it as drafting."""
-    from nodes.drafters.base import DraftSession, SessionSource
-    from nodes.drafters.ngram import NgramSession
+    from nodes.drafters.base import DraftState, DraftStateSource
+    from nodes.drafters.ngram import NgramState
 
-    class Silent(DraftSession):
+    class Silent(DraftState):
         def __init__(self):
             self.told = []
 
@@ -116,10 +116,10 @@ def test_a_generic_session_source_syncs_for_a_class_only_when_its_session_names_
             return np.zeros(0, np.int32), None
 
     silent = Silent()
-    source = SessionSource(silent, 0)
+    source = DraftStateSource(silent, 0)
     assert source.draft_class([1, 2, 3]) is None and silent.told == []
     source.propose([1, 2, 3], 2)
     assert silent.told == [1, 2, 3]
-    ngram = SessionSource(NgramSession([1, 2, 3, 9], 1, 8), 4)
+    ngram = DraftStateSource(NgramState([1, 2, 3, 9], 1, 8), 4)
     assert ngram.draft_class([1, 2, 3, 9, 2, 3]) == "m2"
     assert ngram.propose([1, 2, 3, 9, 2, 3], 2)[0].tokens.tolist() == [9, 2]

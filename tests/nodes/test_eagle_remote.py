@@ -53,7 +53,7 @@ def test_a_remote_head_drafts_from_the_verifiers_hidden_states(cluster):
     link = forced["stats"]["proposers"]["eagle-1"]
     assert link["chunks"] >= 1 and link["bad_replies"] == 0 and link["errors"] == 0
     # a head drafts only once it holds the verifier's features of every committed position
-    # (EagleSession.draft_ahead): drafted tokens prove they came, aligned, over the wire
+    # (EagleState.draft_ahead): drafted tokens prove they came, aligned, over the wire
     assert proposer.stats.draft_tokens > 0
     assert link["drafted"] > 0
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nodes.drafters.base import Drafter, DraftSession
+from nodes.drafters.base import Drafter, DraftState
 from nodes.drafters.eagle.cache import HeadCache
 from nodes.drafters.eagle.checkpoint import VerifierShape, load_head
 from nodes.drafters.eagle.head import Eagle3Head
 from nodes.drafters.eagle.quantize import quantize_head
-from nodes.drafters.eagle.session import EagleSession
+from nodes.drafters.eagle.state import EagleState
 from nodes.drafters.eagle.tree import draft_tree
 from nodes.drafters.model import MIN_ALT_CONF
 from nodes.engine.errors import BadRequestError
@@ -181,7 +181,7 @@ class EagleSource(DraftSource):
 
 class EagleDrafter(Drafter):
     """An EAGLE-3 head for torch verifiers of one model: in process it reads its verifier's
-    hidden states; behind a proposer node they come over the wire (`EagleSession`)."""
+    hidden states; behind a proposer node they come over the wire (`EagleState`)."""
 
     def __init__(self, head: Eagle3Head, layers: tuple[int, ...], fingerprint: str,
                  name: str = "eagle", tree_width: int = TREE_WIDTH) -> None:
@@ -216,10 +216,10 @@ class EagleDrafter(Drafter):
             head = quantize_head(head)
         return cls(head, layers, verifier.fingerprint)
 
-    def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftSession:
+    def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftState:
         """A proposer's session: the verifier's hidden states come with its commits."""
         source = EagleSource(self.head, self.layers, prompt_ids, SamplingParams(), 1, self.name)
-        return EagleSession(source, self.hidden_size, prompt_ids)
+        return EagleState(source, self.hidden_size, prompt_ids)
 
     def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> EagleSource:
         return EagleSource(self.head, self.layers, prompt_ids, params, self.tree_width,

@@ -18,13 +18,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from nodes.drafters.base import EMPTY_DRAFT, DraftSession, draft_paths
+from nodes.drafters.base import EMPTY_DRAFT, DraftState, draft_paths
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sources import DraftSource, Feedback
 from nodes.engine.tree import Candidate
 
 
-class EagleSession(DraftSession):
+class EagleState(DraftState):
     """One remote generation's head state (an `EagleSource` fed from the wire)."""
 
     def __init__(self, source: DraftSource, hidden_size: int, prompt: Sequence[int]) -> None:
