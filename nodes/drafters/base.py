@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from nodes.engine.sampling import SamplingParams
-from nodes.engine.sources import DraftSource, SourceOpener
+from nodes.engine.sources import DraftSource, Feedback, SourceOpener
 from nodes.engine.tree import Candidate
 
 EMPTY_DRAFT = np.zeros(0, dtype=np.int32)
@@ -72,6 +72,10 @@ def branch_points(chain: Sequence[int], paths: Sequence[Candidate]
 class DraftState(ABC):
     """A drafter's state for one sequence (on a proposer: one per draft session)."""
 
+    #: told each step's commit at `feedback` as well as at the next `propose` (the suffix
+    #: drafter: so a generation's last block is in the text its index files at `close`)
+    extends_at_feedback: bool = False
+
     @abstractmethod
     def extend(self, delta: Sequence[int]) -> None:
         """Tokens committed since the last call (or since open)."""
@@ -86,6 +90,14 @@ class DraftState(ABC):
         has any (this default: none): the engine's own draft type (`draft_paths`)."""
         ids, _probs = self.draft(k)
         return draft_paths(np.asarray(ids).reshape(-1))
+
+    def propose(self, budget: int, width: int) -> list[Candidate]:
+        """This step's draft as the engine's candidates (`DraftStateSource.propose`), after
+        everything committed: `draft`'s chain by default; a tree drafter (n-gram
+        continuations, a model's tree, the suffix planner) gives its branches, up to `width`
+        where it takes one."""
+        ids, probs = self.draft(budget)
+        return [Candidate(ids, probs)]
 
     def draft_class(self) -> str | None:
         """What kind of draft `draft` would make next from everything committed so far
@@ -143,30 +155,45 @@ class Drafter(SourceOpener):
 
 
 class DraftStateSource(DraftSource):
-    """A `DraftState` as an engine source: extend(delta) then draft(k) on each step."""
+    """A `DraftState` as an engine source, the one adapter every drafter's state goes through:
+    it tells the state what was committed since it last looked (`told`), then asks it for
+    this step's candidates (`DraftState.propose`)."""
 
-    def __init__(self, state: DraftState, told: int, *, name: str = "session") -> None:
+    def __init__(self, state: DraftState, told: int, *, name: str = "session",
+                 width: int = 1) -> None:
         self.state = state
         self.told = told  # committed tokens the state has been told about
         self.name = name
+        self.width = width
+
+    def _sync(self, committed: Sequence[int]) -> None:
+        if len(committed) > self.told:
+            self.state.extend(committed[self.told :])
+            self.told = len(committed)
 
     def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
-        delta = list(committed[self.told :])
-        self.told = len(committed)
-        self.state.extend(delta)
+        self._sync(committed)
         if budget <= 0:
             return []
-        ids, probs = self.state.draft(budget)
-        return [Candidate(ids, probs)]
+        own = getattr(self.state, "propose", None)
+        if own is None:  # a state not derived from DraftState (duck-typed): its chain
+            ids, probs = self.state.draft(budget)
+            return [Candidate(ids, probs)]
+        return own(budget, self.width)
 
     def draft_class(self, committed: Sequence[int]) -> str | None:
         if getattr(type(self.state), "draft_class",
                    DraftState.draft_class) is DraftState.draft_class:
             return None  # names none: its catch-up (a model's forward) stays in `propose`,
             # where the engine times it as drafting
-        self.state.extend(list(committed[self.told :]))
-        self.told = len(committed)
+        self._sync(committed)
         return self.state.draft_class()
+
+    def feedback(self, fb: Feedback) -> None:
+        if (getattr(self.state, "extends_at_feedback", False) and fb.committed
+                and self.told + len(fb.committed) == fb.committed_len):
+            self.state.extend(fb.committed)
+            self.told = fb.committed_len
 
     def close(self) -> None:
         self.state.close()

@@ -3,7 +3,7 @@
 The session remembers which ids its cache holds; on `draft` it crops back to the longest prefix
 shared with the committed tokens (accepted drafts stay cached) and feeds only the new ones.
 
-As a tree source (`ModelTreeSource`, torch drafters) it drafts EAGLE-2 style: each level is one
+As a tree source (`ModelState.propose` through `DraftStateSource`, torch drafters) it drafts EAGLE-2 style: each level is one
 tree forward of the draft model over the tree so far; every expanded node offers its top-`width`
 children scored by cumulative draft probability, and the best-scoring candidates anywhere in
 the tree (not only under the best node) are added until the node budget is spent. Where the
@@ -21,9 +21,8 @@ from typing import Any
 import numpy as np
 
 from nodes.backends.base import Backend
-from nodes.drafters.base import Drafter, DraftState, draft_paths
+from nodes.drafters.base import Drafter, DraftState, DraftStateSource, draft_paths
 from nodes.engine.sampling import SamplingParams, probs_from_logits, sample
-from nodes.engine.sources import DraftSource
 from nodes.engine.tree import Candidate
 
 #: children offered per expanded node; 1 drafts a plain chain
@@ -133,6 +132,12 @@ class ModelState(DraftState):
         self.cache = None
         self.cached = []
 
+    def propose(self, budget: int, width: int) -> list[Candidate]:
+        if width <= 1 or not self.backend.supports_tree:
+            ids, probs = self.draft(budget)
+            return [Candidate(ids, probs)]
+        return self.draft_tree(budget, width)
+
     def draft_tree(self, budget: int, width: int) -> list[Candidate]:
         """Up to `budget` tree nodes as root-to-leaf candidates, likeliest leaf first."""
         keep = self._common_prefix()
@@ -195,27 +200,6 @@ def leaf_candidates(toks: Sequence[int], parents: Sequence[int], score: Sequence
     return out
 
 
-class ModelTreeSource(DraftSource):
-    """A model session as a tree source; a chain where the backend has no tree forward."""
-
-    def __init__(self, session: ModelState, told: int, width: int, name: str) -> None:
-        self.session, self.told, self.width, self.name = session, told, width, name
-
-    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
-        s = self.session
-        s.extend(committed[self.told :])
-        self.told = len(committed)
-        if budget <= 0:
-            return []
-        if self.width <= 1 or not s.backend.supports_tree:
-            ids, probs = s.draft(budget)
-            return [Candidate(ids, probs)]
-        return s.draft_tree(budget, self.width)
-
-    def close(self) -> None:
-        self.session.close()
-
-
 class ModelDrafter(Drafter):
     """Drafts with a (smaller or cheaper) model sharing the verifier's tokenizer.
 
@@ -236,6 +220,9 @@ class ModelDrafter(Drafter):
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> ModelState:
         return ModelState(self.backend, prompt_ids, params)
 
-    def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> ModelTreeSource:
-        return ModelTreeSource(self.open(prompt_ids, params), len(prompt_ids), self.tree_width,
-                               self.name)
+    def open_source(self, prompt_ids: Sequence[int],
+                    params: SamplingParams) -> DraftStateSource:
+        """A tree source (`ModelState.propose`); a chain where the backend has no tree
+        forward."""
+        return DraftStateSource(self.open(prompt_ids, params), len(prompt_ids), name=self.name,
+                                width=self.tree_width)

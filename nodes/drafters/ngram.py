@@ -2,7 +2,7 @@
 
 Model-free and nearly free to run, so it pays off whenever the output copies the input (code
 edits, extraction, quoting). Longest suffix first (max_n down to min_n). As a chain (`draft`) it
-follows the most recent occurrence; as a tree source (`NgramSource`) it proposes the distinct
+follows the most recent occurrence; as a tree source (`NgramState.propose`) it proposes the distinct
 continuations of every earlier occurrence of the matched suffix, most recent first, so the
 verifier picks the one the text actually takes.
 """
@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftState, draft_paths
+from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftState, DraftStateSource, draft_paths
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
-from nodes.engine.sources import DraftSource, match_class
+from nodes.engine.sources import match_class
 from nodes.engine.tree import Candidate
 
 #: earlier occurrences looked at per tree proposal (most recent first): bounds the work per step
@@ -97,6 +97,10 @@ class NgramState(DraftState):
                 branches.append((at, tuple(cont[at:]), None))
         return draft_paths(chain, None, branches)
 
+    def propose(self, budget: int, width: int) -> list[Candidate]:
+        """Several continuations per step (up to `branches`), deterministic."""
+        return [Candidate(np.asarray(c, dtype=np.int64)) for c in self.continuations(budget)]
+
     def continuations(self, k: int, limit: int | None = None) -> list[list[int]]:
         """Distinct continuations (up to k tokens) of the earlier occurrences of the longest
         matched suffix, most recent first, then of shorter suffixes (down to ALT_MIN_N) as
@@ -119,29 +123,6 @@ class NgramState(DraftState):
                 if len(out) >= limit:
                     return out
         return out
-
-
-class NgramSource(DraftSource):
-    """The n-gram index as a tree source: several continuations per step, deterministic."""
-
-    name = "ngram"
-
-    def __init__(self, session: NgramState, told: int) -> None:
-        self.session = session
-        self.told = told
-
-    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
-        self._sync(committed)
-        return [Candidate(np.asarray(c, dtype=np.int64)) for c in
-                self.session.continuations(budget)]
-
-    def draft_class(self, committed: Sequence[int]) -> str | None:
-        self._sync(committed)
-        return self.session.draft_class()
-
-    def _sync(self, committed: Sequence[int]) -> None:
-        self.session.extend(committed[self.told :])
-        self.told = len(committed)
 
 
 class NgramDrafter(Drafter):
@@ -169,5 +150,6 @@ class NgramDrafter(Drafter):
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> NgramState:
         return NgramState(prompt_ids, self.min_n, self.max_n, self.branches)
 
-    def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> NgramSource:
-        return NgramSource(self.open(prompt_ids, params), len(prompt_ids))
+    def open_source(self, prompt_ids: Sequence[int],
+                    params: SamplingParams) -> DraftStateSource:
+        return DraftStateSource(self.open(prompt_ids, params), len(prompt_ids), name="ngram")

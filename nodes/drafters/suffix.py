@@ -50,11 +50,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftState, draft_paths
+from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftState, DraftStateSource, draft_paths
 from nodes.drafters.suffix_index import MAX_MATCH, START, GlobalIndex, LocalIndex, Match
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
-from nodes.engine.sources import DraftSource, Feedback, match_class
+from nodes.engine.sources import match_class
 from nodes.engine.tree import Candidate
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,9 @@ def _children(group, d: int) -> dict[int, list]:
 
 
 class SuffixState(DraftState):
-    """A session's local index and its view of the drafter's global one."""
+    """A sequence's local index and its view of the drafter's global one."""
+
+    extends_at_feedback = True  # so the last block is in the text `close` files
 
     def __init__(self, drafter: SuffixDrafter, prompt_ids: Sequence[int]) -> None:
         self.drafter = drafter
@@ -345,6 +347,10 @@ class SuffixState(DraftState):
         tree = self.plan(k, width)
         return draft_paths(tree.chain, tree.conf, tree.branches)
 
+    def propose(self, budget: int, width: int) -> list[Candidate]:
+        """The chain and each alternative, with their empirical probabilities."""
+        return self.draft_ahead(budget, width)
+
     def close(self) -> None:
         """Give the finished text to the global index (once)."""
         if self.closed:
@@ -356,50 +362,6 @@ class SuffixState(DraftState):
                                   self.prompt_hash):
             log.debug("suffix index: +%d output tokens, %s", len(self.local.tokens)
                       - self.prompt_len, self.drafter.index.stats())
-
-
-class SuffixSource(DraftSource):
-    """The session as the engine's tree source: the chain and each alternative as candidates
-    with their empirical probabilities. It learns each step's commit from `feedback`, so the
-    last block is in the text the global index receives at `close`."""
-
-    name = "suffix"
-
-    def __init__(self, session: SuffixState, told: int, width: int) -> None:
-        self.session = session
-        self.told = told
-        self.width = width
-
-    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
-        self._sync(committed)
-        if budget <= 0:
-            return []
-        tree = self.session.plan(budget, self.width)
-        if not tree.chain:
-            return []
-        out = [Candidate(np.asarray(tree.chain, dtype=np.int64),
-                         conf=np.asarray(tree.conf, dtype=np.float64))]
-        for at, toks, conf in tree.branches:
-            out.append(Candidate(np.asarray(tree.chain[:at] + toks, dtype=np.int64),
-                                 conf=np.asarray(tree.conf[:at] + conf, dtype=np.float64)))
-        return out
-
-    def draft_class(self, committed: Sequence[int]) -> str | None:
-        self._sync(committed)
-        return self.session.draft_class()
-
-    def _sync(self, committed: Sequence[int]) -> None:
-        if len(committed) > self.told:
-            self.session.extend(committed[self.told :])
-            self.told = len(committed)
-
-    def feedback(self, fb: Feedback) -> None:
-        if fb.committed and self.told + len(fb.committed) == fb.committed_len:
-            self.session.extend(fb.committed)
-            self.told = fb.committed_len
-
-    def close(self) -> None:
-        self.session.close()
 
 
 class SuffixDrafter(Drafter):
@@ -422,5 +384,7 @@ class SuffixDrafter(Drafter):
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> SuffixState:
         return SuffixState(self, [int(t) for t in prompt_ids])
 
-    def open_source(self, prompt_ids: Sequence[int], params: SamplingParams) -> SuffixSource:
-        return SuffixSource(self.open(prompt_ids, params), len(prompt_ids), self.opts.width)
+    def open_source(self, prompt_ids: Sequence[int],
+                    params: SamplingParams) -> DraftStateSource:
+        return DraftStateSource(self.open(prompt_ids, params), len(prompt_ids), name="suffix",
+                                width=self.opts.width)
