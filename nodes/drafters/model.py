@@ -1,14 +1,14 @@
 """A small causal LM as drafter, with its own KV cache rolled back when drafts are rejected.
 
-The session remembers which ids its cache holds; on `draft` it crops back to the longest prefix
+The state remembers which ids its cache holds; on `draft` it crops back to the longest prefix
 shared with the committed tokens (accepted drafts stay cached) and feeds only the new ones.
 
-As a tree source (`ModelState.propose` through `DraftStateSource`, torch drafters) it drafts EAGLE-2 style: each level is one
-tree forward of the draft model over the tree so far; every expanded node offers its top-`width`
-children scored by cumulative draft probability, and the best-scoring candidates anywhere in
-the tree (not only under the best node) are added until the node budget is spent. Where the
-drafter is sure the tree is nearly a chain; where it is unsure it branches. Tree tokens are
-deterministic proposals (point masses), which multi-candidate rejection sampling accepts
+As a tree source (`ModelState.propose` through `DraftStateSource`, torch drafters) it drafts EAGLE-2
+style: each level is one tree forward of the draft model over the tree so far; every expanded node
+offers its top-`width` children scored by cumulative draft probability, and the best-scoring
+candidates anywhere in the tree (not only under the best node) are added until the node budget is
+spent. Where the drafter is sure the tree is nearly a chain; where it is unsure it branches. Tree
+tokens are deterministic proposals (point masses), which multi-candidate rejection sampling accepts
 losslessly.
 """
 

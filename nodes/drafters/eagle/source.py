@@ -21,9 +21,9 @@ import torch
 from nodes.drafters.base import Drafter, DraftState
 from nodes.drafters.eagle.cache import HeadCache
 from nodes.drafters.eagle.checkpoint import VerifierShape, load_head
+from nodes.drafters.eagle.draft_state import EagleState
 from nodes.drafters.eagle.head import Eagle3Head
 from nodes.drafters.eagle.quantize import quantize_head
-from nodes.drafters.eagle.state import EagleState
 from nodes.drafters.eagle.tree import draft_tree
 from nodes.drafters.model import MIN_ALT_CONF
 from nodes.engine.errors import BadRequestError
