@@ -143,6 +143,9 @@ class CostModel:
     #: the longest probe: a probe's draft length is the k that would pay best if the source
     #: were as good as the prior (`probe_length`), at most this
     probe_k: int = 6
+    #: the most of the verifier's time probing one source may take: a probe waits at most
+    #: this share of the plain steps between two probes (`probe_wait`)
+    probe_share: float = 0.03
     _verify: dict[int, float] = field(default_factory=dict)  # fed tokens -> EMA seconds
     #: rows fed by a batched forward (several sequences) -> EMA seconds; shared by forks
     _batch: dict[int, float] = field(default_factory=dict)
@@ -399,6 +402,16 @@ class CostModel:
         best = max(range(1, max(1, min(self.max_k, self.probe_k)) + 1),
                    key=lambda k: (1 - a ** (k + 1)) / (1 - a) / self.verify_cost(k + 1))
         return best
+
+    def probe_wait(self, name: str = POOLED) -> float:
+        """The longest a probe of `name` may wait for its drafts: `probe_share` of the plain
+        steps since its last probe, so a source no wait pays for costs the verifier at most
+        that share of its time however slow it is. Why: a probe used to wait twice its
+        announcement, and next to a 7 ms quantized verifier an int8 proposer announcing tens
+        of milliseconds took every 8-32 steps back (0.55-0.68x plain, 2026-11-28). A source
+        slower than that cap is judged only on drafts that arrive in time on their own."""
+        est = self._source(name)
+        return self.probe_share * est.probe_interval * self.verify_cost(1)
 
     def wait_pays(self, name: str, k: int, wait_s: float) -> bool:
         """Whether waiting `wait_s` for k of `name`'s drafts beats a plain step now: expected

@@ -220,15 +220,20 @@ class DraftPlanner:
         A source being probed is waited for even when the wait does not pay on its current
         estimate: a remote proposer no faster than the verifier's plain step is never ahead of
         it, so without a wait its drafts never arrive in time to be judged and its estimate
-        (the prior, at first) never moves. Probes back off while they fail, so a useless
-        source costs a bounded wait every 8-32 steps."""
+        (the prior, at first) never moves. Probes back off while they fail, and a probe's wait
+        is capped at its share of the verifier's time (`CostModel.probe_wait`), so a useless
+        or slow source costs at most that share."""
         ranked = sorted(seq.slots, key=lambda s: -seq.cost.acceptance_of(s.key))
         for slot in ranked:
             k = min(slot.budget, cap)
             wait = slot.source.expected_wait() if k > 0 else None
-            if wait is None or not (seq.cost.wait_pays(slot.key, k, wait)
-                                    or seq.cost.probing(slot.key)):
+            if wait is None:
                 continue
+            if not seq.cost.wait_pays(slot.key, k, wait):
+                if not seq.cost.probing(slot.key):
+                    continue
+                # a probe: bounded by its share of the verifier's time, not the announcement
+                wait = min(wait, max(0.0, (seq.cost.probe_wait(slot.key) - 0.001) / 2))
             return self._wait_then_propose(seq, slot, committed, k, wait) or []
         return []
 

@@ -437,6 +437,36 @@ def test_a_probe_waits_for_a_source_no_wait_pays_for(tiny_torch, prompt_ids, rig
         assert stats.accepted == 0 and slow.waits <= 3
 
 
+class SlowTimed(Slow):
+    """Slow, recording how long each wait was allowed to block."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.timeouts = []
+
+    def wait(self, timeout):
+        self.timeouts.append(timeout)
+        return super().wait(timeout)
+
+
+def test_a_probes_wait_is_capped_at_its_share_of_the_verifiers_time(tiny_torch, prompt_ids):
+    """A source announcing 5 s is probed with waits of at most `probe_share` of the plain
+    steps between probes (not twice the announcement): a slow proposer costs a bounded share
+    of the verifier's time however slow it is."""
+    engine = Engine(tiny_torch)
+    engine.cost = PinnedCost(max_k=engine.max_draft)
+    n = 64
+    reference = hf_greedy(tiny_torch, prompt_ids, n, eos_id=49151)
+    slow = SlowTimed("slow", prompt_ids + reference, tiny_torch.vocab_size, right=False)
+    params = GenerationParams(max_tokens=n, eos_token_ids=EOS_NONE)
+    out, stats = run(engine, prompt_ids, params, sources=[slow])
+    assert out == reference[:n]
+    cost = engine.cost
+    cap = cost.probe_share * cost.max_probe_every * cost.verify_cost(1)
+    assert slow.timeouts and max(slow.timeouts) <= cap + 1e-9
+    assert cap < 0.1  # 3 % of 32 steps of 56 ms: 54 ms, against 10 s before
+
+
 class RunsOut(Late):
     """A remote-like source whose drafts for the last commit are due in a millisecond, while
     what it has now (its older guess) runs out two tokens past the prefix."""
