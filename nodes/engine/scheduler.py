@@ -229,11 +229,17 @@ class Scheduler:
         tokens and the positions its cache covers after this step) that shares at least
         `prefix_defer_rows` more positions with it than it already has: next step it copies
         them (`_reuse_prefix`) instead of computing them again beside it. Why: requests with
-        one long system prompt or tool schema (an agent's parallel calls) arrive together."""
+        one long system prompt or tool schema (an agent's parallel calls) arrive together.
+        A shorter prompt waits too when the batch-mate computes all of it but its last
+        position (and at least the prefix cache's `min_reuse`): the n choices of one request
+        (`n` > 1) then share ONE prefill, each of the others feeding only its last position."""
         prompt = as_ids(seq.prompt)
+        whole = len(prompt) - 1 - seq.reused  # all a prefix can give it
+        want = min(self.prefix_defer_rows, whole)
         for tokens, covered in feeding:
             shared = common_prefix(as_ids(tokens), prompt, min(covered, len(prompt) - 1))
-            if shared >= seq.reused + self.prefix_defer_rows:
+            if want > 0 and shared >= seq.reused + want \
+                    and shared >= self.prefix_cache.min_reuse:
                 return True
         return False
 

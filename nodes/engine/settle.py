@@ -114,6 +114,10 @@ class Settler:
             stats.spec_blocks += 1
             stats.drafted += tree.drafted
             stats.accepted += len(path)
+            per_pos = stats.accepted_per_pos
+            per_pos.extend([0] * (len(path) - len(per_pos)))
+            for depth in range(len(path)):
+                per_pos[depth] += 1
         else:
             stats.plain_steps += 1
         return replace(self._commit(seq, new, drafted=tree.drafted, accepted=len(path),

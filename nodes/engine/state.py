@@ -91,6 +91,9 @@ class Stats:
     k_hist: dict[int, int] = field(default_factory=dict)
     #: prompt positions taken from the prefix cache instead of prefilled (`PrefixCache`)
     reused: int = 0
+    #: [i]: speculative blocks whose draft token at depth i (0: the first) was accepted; vLLM's
+    #: `spec_decode_num_accepted_tokens_per_pos` (sum == `accepted`)
+    accepted_per_pos: list[int] = field(default_factory=list)
 
     @property
     def acceptance(self) -> float:
@@ -118,6 +121,7 @@ class Stats:
             "waits": self.waits,
             "waited_s": self.waited_s,
             "reused": self.reused,
+            "accepted_per_pos": list(self.accepted_per_pos),
         }
 
 

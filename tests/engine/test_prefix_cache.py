@@ -165,6 +165,29 @@ def test_prompts_arriving_together_compute_a_shared_prefix_once(tiny_torch, long
     assert list(seqs[1].generated) == _out(plain, second)
 
 
+def test_n_identical_prompts_share_one_prefill(tiny_torch, long_prompt):
+    """The n choices of one request (issue 47, `n` > 1): three copies of a prompt shorter than
+    `prefix_defer_rows` arriving together: the first is prefilled, the other two wait one
+    step and copy all but its last position, so the prompt's positions are computed once
+    (30 + 1 + 1 rows fed, not 3 x 30); outputs unchanged."""
+    b = tiny_torch
+    engine = Engine(b, None, prefix_cache=PrefixCache(b, BIG, min_reuse=4))
+    assert len(long_prompt) < engine.prefix_defer_rows
+    seqs = [engine.start(long_prompt, PARAMS, sources=[]) for _ in range(3)]
+    prompt_rows = 0
+    blocks = engine.step_batch(seqs)
+    assert [blk.fed for blk in blocks] == [len(long_prompt), 0, 0]
+    prompt_rows += blocks[0].fed
+    blocks = engine.step_batch(seqs)
+    assert [s.reused for s in seqs] == [0, len(long_prompt) - 1, len(long_prompt) - 1]
+    assert [blk.fed for blk in blocks[1:]] == [1, 1]  # each its last prompt position
+    prompt_rows += sum(blk.fed for blk in blocks[1:])
+    assert prompt_rows == len(long_prompt) + 2
+    _step_together(engine, seqs)
+    want = _out(Engine(b, None), long_prompt)
+    assert [list(s.generated) for s in seqs] == [want] * 3
+
+
 def test_chunked_prefill_goes_on_from_the_reused_prefix(tiny_torch, long_prompt):
     b = tiny_torch
     engine = Engine(b, None, prefill_chunk=8, prefix_cache=PrefixCache(b, BIG, min_reuse=4))
