@@ -110,6 +110,9 @@ class Roles:
                 "rows": v.stats.rows, "committed": v.stats.committed,
                 "reused": v.stats.reused,
                 "acceptance": round(v.stats.last_acceptance, 4),
+                # cumulative since it started, every client's (issue 47)
+                "drafted": v.stats.drafted, "accepted": v.stats.accepted,
+                "acceptance_cumulative": round(v.stats.acceptance_cumulative, 4),
                 **v.admission.snapshot(),  # rejected_busy, orphans_dropped (I/O thread)
                 "proposers": dict(v.proposer_snapshot),
             }

@@ -269,7 +269,11 @@ def role_lines(view: ClusterView) -> tuple[list[str], list[str], list[str]]:
             if "max_batch" in v:
                 verifiers.append(batch_line(v, ns.batch, ns.batch_window_s))
                 reused = v.get("reused")
+                cumulative = v.get("acceptance_cumulative")
                 verifiers.append(f"  total: steps {v.get('steps', 0)}" + (
+                    f"  accept {cumulative:4.2f} of {v.get('drafted', 0)} drafted"
+                    if isinstance(cumulative, (int, float)) and not isinstance(cumulative, bool)
+                    else "") + (
                     f"  prompt reused {reused}" if isinstance(reused, int) and not isinstance(
                         reused, bool) and reused > 0 else ""))
             links = v.get("proposers")
@@ -286,7 +290,10 @@ def role_lines(view: ClusterView) -> tuple[list[str], list[str], list[str]]:
             drafter = printable(card_drafter(m.card) or "-", 24)
             proposers.append(
                 f"{name:16} drafter {drafter:24}  now {p.get('sessions_open', 0):3} sessions  "
-                f"total {p.get('drafts_served', 0):7} chunks")
+                f"total {p.get('drafts_served', 0):7} chunks" + (
+                    f"  accept {p['acceptance_cumulative']:4.2f} (commits confirmed)"
+                    if isinstance(p.get("acceptance_cumulative"), (int, float))
+                    and not isinstance(p.get("acceptance_cumulative"), bool) else ""))
             proposers.append(
                 f"   {'':16} {window_text(ns.draft_window_s)}: drafted {rate_text(rate, 7)} "
                 f"tok/s {sparkline(ns.draft_tok_s, SPARK_WIDTH)}")

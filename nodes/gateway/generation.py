@@ -152,6 +152,7 @@ class Generation:
                          "drafted": drafted, "accepted": accepted, "proposers": proposers,
                          "verifier": verifier, "verifiers": list(done.verifiers),
                          "failovers": done.failovers,
+                         "cached_tokens": _int(stats.get("cached_tokens")),
                      }, logprobs=done.logprobs)
 
 

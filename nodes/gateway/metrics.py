@@ -277,7 +277,14 @@ class GatewayMetrics:
                 ("committed", "committed",
                  "Tokens those steps committed; committed / stepped per forward per sequence"),
                 ("prompt_reused", "reused",
-                 "Prompt positions started from its prefix cache instead of prefilled")):
+                 "Prompt positions started from its prefix cache instead of prefilled"),
+                ("acceptance_cumulative_all_clients", "acceptance_cumulative",
+                 "Cumulative: accepted / drafted tokens over every generation the verifier "
+                 "served since it started, any client's (verifier telemetry)"),
+                ("drafted_all_clients", "drafted", "Cumulative: draft tokens the verifier "
+                 "verified since it started, any client's (verifier telemetry)"),
+                ("accepted_all_clients", "accepted", "Cumulative: draft tokens the verifier "
+                 "accepted since it started, any client's (verifier telemetry)")):
             samples = []
             for i in names:  # alive ones only: a dead verifier's last report is stale
                 v = (self.telemetry.get(i) or {}).get("verifier")
@@ -305,6 +312,22 @@ class GatewayMetrics:
                      "Accepted / drafted tokens over every generation served via this gateway",
                      vlabels, [(vl(i), _ratio(self.per_verifier[i])) for i in ids
                                if i in self.per_verifier])
+        # what each verifier knows of each proposer since it started (its links), any client's
+        samples = []
+        for i in names:
+            v = (self.telemetry.get(i) or {}).get("verifier")
+            links = v.get("proposers") if isinstance(v, dict) else None
+            if not isinstance(links, dict):
+                continue
+            for pid, link in list(links.items())[:64]:
+                n = _num(link.get("acceptance")) if isinstance(link, dict) else None
+                if n is not None:
+                    name = link.get("name") if isinstance(link.get("name"), str) else ""
+                    samples.append(((i, str(pid), name[:100]), n))
+        yield family("specbus_proposer_acceptance_cumulative_at_verifier", "gauge",
+                     "Cumulative: accepted / verified tokens of the proposer's drafts over every "
+                     "generation the verifier served since it started, any client's (verifier "
+                     "telemetry)", ("verifier", "proposer", "name"), samples)
         pids = sorted(self.per_proposer)
         yield family("specbus_proposer_acceptance_cumulative", "gauge",
                      "Accepted / drafted tokens of the proposer's drafts over every generation "
@@ -322,13 +345,16 @@ class GatewayMetrics:
             p = stats.get("proposer")
             if not isinstance(p, dict):
                 continue
-            for key in ("draft_tokens", "drafts_served", "sessions_open"):
+            for key in ("draft_tokens", "drafts_served", "sessions_open", "confirmed",
+                        "acceptance_cumulative"):
                 n = _num(p.get(key))
                 if n is not None:
                     samples.append(((node_id, key), n))
         yield family("specbus_proposer_telemetry", "gauge",
                      "Proposer figures from its telemetry (draft_tokens, drafts_served, "
-                     "sessions_open)", ("proposer", "figure"), samples)
+                     "sessions_open; cumulative since it started: confirmed, drafted tokens "
+                     "its verifiers' commits confirmed, and acceptance_cumulative = confirmed "
+                     "/ draft_tokens)", ("proposer", "figure"), samples)
 
 
     def _vllm_families(self):

@@ -105,6 +105,9 @@ class ProposerStats:
     draft_tokens: int = 0  # tokens drafted (new ones, not resent assumed ones)
     draft_s: float = 0.0
     rollbacks: int = 0  # commits that disagreed with what was assumed
+    #: drafted tokens that the verifier's commits then confirmed (cumulative, every verifier's):
+    #: the proposer's own view of its acceptance, `confirmed / draft_tokens`
+    confirmed: int = 0
     cancelled: int = 0  # sessions whose stream the verifier cancelled
     errors: int = 0
     by_verifier: dict[str, int] = field(default_factory=dict)
@@ -119,6 +122,9 @@ class ProposerStats:
             "draft_tokens": self.draft_tokens,
             "draft_tok_s": self.draft_tokens / self.draft_s if self.draft_s else 0.0,
             "rollbacks": self.rollbacks,
+            "confirmed": self.confirmed,
+            "acceptance_cumulative": round(min(1.0, self.confirmed / self.draft_tokens), 4)
+            if self.draft_tokens else 0.0,
             "errors": self.errors,
             "refused": dict(self.refused),
         }
@@ -346,6 +352,7 @@ class ProposerRole:
         while n < len(new) and n < len(s.assumed) and new[n] == s.assumed[n]:
             n += 1
         s.tokens.extend(new)
+        self.stats.confirmed += n
         if n == len(new):
             s.assumed = s.assumed[n:]  # the drafter holds these already
             s.assumed_conf = s.assumed_conf[n:]

@@ -82,6 +82,15 @@ class VerifierStats:
     committed: int = 0
     #: prompt positions started from the prefix cache instead of prefilled
     reused: int = 0
+    #: cumulative over every generation it served, any client's (issue 47): draft tokens
+    #: verified, accepted, and accepted per draft depth (vLLM's per-position counter)
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_cumulative(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
 
 
 @dataclass
@@ -418,6 +427,7 @@ class VerifierRole:
             "mean_accepted_len": round(stats.mean_accepted_len, 4),
             "drafted": stats.drafted,
             "accepted": stats.accepted,
+            "accepted_per_pos": list(stats.accepted_per_pos),
             "blocks": stats.blocks,
             "spec_blocks": stats.spec_blocks,
             "plain_steps": stats.plain_steps,
@@ -568,6 +578,12 @@ class VerifierRole:
         s.busy_s += elapsed
         s.last_tok_s = len(generated) / elapsed if elapsed > 0 else 0.0
         s.last_acceptance = stats.acceptance
+        s.drafted += stats.drafted
+        s.accepted += stats.accepted
+        per_pos = s.accepted_per_pos
+        per_pos.extend([0] * (len(stats.accepted_per_pos) - len(per_pos)))
+        for depth, n in enumerate(stats.accepted_per_pos):
+            per_pos[depth] += n
 
 
 def per_connection(max_batch: int, limits: AdmissionLimits) -> int:

@@ -82,6 +82,10 @@ def test_commits_confirm_or_roll_back_and_are_idempotent(host, proposer):
     got = chunk_at(call, n + 3).tensors[0].tolist()
     assert got == [] or got[0] != 6  # "... 8 9" was never seen before 9: nothing to copy
     assert proposer.stats.rollbacks == 1
+    # its own cumulative acceptance (issue 47): 7 8 confirmed (once), 9 was not its draft
+    assert proposer.stats.confirmed == 2
+    figures = proposer.stats.as_dict()
+    assert figures["acceptance_cumulative"] == round(2 / proposer.stats.draft_tokens, 4)
     # a delta starting past what the session has: tokens are missing
     with pytest.raises(RemoteError) as info:
         commit(host, "s1", n + 10, [1])

@@ -162,3 +162,18 @@ def test_batch_figures_render_from_a_real_verifier_telemetry_snapshot(tiny_backe
                     f"rows/forward {v['rows'] / v['steps']:6.1f}  tokens/forward/seq "
                     f"{v['committed'] / v['stepped']:5.2f} (since start)")
     assert line in render_text(view)  # the `--once` snapshot; the TUI shows role_lines too
+
+
+def test_the_totals_line_shows_the_verifiers_cumulative_acceptance():
+    """Issue 47: the verifier's own running acceptance (every client's, since it started),
+    on the `total:` line, beside the last generation's on its first line."""
+    from tools.monitor_view import ClusterView, role_lines
+
+    view = ClusterView()
+    view.refresh([_member("v" * 12, "v", ("verifier",))])
+    stats = _verifier_stats(10, 20, 60, 30)
+    stats["verifier"].update(acceptance=0.0, acceptance_cumulative=0.56, drafted=400)
+    view.on_stats("v" * 12, stats)
+    lines = role_lines(view)[0]
+    assert "accept 0.00" in lines[0]
+    assert lines[2].endswith("total: steps 10  accept 0.56 of 400 drafted")
