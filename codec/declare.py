@@ -336,8 +336,14 @@ class Record:
     _SLOTS: ClassVar[tuple[_Slot, ...]]
 
     def check(self, prefix: str = "") -> None:
-        """Every field's bounds; a BadRequest names the field after `prefix`."""
+        """Every field's bounds; a BadRequest names the field after `prefix`. A record is
+        frozen, so one that passed is not checked again: settings checked where they entered
+        (the gateway's HTTP parse, the CLI, a received message) travel on to the engine
+        without a second range check (`dataclasses.replace` makes a new one, checked anew)."""
+        if self.__dict__.get("_checked"):
+            return
         _run_checks(self, self._SLOTS, prefix, store=False)
+        object.__setattr__(self, "_checked", True)
 
     @classmethod
     def from_fields(cls, fields: Any) -> Any:

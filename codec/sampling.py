@@ -2,10 +2,13 @@
 
 The CLI, the cluster client, the gateway, the wire (`generate_req` carries them flat,
 `session_open` as a `sampling` map) and the engine all hold this one type, so nothing converts
-between sampling types and there is one range check: `check()`. It runs where settings enter
-the system: a message built or received (`codec.structs`), the gateway's parse, the engine's
-`GenerationParams.validate` (which reports it as the engine's own `BadRequestError`).
-Construction does not check, so the engine's own defaults cost nothing.
+between sampling types and there is one range check: `check()`. It is called where settings
+enter the system: a message built or received (`codec.structs`), the gateway's parse, the
+engine's `GenerationParams.validate` (which reports it as the engine's own `BadRequestError`);
+it runs once per record (`Record.check`: frozen, a record that passed is not checked again),
+so an HTTP request's settings are range-checked once in the gateway and once where the wire
+enters the verifier (issue 44; `tests/codec/test_params_path.py`). Construction does not
+check, so the engine's own defaults cost nothing. A seed is drawn in one place: `seeded()`.
 
 The logit controls after `seed` (`min_p`, the penalties, `logit_bias`) default to None ("off")
 and are left off the wire when off, so every message without them keeps its bytes. What they
@@ -15,8 +18,10 @@ do is `nodes/engine/sampling.py`'s (`adjust_logits`, `probs_from_logits`).
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Mapping
 from dataclasses import MISSING as _MISSING
+from dataclasses import replace
 from typing import Any
 
 from codec.declare import Record, Wire, _field, integer, number, record
@@ -115,6 +120,17 @@ class SamplingParams(Record):
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    def seeded(self) -> SamplingParams:
+        """These settings with a seed drawn when they sample without one: the one place a
+        seed is drawn (the engine's noise key, `GenerationParams.seeded`; the gateway's base
+        seed of n choices). A drawn seed is in range, so settings already checked stay so."""
+        if self.greedy or self.seed is not None:
+            return self
+        out = replace(self, seed=secrets.randbelow(MAX_SEED + 1))
+        if self.__dict__.get("_checked"):
+            object.__setattr__(out, "_checked", True)
+        return out
 
     @property
     def adjusts_logits(self) -> bool:

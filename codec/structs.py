@@ -31,6 +31,9 @@ from codec.schema import INT, LIST, MAP, STR
 
 DEFAULT_MAX_TOKENS = 128
 MAX_TOKENS = 1 << 20  # absurd beyond this whatever the model; nodes apply their context too
+#: the generation length served, whatever the context (bounds one request's work): the verifier
+#: refuses more (`nodes.node_common.requests`), the gateway's `max_tokens` range ends here
+MAX_TOKENS_LIMIT = 4096
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_PROPOSERS = 64

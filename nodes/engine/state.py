@@ -11,8 +11,6 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
 from nodes.engine.cost import CostModel
 from nodes.engine.errors import BadRequestError
 from nodes.engine.grammar import Constraint, GrammarMatcher
@@ -52,11 +50,8 @@ class GenerationParams:
         """These params with a seed drawn when they sample without one: the sequence's noise
         key, which the sources opened for it see too (a drafter drawing with the verifier's
         noise agrees with it: `sampling.position_noise`)."""
-        sp = self.sampling
-        if sp.greedy or sp.seed is not None:
-            return self
-        return replace(self, sampling=replace(
-            sp, seed=int(np.random.default_rng().integers(2**63))))
+        sp = self.sampling.seeded()  # drawn there, the one place a seed is drawn
+        return self if sp is self.sampling else replace(self, sampling=sp)
 
 
 @dataclass

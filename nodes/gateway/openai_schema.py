@@ -12,16 +12,15 @@ from __future__ import annotations
 import json
 import math
 import re
-import secrets
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from codec.errors import BadRequest
 from codec.sampling import SamplingParams, logit_bias_pairs
+from codec.structs import MAX_TOKENS_LIMIT  # the verifier's own limit, declared once there
 from nodes.gateway.errors import ApiError, bad, unsupported  # noqa: F401 - ApiError re-exported
 from nodes.gateway.openai_logprobs import MAX_CHAT_TOP, MAX_COMPLETION_TOP
 
-MAX_TOKENS_LIMIT = 4096  # the verifier's own limit (nodes/verifier/role.py)
 DEFAULT_MAX_TOKENS_COMPLETION = 16  # OpenAI's default for /v1/completions
 DEFAULT_MAX_TOKENS_CHAT = 256  # OpenAI has none; ours keeps an unbounded chat bounded
 MAX_STOP = 4
@@ -189,8 +188,8 @@ def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
     stream = _bool(body, "stream", False)
     include_usage = _stream_options(body.get("stream_options"), stream)
     n = _int(body, "n", 1, 1, MAX_N)
-    if n > 1 and not sampling.greedy and sampling.seed is None:  # the choices' seeds' base
-        sampling = replace(sampling, seed=secrets.randbelow(2**63))
+    if n > 1:  # the choices' seeds' base (drawn when sampling without one)
+        sampling = sampling.seeded()
     common = dict(model=model, max_tokens=max_tokens, sampling=sampling, n=n,
                   stop=_stop(body.get("stop")), stream=stream,
                   include_usage=include_usage, extra=_extension(body.get("specbus")),
@@ -257,16 +256,23 @@ def _sampling(body: dict) -> SamplingParams:
         if top_k is not None and top_k < 0:
             top_k = 0 if top_k == -1 else top_k  # -1: off, as vLLM and llama.cpp read it
         sampling = SamplingParams(
-            temperature=_number(body, "temperature", 1.0, 0.0, OPENAI_MAX_TEMPERATURE),
-            top_p=_number(body, "top_p", 1.0), top_k=top_k, seed=_int(body, "seed", None),
+            temperature=_as_float(_number(body, "temperature", 1.0, 0.0,
+                                          OPENAI_MAX_TEMPERATURE)),
+            top_p=_as_float(_number(body, "top_p", 1.0)), top_k=top_k,
+            seed=_int(body, "seed", None),
             min_p=opt("min_p", 0.0), repetition_penalty=opt("repetition_penalty", 1.0),
             presence_penalty=opt("presence_penalty", 0.0),
             frequency_penalty=opt("frequency_penalty", 0.0), logit_bias=bias)
-        sampling.check()
+        sampling.check()  # the one range check of these settings on their way to the engine
     except BadRequest as exc:
         raise bad(exc.field, f"{exc.field!r} {exc.reason}") from None
-    return replace(sampling, temperature=float(sampling.temperature),
-                   top_p=float(sampling.top_p))
+    return sampling
+
+
+def _as_float(v: Any) -> Any:
+    """An int temperature or top_p as the float the wire sends; one too large for a float is
+    left as it is, for the range check to refuse by name."""
+    return float(v) if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**53 else v
 
 
 def _logit_bias(v: Any) -> tuple[tuple[int, float], ...] | None:

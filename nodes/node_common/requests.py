@@ -15,13 +15,11 @@ import numpy as np
 
 from codec.errors import CodecError
 from codec.messages import Message
-from codec.structs import GenerateReq
+from codec.structs import MAX_TOKENS_LIMIT, GenerateReq
 from nodes.engine.core import GenerationParams
 from nodes.engine.errors import BadRequestError, TooLongError, error_code
 from nodes.engine.grammar import Constraint
 
-#: generation length a verifier accepts whatever its context (bounds one request's work)
-MAX_TOKENS_LIMIT = 4096
 #: context of a tokenizer-agnostic proposer (ngram) when none is configured
 DEFAULT_MAX_CONTEXT = 8192
 
