@@ -151,9 +151,6 @@ def test_n_greedy_gives_identical_choices_from_one_prefill(oai):
 
     # a prompt no earlier test sent (its first choice prefills it from scratch)
     prompt = "Quietly, the orange giraffe counted seven marbles: one, two, three,"
-    one = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
-    prompt_tokens = one.usage.prompt_tokens
-    prompt = "Zebra " + prompt  # again new, for the n=3 request itself
     r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, n=3)
     assert [c.index for c in r.choices] == [0, 1, 2]
     texts = [c.text for c in r.choices]
@@ -163,7 +160,7 @@ def test_n_greedy_gives_identical_choices_from_one_prefill(oai):
     assert texts[0] == plain.choices[0].text
     # one prefill of the prompt: the other two choices start from all but its last position
     p = r.usage.prompt_tokens
-    assert p > prompt_tokens
+    assert p > 8  # longer than the prefix cache's least reuse
     cached = sorted(c["cached_tokens"] for c in r.model_extra["specbus"]["choices"])
     assert cached[1:] == [p - 1, p - 1], cached
     assert 3 * p - sum(cached) <= p + 2  # positions prefilled for three choices
