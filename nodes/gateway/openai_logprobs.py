@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from codec.structs import MAX_TOP_LOGPROBS
 from nodes.cluster_client.received_logprobs import ReceivedLogprobs
 
 __all__ = ["MAX_CHAT_TOP", "MAX_COMPLETION_TOP", "ReceivedLogprobs", "chat_logprobs",
            "completion_logprobs"]
 
-#: OpenAI's caps: chat `top_logprobs` 0..20, completions `logprobs` 0..5
-MAX_CHAT_TOP = 20
+#: OpenAI's caps: chat `top_logprobs` 0..20 (the wire's own cap, declared there), completions
+#: `logprobs` 0..5
+MAX_CHAT_TOP = MAX_TOP_LOGPROBS
 MAX_COMPLETION_TOP = 5
 
 
