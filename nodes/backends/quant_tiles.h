@@ -30,15 +30,22 @@ inline void tile_q8(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t 
     __m512i wq[8];  // w + 128 as unsigned bytes: dpbusd multiplies unsigned by signed
     for (int c = 0; c < 8; c++)
       wq[c] = _mm512_xor_si512(_mm512_loadu_si512(blk + 32 + 64 * c), bias);
+#pragma GCC unroll 8
     for (int m = 0; m < MT; m++) {
       const int64_t row = (m0 + m) * nb + b;
       const int8_t* xq = a.q.data() + (m0 + m) * K + b * QK;
-      __m512i s = _mm512_set1_epi32(-128 * a.sum[row]);  // takes the 128 back out, exactly
-      for (int c = 0; c < 8; c++) {
-        int32_t x4;
-        std::memcpy(&x4, xq + 4 * c, 4);
-        s = _mm512_dpbusd_epi32(s, wq[c], _mm512_set1_epi32(x4));
+      // two chains of 4 (the dot's latency), added: integers, so the same sum
+      __m512i s0 = _mm512_set1_epi32(-128 * a.sum[row]);  // takes the 128 back out, exactly
+      __m512i s1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int c = 0; c < 8; c += 2) {
+        int32_t x0, x1;
+        std::memcpy(&x0, xq + 4 * c, 4);
+        std::memcpy(&x1, xq + 4 * c + 4, 4);
+        s0 = _mm512_dpbusd_epi32(s0, wq[c], _mm512_set1_epi32(x0));
+        s1 = _mm512_dpbusd_epi32(s1, wq[c + 1], _mm512_set1_epi32(x1));
       }
+      const __m512i s = _mm512_add_epi32(s0, s1);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[row])), acc[m]);
     }
   }
@@ -67,15 +74,20 @@ inline void tile_q4(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t 
       wq[j] = _mm512_and_si512(raw, low);
       wq[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
     }
+#pragma GCC unroll 8
     for (int m = 0; m < MT; m++) {
       const int64_t row = (m0 + m) * nb + b;
       const int8_t* xq = a.q.data() + (m0 + m) * K + b * QK;
-      __m512i s = _mm512_setzero_si512();
-      for (int c = 0; c < 8; c++) {
-        int32_t x4;
-        std::memcpy(&x4, xq + (c < 4 ? 4 * c : 16 + 4 * (c - 4)), 4);
-        s = _mm512_dpbusd_epi32(s, wq[c], _mm512_set1_epi32(x4));
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; j++) {  // two chains (low and high nibbles), added: the same integers
+        int32_t lo4, hi4;
+        std::memcpy(&lo4, xq + 4 * j, 4);
+        std::memcpy(&hi4, xq + 16 + 4 * j, 4);
+        s0 = _mm512_dpbusd_epi32(s0, wq[j], _mm512_set1_epi32(lo4));
+        s1 = _mm512_dpbusd_epi32(s1, wq[j + 4], _mm512_set1_epi32(hi4));
       }
+      const __m512i s = _mm512_add_epi32(s0, s1);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[row])), acc[m]);
       mins[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[row]), mins[m]);
     }
