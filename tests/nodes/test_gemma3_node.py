@@ -1,0 +1,80 @@
+"""The real Gemma 3 270M (`gemma3-270m`, `--weights fp32`) served by a verifier process with an
+ngram proposer process: 1,200 tokens, more than twice past the 512 window, streamed through the
+cluster client with the proposer SIGKILLed once its drafts were accepted, are identical to
+Hugging Face greedy on the same model and prompt ids (issue 45's test list)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from nodes import models
+from nodes.cluster_client import GenerateRequest
+from tests.engine.test_gemma3_real import NEVER, PROMPT, needs_gemma
+from tests.nodes.conftest import client_of, one_verifier
+
+pytestmark = [pytest.mark.slow, needs_gemma]
+
+N = 1200
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """`PROMPT`'s ids and Hugging Face greedy's tokens after them, up to N or the model's own
+    EOS (included, as the verifier sends it), on one torch thread in this process."""
+    import torch
+
+    from nodes.backends.torch_backend import TorchBackend
+    from tests.engine.conftest import hf_greedy
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        b = TorchBackend.load(models.GEMMA3_MODEL, device="cpu", weights="fp32")
+        prompt = b.tokenizer.encode(PROMPT)
+        out = hf_greedy(b, prompt, N, eos_id=NEVER)
+        cut = next((i + 1 for i, t in enumerate(out) if t in b.tokenizer.eos_token_ids), N)
+        return prompt, out[:cut]
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = one_verifier(tmp_path_factory, "--model", models.GEMMA3_MODEL, "--weights", "fp32",
+                     "--max-batch", "1")
+    yield c
+    c.stop()
+
+
+def test_a_proposer_killed_mid_stream_leaves_hf_greedy(cluster, expected):
+    prompt, want = expected
+    assert len(prompt) + len(want) > 512 + 100  # the window is passed whatever EOS does
+    victim = cluster.start_node("ngram", "--role", "proposer", "--drafter", "ngram",
+                                "--threads", "1", seed=True)
+    with client_of(cluster) as client:
+        client.wait_for(lambda ms: {"v", "ngram"} <= {m.card.name for m in ms}, 120)
+        req = GenerateRequest(tokens=prompt, max_tokens=N, proposers=[victim.node_id],
+                              force_draft=True)
+        chunks: list[list[int]] = []
+        done = None
+        killed_at = None
+        try:
+            for msg in client.stream(req):
+                if msg.type == "token_chunk":
+                    chunks.append(msg.tensors[0].tolist())
+                    if killed_at is None and len(chunks[-1]) >= 2:  # its drafts were accepted
+                        victim.signal(signal.SIGKILL)
+                        killed_at = sum(map(len, chunks))
+                elif msg.type == "done":
+                    done = msg
+        finally:
+            victim.signal(signal.SIGKILL)
+    assert victim.proc.wait(30) is not None
+    assert killed_at is not None and killed_at < len(want) // 2, killed_at
+    ids = [t for chunk in chunks for t in chunk]
+    assert done is not None and done["stats"]["token_ids"] == ids
+    assert ids == want
+    used = done["stats"]["proposers"][victim.node_id]
+    assert used["drafts"] >= 1 and used["accepted"] >= 1, used
