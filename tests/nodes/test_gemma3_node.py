@@ -11,33 +11,20 @@ import pytest
 
 from nodes import models
 from nodes.cluster_client import GenerateRequest
-from tests.engine.test_gemma3_real import NEVER, PROMPT, needs_gemma
+from tests.engine.test_gemma3_real import N, hf_reference, needs_gemma
 from tests.nodes.conftest import client_of, one_verifier
 
 pytestmark = [pytest.mark.slow, needs_gemma]
-
-N = 1200
 
 
 @pytest.fixture(scope="module")
 def expected():
     """`PROMPT`'s ids and Hugging Face greedy's tokens after them, up to N or the model's own
-    EOS (included, as the verifier sends it), on one torch thread in this process."""
-    import torch
-
-    from nodes.backends.torch_backend import TorchBackend
-    from tests.engine.conftest import hf_greedy
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        b = TorchBackend.load(models.GEMMA3_MODEL, device="cpu", weights="fp32")
-        prompt = b.tokenizer.encode(PROMPT)
-        out = hf_greedy(b, prompt, N, eos_id=NEVER)
-        cut = next((i + 1 for i, t in enumerate(out) if t in b.tokenizer.eos_token_ids), N)
-        return prompt, out[:cut]
-    finally:
-        torch.set_num_threads(before)
+    EOS (included, as the verifier sends it); shared with tests/engine/test_gemma3_real.py
+    when both run in one session."""
+    prompt, out, eos = hf_reference()
+    cut = next((i + 1 for i, t in enumerate(out) if t in eos), N)
+    return prompt, out[:cut]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +35,7 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def test_a_proposer_killed_mid_stream_leaves_hf_greedy(cluster, expected):
+def test_a_proposer_killed_mid_stream_leaves_hf_greedy(expected, cluster):
     prompt, want = expected
     assert len(prompt) + len(want) > 512 + 100  # the window is passed whatever EOS does
     victim = cluster.start_node("ngram", "--role", "proposer", "--drafter", "ngram",
@@ -72,6 +59,7 @@ def test_a_proposer_killed_mid_stream_leaves_hf_greedy(cluster, expected):
         finally:
             victim.signal(signal.SIGKILL)
     assert victim.proc.wait(30) is not None
+    print(f"{len(want)} tokens, the proposer killed after {killed_at}")  # -rP shows it
     assert killed_at is not None and killed_at < len(want) // 2, killed_at
     ids = [t for chunk in chunks for t in chunk]
     assert done is not None and done["stats"]["token_ids"] == ids
