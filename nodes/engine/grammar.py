@@ -60,6 +60,8 @@ _LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, step_lexe
 #: JSON output is compact (no free whitespace): a small model cannot pad it forever, and more of
 #: it is forced (drafted free)
 _JSON_OPTIONS = {"whitespace_flexible": False}
+#: ways of tokenizing a forced run's tail `GrammarMatcher.forced_paths` drafts (a tree)
+FORCED_WAYS = 3
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,10 @@ class Grammars:
         self.cache_size = cache_size
         self.timeout_s = timeout_s
         self._ll: Any = None
+        self._pieces: TokenPieces | None = None
+        #: how this verifier's model has tokenized a forced run's tail (`GrammarMatcher.habits`),
+        #: the prior of every new sequence's
+        self.habits: dict[bytes, int] = {}
         self._lock = threading.Lock()
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
@@ -167,6 +173,15 @@ class Grammars:
                     self.tokenizer.hf, n_vocab=self.vocab_size,
                     eos_token=sorted(self.tokenizer.eos_token_ids)[0])
             return self._ll
+
+    @property
+    def pieces(self) -> TokenPieces:
+        """The vocabulary's byte strings, for tokenizing forced text every way (`TokenPieces`)."""
+        ll = self.ll_tokenizer
+        with self._lock:
+            if self._pieces is None:
+                self._pieces = TokenPieces(ll, self.vocab_size)
+            return self._pieces
 
     def compile(self, c: Constraint) -> Any:
         """The compiled matcher of `c` (cached); `BadRequestError` naming why when it does not
@@ -197,7 +212,8 @@ class Grammars:
     def matcher(self, c: Constraint) -> GrammarMatcher:
         """A fresh per-sequence matcher for `c`, at the start of the generation."""
         return GrammarMatcher(self.compile(c).deep_copy(), self.vocab_size,
-                              frozenset(self.tokenizer.eos_token_ids))
+                              frozenset(self.tokenizer.eos_token_ids), self.pieces,
+                              self.habits)
 
 
 def _build(ll: Any, c: Constraint) -> Any:
@@ -229,8 +245,17 @@ class GrammarMatcher:
     between steps (`sync` after each commit). Within a step, acceptance walks it forward along
     the path it accepts (`advance`), and settle rolls back what a stop rule cut."""
 
-    def __init__(self, ll: Any, vocab_size: int, eos: frozenset[int]) -> None:
+    def __init__(self, ll: Any, vocab_size: int, eos: frozenset[int],
+                 pieces: TokenPieces | None = None,
+                 shared_habits: dict[bytes, int] | None = None) -> None:
         self.ll = ll
+        self.pieces = pieces
+        #: a forced tail's bytes -> the first token the model wrote it with, in this sequence
+        #: (a model keeps its own style: `":` then `"`, or `":"`), and across the verifier's
+        #: sequences (the prior): the tail `forced_paths` drafts first
+        self.habits: dict[bytes, int] = {}
+        self.shared_habits = shared_habits if shared_habits is not None else {}
+        self._tail: tuple[int, bytes] | None = None
         self.vocab = vocab_size
         self.eos = eos
         #: tokens consumed since the start of the generation
@@ -246,9 +271,17 @@ class GrammarMatcher:
         if self.ll.is_stopped():
             self.consumed += 1  # EOS after the end: nothing more to match
             return
+        if self._tail is not None and self._tail[0] == self.consumed:
+            self._learn(self._tail[1], int(token))
         if not self.ll.consume_token(int(token)):
             raise RuntimeError(f"grammar refused token {token}: {self.ll.get_error()}")
         self.consumed += 1
+
+    def _learn(self, tail: bytes, token: int) -> None:
+        """The model wrote a forced tail starting with `token`: draft that way next time."""
+        piece = self.pieces.bytes[token] if self.pieces is not None else b""
+        if piece and (tail.startswith(piece) or piece.startswith(tail)):
+            self.habits[tail] = self.shared_habits[tail] = token
 
     def sync(self, generated: int) -> None:
         """Roll back to `generated` tokens consumed (a stop rule cut the block)."""
@@ -312,13 +345,103 @@ class GrammarMatcher:
 
     def forced(self, limit: int) -> list[int]:
         """The tokens the grammar forces from here (at most `limit`), tokenized the way the
-        model tokenizes the forced text (llguidance's fast-forward tokens)."""
+        model tokenizes the forced text (llguidance's fast-forward tokens). They stop short of
+        the forced text's end where its last token could merge with what follows (`"age":`
+        gives `"`, `age`: the `":` could be `":"`); `forced_paths` drafts the rest too."""
         if limit <= 0 or self.ll.is_stopped():
             return []
         t0 = time.perf_counter()
         out = list(self.ll.compute_ff_tokens())[:limit]
         self.seconds += time.perf_counter() - t0
         return out
+
+    def forced_paths(self, limit: int, ways: int = FORCED_WAYS) -> list[list[int]]:
+        """The whole forced run as draft paths (at most `limit` tokens each, likeliest
+        first): the fast-forward tokens, then the forced bytes they leave (the run's tail,
+        which may merge with the free text after it) tokenized each way the vocabulary
+        allows, fewest tokens first, at most `ways` of them, each checked against the grammar;
+        the way the model wrote the same tail last first (`habits`). The verifier takes
+        whichever the model prefers: `"age":"` drafts both `":"` and `":` `"`, a key's last
+        piece and the value's opening quote in one step with the key."""
+        if limit <= 0 or self.ll.is_stopped():
+            return []
+        t0 = time.perf_counter()
+        head = list(self.ll.compute_ff_tokens())
+        paths = [head] if head else []
+        if self.pieces is not None and len(head) < limit:
+            text = bytes(self.ll.compute_ff_bytes())
+            done = self.pieces.text(head)
+            if text.startswith(done) and len(text) > len(done):
+                tail = text[len(done):]
+                habit = self.habits.get(tail, self.shared_habits.get(tail))
+                tails = sorted(self.pieces.splits(tail, ways), key=lambda t: t[0] != habit)
+                ok = [head + t for t in tails
+                      if self.ll.validate_tokens(head + t) == len(head) + len(t)]
+                paths = ok or paths
+                self._tail = (self.consumed + len(head), tail)
+        self.seconds += time.perf_counter() - t0
+        return [p[:limit] for p in paths]
+
+
+#: the longest token (in bytes) a forced tail is split into; splits enumerated at most
+_LONGEST_PIECE = 16
+_MAX_SPLITS = 64
+
+
+class TokenPieces:
+    """The vocabulary as byte strings (llguidance's view of our tokenizer): each ordinary
+    token's bytes, and the tokens by their bytes, to split forced text into tokens."""
+
+    def __init__(self, ll_tokenizer: Any, vocab_size: int) -> None:
+        self.bytes: list[bytes] = []
+        self.by_bytes: dict[bytes, int] = {}
+        n = min(vocab_size, ll_tokenizer.vocab_size)
+        for t in range(n):
+            b = b"" if ll_tokenizer.is_special_token(t) else ll_tokenizer.decode_bytes([t])
+            self.bytes.append(b)
+            if b and len(b) <= _LONGEST_PIECE:
+                self.by_bytes.setdefault(b, t)
+        self.bytes += [b""] * (vocab_size - n)
+
+    def text(self, tokens: Sequence[int]) -> bytes:
+        return b"".join(self.bytes[t] for t in tokens)
+
+    def splits(self, text: bytes, ways: int) -> list[list[int]]:
+        """Up to `ways` ways to write `text` as tokens, fewest tokens first (ties: longest
+        first token first)."""
+        if not text:
+            return []
+        n = len(text)
+        # fewest tokens from each position to the end (dynamic programming, right to left)
+        best = [0] + [n + 1] * n  # best[k]: fewest tokens for text[n-k:]
+        for k in range(1, n + 1):
+            at = n - k
+            for j in range(min(k, _LONGEST_PIECE), 0, -1):
+                if text[at:at + j] in self.by_bytes and best[k - j] + 1 < best[k]:
+                    best[k] = best[k - j] + 1
+        if best[n] > n:
+            return []
+        found: list[list[int]] = []
+
+        def walk(at: int, path: list[int], slack: int) -> None:
+            if len(found) >= _MAX_SPLITS:
+                return
+            if at == n:
+                found.append(list(path))
+                return
+            for j in range(min(n - at, _LONGEST_PIECE), 0, -1):
+                tok = self.by_bytes.get(text[at:at + j])
+                if tok is None:
+                    continue
+                extra = best[n - at - j] + 1 - best[n - at]  # tokens this piece costs over best
+                if extra <= slack:
+                    path.append(tok)
+                    walk(at + j, path, slack - extra)
+                    path.pop()
+
+        walk(0, [], 2)  # the fewest-token splits, and those of one or two tokens more
+        found.sort(key=len)  # (stable: longest first pieces first among equals)
+        return found[:ways]
 
 
 def prune_tree(tree: TokenTree, matcher: GrammarMatcher) -> TokenTree:
@@ -355,7 +478,5 @@ class GrammarSource(DraftSource):
         self.matcher = matcher
 
     def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
-        forced = self.matcher.forced(budget)
-        if not forced:
-            return []
-        return [Candidate(np.asarray(forced, dtype=np.int64))]
+        return [Candidate(np.asarray(p, dtype=np.int64))
+                for p in self.matcher.forced_paths(budget) if p]

@@ -30,6 +30,8 @@ MAX_TOOLS = 128
 CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 _CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+#: llguidance's JSON options for a call's object: no whitespace between tokens
+_COMPACT = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,10 @@ def tool_grammar(tools: Tools) -> dict[str, str] | None:
     if not tools.active:
         return None
     fns = [f for f in tools.functions if tools.choice in ("auto", "required", f["name"])]
-    call = {"oneOf": [{"type": "object", "properties": {
+    # compact JSON (no free whitespace, "," and ":" with nothing around them, as `render_call`
+    # writes the history's calls): a small model cannot pad a call with newlines and spaces, and
+    # every key and separator is forced, so the grammar drafts it
+    call = {"x-guidance": _COMPACT, "oneOf": [{"type": "object", "properties": {
         "name": {"const": f["name"]}, "arguments": f["parameters"]},
         "required": ["name", "arguments"], "additionalProperties": False} for f in fns]}
     rep = "(\"\\n\" call)*" if tools.parallel else ""
@@ -132,7 +137,7 @@ def tools_message(tools: Tools) -> dict[str, str]:
     return {"role": "system", "content": (
         "You can call these functions (JSON schemas of their arguments):\n<tools>\n"
         f"{listed}\n</tools>\nTo call a function, answer with only\n<tool_call>\n"
-        '{"name": "<function name>", "arguments": {<its arguments>}}\n</tool_call>\n'
+        '{"name":"<function name>","arguments":{<its arguments>}}\n</tool_call>\n'
         "(one block per call).")}
 
 

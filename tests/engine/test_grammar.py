@@ -139,8 +139,28 @@ def test_matcher_prunes_and_forces(grammars, tiny_torch):
     # the good branch whole, of the bad one only its grammatical start ('{"' shared)
     assert pruned.drafted == len(good) + m.valid_prefix(bad) - shared < tree.drafted
     assert m.consumed == 0 and m.valid_prefix(good) == len(good)
+    # the grammar drafter: the whole forced run '{"name":"', its tail (which may merge with
+    # the free text after it) written each way the vocabulary allows, fewest tokens first
     src = GrammarSource(m)
-    assert [list(c.tokens) for c in src.propose([], 8)] == [forced]
+    paths = [list(c.tokens) for c in src.propose([], 8)]
+    assert all(p[:len(forced)] == forced for p in paths)
+    assert [tok.decode(p) for p in paths] == ['{"name":"'] * len(paths)
+    assert len(paths) >= 2 and len(set(map(tuple, paths))) == len(paths)
+    assert len(paths[0]) == min(map(len, paths))
+    assert all(m.valid_prefix(p) == len(p) for p in paths) and m.consumed == 0
+
+
+def test_forced_tail_follows_the_models_habit(grammars, tiny_torch):
+    """The way the model wrote a forced tail ('":' then '"', or '":"') is drafted first the
+    next time, in this sequence and (as the prior) in the verifier's next ones."""
+    tok = tiny_torch.tokenizer
+    m = grammars.matcher(JSON_SCHEMA)
+    first = m.forced_paths(8)
+    other = next(p for p in first[1:] if p[len(m.forced(8))] != first[0][len(m.forced(8))])
+    for t in other:  # the model wrote the run the second way
+        m.advance(t)
+    again = grammars.matcher(JSON_SCHEMA).forced_paths(8)
+    assert again[0] == other and tok.decode(again[0]) == tok.decode(first[0])
 
 
 # ---- lossless ----------------------------------------------------------------------------------
