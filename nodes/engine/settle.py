@@ -52,12 +52,15 @@ def row_rules(seq: SequenceState) -> tuple[Any, Any] | None:
     if not adjusts and grammar is None:
         return None
     walk = history(seq).copy() if adjusts else None
+    # greedy without log probabilities reads only the row's argmax: the grammar checks that
+    # one token and masks the whole row only when it is forbidden (`mask_logits`)
+    argmax_only = sp.greedy and seq.params.logprobs is None
 
     def mask(row: np.ndarray) -> np.ndarray:
         if walk is not None:
             row = adjust_logits(row, sp, walk)
         if grammar is not None:
-            row = grammar.mask_logits(row)
+            row = grammar.mask_logits(row, argmax_only=argmax_only)
         return row
 
     def advance(token: int) -> None:

@@ -258,3 +258,38 @@ def test_logprobs_come_from_the_masked_distribution(tiny_torch, prompt_ids):
     comma = tokens.index(tiny_torch.tokenizer.hf.convert_tokens_to_ids(","))
     assert lp[comma] == pytest.approx(0.0, abs=1e-6)  # after yes/no: "," is forced
     assert np.all(lp > -np.inf)
+
+
+def test_one_token_check_agrees_with_the_mask(grammars, tiny_torch):
+    """Greedy reads only a row's argmax, so the verifier checks that one token
+    (`GrammarMatcher.allows`) and masks the row only when it is forbidden: the check must say
+    what the mask says, for every token of the vocabulary, at states inside and between
+    values, at the end (EOS) and after it."""
+    tok = tiny_torch.tokenizer
+    m = grammars.matcher(JSON_SCHEMA)
+    text = tok.hf.encode('{"name":"Al","age":3,"kind":"dog","tags":["a"]}',
+                         add_special_tokens=False)
+    for at in [0, 2, 4, 6, 9, len(text)]:
+        m.sync(0)
+        m.replay(text[:at])
+        allowed = m.allowed()
+        checked = np.array([m.allows(t) for t in range(tiny_torch.vocab_size)])
+        assert (checked == allowed).all(), at
+        row = np.random.default_rng(at).standard_normal(tiny_torch.vocab_size)
+        row[int(np.flatnonzero(~allowed)[0]) if (~allowed).any() else 0] = 99.0
+        full = m.mask_logits(row.copy())
+        lazy = m.mask_logits(row.copy(), argmax_only=True)
+        assert int(np.argmax(lazy)) == int(np.argmax(full))
+    # and along random walks through the other kinds (a regex, Lark, any JSON object)
+    rng = np.random.default_rng(0)
+    for c in (REGEX, LARK, Constraint("json_object")):
+        m = grammars.matcher(c)
+        for _ in range(4):
+            if m.done:
+                break
+            allowed = m.allowed()
+            checked = np.array([m.allows(t) for t in range(tiny_torch.vocab_size)])
+            assert (checked == allowed).all(), c
+            for _ in range(int(rng.integers(1, 4))):
+                if not m.done:
+                    m.advance(int(rng.choice(np.flatnonzero(m.allowed()))))
