@@ -57,7 +57,8 @@ from bus.calls import (
     streams,
     unwrap,
 )
-from bus.loop import frames_ready, send_frames
+from bus.dealer import send_cancel, send_request
+from bus.loop import frames_ready
 from bus.sockets import SocketFactory
 from codec.errors import CodecError
 from codec.messages import (
@@ -68,7 +69,6 @@ from codec.messages import (
     decode_header,
     encode,
 )
-from codec.structs import Cancel
 
 log = logging.getLogger(__name__)
 
@@ -194,13 +194,9 @@ class DirectClient:
         sock = self._dealers.get(endpoint)
         if sock is None:
             sock = self._connect(endpoint)
-        try:
-            send_frames(sock, frames)
-        except zmq.Again:
-            self._finish(call, PeerUnavailable(f"{endpoint} is not reachable now"))
-            return call
-        except zmq.ZMQError as exc:
-            self._finish(call, PeerUnavailable(f"{endpoint}: {exc}"))
+        refused = send_request(sock, frames, endpoint)
+        if refused is not None:
+            self._finish(call, refused)
             return call
         self.sent += 1
         self._calls.add(call)
@@ -231,12 +227,7 @@ class DirectClient:
         self._check_owner()
         if call.done:
             return
-        sock = self._dealers.get(call.endpoint)
-        if sock is not None:
-            try:
-                send_frames(sock, encode(Cancel().to_message(sender=self.sender, rid=call.rid)))
-            except zmq.ZMQError:
-                pass  # the server will time the request out on its own
+        send_cancel(self._dealers.get(call.endpoint), self.sender, call.rid)
         self._finish(call, RequestCancelled(f"request {call.rid} cancelled"))
 
     def close_peer(self, endpoint: str) -> None:

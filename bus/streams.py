@@ -37,11 +37,12 @@ from bus.calls import (
     streams,
     unwrap,
 )
+from bus.dealer import send_cancel, send_request
 from bus.loop import IOLoop, Timer, frames_ready, send_frames
 from bus.sockets import SocketFactory, bind
 from codec.errors import CodecError
 from codec.messages import DEFAULT_LIMITS, Limits, Message, decode, decode_header, encode
-from codec.structs import Cancel, ErrorReply, Pong
+from codec.structs import ErrorReply, Pong
 
 log = logging.getLogger(__name__)
 
@@ -228,13 +229,9 @@ class StreamClient:
         if self._closed:
             self._finish(call, PeerUnavailable("the stream client is closed"))
             return
-        try:
-            send_frames(self._dealer(call.endpoint), frames)
-        except zmq.Again:
-            self._finish(call, PeerUnavailable(f"{call.endpoint} is not reachable now"))
-            return
-        except zmq.ZMQError as exc:
-            self._finish(call, PeerUnavailable(f"{call.endpoint}: {exc}"))
+        refused = send_request(self._dealer(call.endpoint), frames, call.endpoint)
+        if refused is not None:
+            self._finish(call, refused)
             return
         self.sent += 1
         self._calls.add(call)
@@ -254,12 +251,7 @@ class StreamClient:
     def _cancel(self, call: Call) -> None:
         if call.done:
             return
-        sock = self._dealers.get(call.endpoint)
-        if sock is not None:
-            try:
-                send_frames(sock, encode(Cancel().to_message(sender=self.sender, rid=call.rid)))
-            except zmq.ZMQError:
-                pass  # the server will time the request out on its own
+        send_cancel(self._dealers.get(call.endpoint), self.sender, call.rid)
         self._finish(call, RequestCancelled(f"request {call.rid} cancelled"))
 
     def _release(self, endpoint: str) -> None:
