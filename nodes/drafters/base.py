@@ -30,6 +30,20 @@ from nodes.engine.tree import Candidate
 EMPTY_DRAFT = np.zeros(0, dtype=np.int32)
 
 
+def copy_on(tokens: Sequence[int], start: int, size: int, matched: int) -> list[int]:
+    """The `size` tokens from `start` on, which a match of `matched` tokens ending at `start`
+    predicts to follow the tip. Where they run into the tip and the match is at least as long
+    as its distance from the tip (the tail has repeated with that period at least twice: a
+    loop, a run of like items, a number's repeated digits), the copy goes on with the period,
+    as an LZ77 copy overlapping its source does; else it stops at the tip (never padding)."""
+    tip = len(tokens)
+    period = tip - start
+    chain = list(tokens[start : start + size])
+    if len(chain) < size and 0 < period <= matched:
+        chain = [tokens[start + i % period] for i in range(size)]
+    return chain
+
+
 def draft_paths(chain: Sequence[int], conf: Sequence[float] | None = None,
                 alternatives: Sequence[tuple[int, Sequence[int], Sequence[float] | None]] = (),
                 ) -> list[Candidate]:

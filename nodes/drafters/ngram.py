@@ -4,7 +4,10 @@ Model-free and nearly free to run, so it pays off whenever the output copies the
 edits, extraction, quoting). Longest suffix first (max_n down to min_n). As a chain (`draft`) it
 follows the most recent occurrence; as a tree source (`NgramState.propose`) it proposes the distinct
 continuations of every earlier occurrence of the matched suffix, most recent first, so the
-verifier picks the one the text actually takes.
+verifier picks the one the text actually takes. A continuation that runs into the tip of a
+text repeating itself (a loop, a run of like items or digits) goes on with the repeat's period
+(`copy_on`), as the suffix drafter's does: cut at the tip, a loop of one token drafted one token
+a step.
 """
 
 from __future__ import annotations
@@ -13,7 +16,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftState, DraftStateSource, draft_paths
+from nodes.drafters.base import (
+    EMPTY_DRAFT,
+    Drafter,
+    DraftState,
+    DraftStateSource,
+    copy_on,
+    draft_paths,
+)
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import match_class
@@ -78,7 +88,7 @@ class NgramState(DraftState):
         n, ends = self.longest_match()
         if not n:
             return EMPTY_DRAFT, None
-        return np.asarray(self.tokens[ends[-1] : ends[-1] + k], dtype=np.int32), None
+        return np.asarray(copy_on(self.tokens, ends[-1], k, n), dtype=np.int32), None
 
     def draft_ahead(self, k: int, width: int = 1) -> list[Candidate]:
         """The chain `draft` gives and, for width > 1, the other continuations (up to `width`
@@ -117,7 +127,7 @@ class NgramState(DraftState):
             if out and n < ALT_MIN_N:
                 break
             for end in reversed(ends[-MAX_OCCURRENCES:]):
-                cont = toks[end : end + k]
+                cont = copy_on(toks, end, k, n)
                 if cont and not any(c[: len(cont)] == cont for c in out):
                     out.append(cont)
                 if len(out) >= limit:

@@ -50,7 +50,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nodes.drafters.base import EMPTY_DRAFT, Drafter, DraftState, DraftStateSource, draft_paths
+from nodes.drafters.base import (
+    EMPTY_DRAFT,
+    Drafter,
+    DraftState,
+    DraftStateSource,
+    copy_on,
+    draft_paths,
+)
 from nodes.drafters.suffix_index import MAX_MATCH, START, GlobalIndex, LocalIndex, Match
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
@@ -320,12 +327,8 @@ class SuffixState(DraftState):
         its source does. `conf`: depth by depth, the share of the occurrences still agreeing
         with the chain among those whose text goes on that far."""
         toks = self.local.tokens
-        tip = len(toks)
         first = local.positions[0]  # most recent first
-        period = tip - first
-        chain = toks[first : first + size]
-        if len(chain) < size and local.length >= period:
-            chain = [toks[first + i % period] for i in range(size)]
+        chain = copy_on(toks, first, size, local.length)
         conts = [chain] + [toks[p : p + size] for p in local.positions[1:]]
         weights = local.weights
         agree = list(range(len(conts)))

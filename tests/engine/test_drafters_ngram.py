@@ -123,3 +123,14 @@ def test_a_generic_session_source_syncs_for_a_class_only_when_its_session_names_
     ngram = DraftStateSource(NgramState([1, 2, 3, 9], 1, 8), 4)
     assert ngram.draft_class([1, 2, 3, 9, 2, 3]) == "m2"
     assert ngram.propose([1, 2, 3, 9, 2, 3], 2)[0].tokens.tolist() == [9, 2]
+
+
+def test_a_repeating_tail_is_drafted_on_with_its_period():
+    """A match that runs into the tip goes on with the period once the tail has repeated at
+    least twice (match length >= its distance from the tip): the model looping on one token
+    is drafted k tokens a step, not one (seen: a JSON string of "00" x 115 drafted one token a
+    step); a match that does not overlap the tip still stops there."""
+    assert draft([5, 7, 7, 7, 7], 4) == [7, 7, 7, 7]
+    assert draft([1, 2, 3, 1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]
+    assert draft([4, 1, 4], 5) == [1, 4]  # [4] is 2 from the tip but 1 long: no loop yet
+    assert draft([9, 1, 2, 3, 1, 2], 4) == [3, 1, 2]  # period 3 > match 2: cut at the tip
