@@ -1,22 +1,29 @@
 """`specbus bench structured`: constrained decoding, plain against speculative (issue 46).
 
 In process, on the real embedded SmolLM2 with the product's default weights (`--weights`), one
-core (`os.sched_setaffinity(0, {0})`) and one torch thread. Two workloads:
+core (`os.sched_setaffinity(0, {0})`) and one torch thread. Three workloads:
 
 - extraction: fill a JSON schema from a given text (6 texts, each its own schema);
 - tool calls: a fixed tool set (weather, calendar, email, search, unit conversion),
   `tool_choice` required, one call per answer: the gateway's grammar and tool prompt
-  (`nodes.gateway.tools`).
+  (`nodes.gateway.tools`);
+- agent: the suffix work's agent trace (tools/traces/agent_tools.json, 14 turns) with its tool
+  schema (`AGENT_SCHEMA`: the one `{"tool", "arguments"}` object its system prompt asks for),
+  counted after its first `AGENT_AFTER` requests.
 
 Configurations, rounds interleaved (round r runs every request under every configuration):
 free plain (no constraint), constrained plain, constrained with the grammar's forced tokens as the
-only drafts, constrained with grammar + ngram drafts. Reports per configuration the median tok/s
-over requests, the median and the worst request's speedup over constrained plain, acceptance;
-the mask and matcher cost per token (`GrammarMatcher.seconds / tokens`) against the decode
-step; schema compile time p50/p99 (a fresh compile each time); constrained plain against free
-plain; and invalid outputs (every constrained output parsed and checked against its schema:
-must be 0; an answer cut by max_tokens is counted apart, not judged). Greedy: every
-speculative output must equal constrained plain's token for token.
+only drafts, grammar + ngram drafts, grammar + suffix drafts (one index over the round's requests,
+fresh each round). Requests are served one after another as a verifier serves them: each
+configuration's prefix cache (the verifier's default size, fresh each round) lets a request
+reuse the earlier ones' prompts. Reports per configuration the median tok/s over requests, the
+median and the worst request's speedup over constrained plain end to end and after the first
+token, time to the first token, acceptance; the mask and matcher cost per token
+(`GrammarMatcher.seconds / tokens`) against the decode step; schema compile time p50/p99 (a
+fresh compile each time); constrained plain against free plain; and invalid outputs (every
+constrained output parsed and checked against its schema: must be 0; an answer cut by
+max_tokens is counted apart, not judged). Greedy: every speculative output must equal
+constrained plain's token for token.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -136,7 +144,32 @@ TOOL_ASKS = [
     "Is it going to be cold in Oslo today? Use fahrenheit.",
 ]
 
-CONFIGS = ("free", "plain", "grammar", "grammar+ngram")
+#: the agent trace of the suffix work (tools/traces/agent_tools.json) with its tool schema: the
+#: one JSON object its system prompt asks for, `{"tool": NAME, "arguments": {...}}`, each tool's
+#: arguments as the prompt lists them
+_IATA = {"type": "string", "pattern": "^[A-Z]{3}$"}
+_DATE = {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}
+_COUNT = {"type": "integer", "minimum": 1, "maximum": 99}
+AGENT_TOOLS: dict[str, dict[str, Any]] = {
+    "search_flights": {"origin": _IATA, "destination": _IATA, "date": _DATE,
+                       "passengers": _COUNT},
+    "get_weather": {"city": {"type": "string"}, "date": _DATE},
+    "book_hotel": {"city": {"type": "string"}, "check_in": _DATE, "nights": _COUNT,
+                   "guests": _COUNT},
+    "convert_currency": {"amount": {"type": "number"}, "from": _IATA, "to": _IATA},
+}
+AGENT_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "object", "properties": {
+        "tool": {"const": name},
+        "arguments": {"type": "object", "properties": args, "required": list(args),
+                      "additionalProperties": False}},
+     "required": ["tool", "arguments"], "additionalProperties": False}
+    for name, args in AGENT_TOOLS.items()]}
+#: the agent trace's figures are its requests after the first few (the suffix index fills)
+AGENT_AFTER = 3
+
+CONFIGS = ("free", "plain", "grammar", "grammar+ngram", "grammar+suffix")
+WORKLOADS = ("extraction", "tools", "agent")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,6 +183,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--quick", action="store_true",
                         help="3 texts and 3 tool asks, 2 rounds")
+    parser.add_argument("--prefix-cache-mb", type=int, default=None,
+                        help="each configuration's prefix cache, fresh every round (default: "
+                             "the verifier's, as served; 0: off, every prompt prefilled whole)")
+    parser.add_argument("--no-agent", action="store_true",
+                        help="leave out the agent trace with its tool schema")
     parser.add_argument("--compiles", type=int, default=20,
                         help="fresh compiles per constraint for the compile-time figures")
     parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
@@ -166,6 +204,8 @@ def conforms(value: Any, schema: Any) -> bool:
         return value in schema["enum"]
     if "oneOf" in schema:
         return sum(conforms(value, s) for s in schema["oneOf"]) == 1
+    if "anyOf" in schema:
+        return any(conforms(value, s) for s in schema["anyOf"])
     kind = schema.get("type")
     if kind == "boolean":
         return isinstance(value, bool)
@@ -178,7 +218,8 @@ def conforms(value: Any, schema: Any) -> bool:
             schema.get("maximum", math.inf)
     if kind == "string":
         return isinstance(value, str) and schema.get("minLength", 0) <= len(value) <= \
-            schema.get("maxLength", math.inf)
+            schema.get("maxLength", math.inf) and (
+                "pattern" not in schema or re.search(schema["pattern"], value) is not None)
     if kind == "array":
         return isinstance(value, list) and schema.get("minItems", 0) <= len(value) <= \
             schema.get("maxItems", math.inf) and all(conforms(v, schema.get("items", {}))
@@ -222,7 +263,7 @@ def _valid_calls(text: str) -> bool:
 
 
 # ---- the workload ------------------------------------------------------------------------------
-def _requests(tokenizer, quick: bool) -> list[dict[str, Any]]:
+def _requests(tokenizer, quick: bool, agent: bool = True) -> list[dict[str, Any]]:
     """Each request: workload, prompt ids, constraint, validity check."""
     from nodes.engine.grammar import Constraint
     from nodes.gateway.tools import parse_tools, tool_grammar, tools_message
@@ -241,16 +282,28 @@ def _requests(tokenizer, quick: bool) -> list[dict[str, Any]]:
         msgs = [tools_message(tools), {"role": "user", "content": ask}]
         out.append({"workload": "tools", "ids": tokenizer.encode_messages(msgs),
                     "constraint": Constraint(g["kind"], g["text"]), "valid": _valid_calls})
+    if agent:
+        from tools.bench_suffix import load_trace
+
+        trace = load_trace("agent_tools")[: 6 if quick else None]
+        for t in trace:
+            out.append({"workload": "agent", "ids": tokenizer.encode_messages(t["messages"]),
+                        "constraint": Constraint.json_schema(AGENT_SCHEMA),
+                        "valid": lambda t: _valid_json(t, AGENT_SCHEMA)})
     return out
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from nodes.assemble import DEFAULT_PREFIX_CACHE_MB
     from nodes.backends.torch_backend import TorchBackend
     from nodes.drafters.ngram import NgramDrafter
+    from nodes.drafters.suffix import SuffixDrafter
     from nodes.engine import Engine, GenerationParams
     from nodes.engine.grammar import Grammars
+    from nodes.engine.prefix_cache import PrefixCache
+    from nodes.engine.state import Stats
 
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {0})
@@ -259,10 +312,13 @@ def run(args: argparse.Namespace) -> int:
     backend = TorchBackend.load(args.model, device="cpu", weights=args.weights)
     print(f"loaded {args.model or 'smollm2-135m'} ({args.weights}) in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    prefix_mb = DEFAULT_PREFIX_CACHE_MB if args.prefix_cache_mb is None else \
+        args.prefix_cache_mb
     engines = {"free": Engine(backend, None, grammar_drafts=False),
                "plain": Engine(backend, None, grammar_drafts=False),
                "grammar": Engine(backend, None),
-               "grammar+ngram": Engine(backend, NgramDrafter())}
+               "grammar+ngram": Engine(backend, NgramDrafter()),
+               "grammar+suffix": Engine(backend, SuffixDrafter())}
     matchers: list = []
     for e in engines.values():  # record each run's matcher (its mask and matcher seconds)
         orig = e.grammars.matcher
@@ -273,39 +329,55 @@ def run(args: argparse.Namespace) -> int:
             return m
 
         e.grammars.matcher = record
-    reqs = _requests(backend.tokenizer, args.quick)
+    reqs = _requests(backend.tokenizer, args.quick, not args.no_agent)
     rounds = 2 if args.quick else args.rounds
-    # runs[config][i]: list of (seconds, tokens, drafted, accepted, mask s, masks)
+    # runs[config][i]: list of (seconds, tokens, drafted, accepted, mask s, masks, first s)
     runs: dict[str, list[list[tuple]]] = {c: [[] for _ in reqs] for c in CONFIGS}
     outputs: dict[str, list] = {c: [None] * len(reqs) for c in CONFIGS}
     invalid = 0
     cut = 0
     mismatched = 0
-    for e in engines.values():  # warm: compile each grammar once, the first forwards
-        e.generate(reqs[0]["ids"], GenerationParams(max_tokens=4))
+    for e in engines.values():  # warm: the first forwards, llguidance's tokenizer
+        e.generate(reqs[0]["ids"], GenerationParams(max_tokens=4, constraint=reqs[0][
+            "constraint"]))
     for r in range(rounds):
+        # as a verifier serves them, one after another: each round from a fresh prefix cache
+        # (a request reuses the earlier requests' prompts: an agent's tool list) and a fresh
+        # suffix index (it drafts from the earlier requests' answers, never from this
+        # request's own answer in an earlier round)
+        engines["grammar+suffix"].drafter = SuffixDrafter()
+        for e in engines.values():
+            e.prefix_cache = PrefixCache(backend, prefix_mb << 20) if prefix_mb else None
         for i, req in enumerate(reqs):
             for c in CONFIGS:
                 p = GenerationParams(max_tokens=args.max_tokens,
                                      constraint=None if c == "free" else req["constraint"])
                 matchers.clear()
+                tokens: list[int] = []
+                first = None
                 t = time.perf_counter()
-                gen = engines[c].generate(req["ids"], p)
+                gen_stats = Stats()
+                last = None
+                for block in engines[c].stream(req["ids"], p, stats=gen_stats):
+                    if first is None:
+                        first = time.perf_counter() - t
+                    tokens.extend(block.token_ids)
+                    last = block
                 dt = time.perf_counter() - t
+                text = backend.tokenizer.decode(tokens)
                 m = matchers[0] if matchers else None
-                runs[c][i].append((dt, len(gen.token_ids), gen.stats.drafted,
-                                   gen.stats.accepted, m.seconds if m else 0.0,
-                                   m.masks if m else 0))
+                runs[c][i].append((dt, len(tokens), gen_stats.drafted, gen_stats.accepted,
+                                   m.seconds if m else 0.0, m.masks if m else 0, first))
                 if c != "free":
-                    if r == 0 and gen.finish_reason == "length":
+                    if r == 0 and last.finish_reason == "length":
                         cut += 1  # the model ran out of max_tokens mid-answer: not judged
-                    elif r == 0 and not req["valid"](gen.text):
+                    elif r == 0 and not req["valid"](text):
                         invalid += 1
-                        print(f"INVALID ({c}, {req['workload']} {i}): {gen.text!r}",
+                        print(f"INVALID ({c}, {req['workload']} {i}): {text!r}",
                               file=sys.stderr)
-                    if outputs["plain"][i] is not None and gen.token_ids != outputs["plain"][i]:
+                    if outputs["plain"][i] is not None and tokens != outputs["plain"][i]:
                         mismatched += 1
-                outputs[c][i] = gen.token_ids
+                outputs[c][i] = tokens
         print(f"round {r + 1}/{rounds} done", file=sys.stderr)
 
     # compile time: a fresh compile of each request's constraint, many times
@@ -323,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
     report.update({
         "model": args.model or "smollm2-135m", "weights": args.weights, "rounds": rounds,
         "max_tokens": args.max_tokens, "requests": len(reqs), "invalid_outputs": invalid,
-        "cut_by_max_tokens": cut,
+        "prefix_cache_mb": prefix_mb, "cut_by_max_tokens": cut,
         "speculative_not_equal_plain": mismatched,
         "compile_ms": {"p50": _pct(compile_ms, 50), "p99": _pct(compile_ms, 99),
                        "n": len(compile_ms)},
@@ -343,28 +415,48 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _summarise(reqs, runs) -> dict[str, Any]:
+    """Per workload and configuration: medians over requests of each request's median over
+    rounds. `speedup`: end to end (prefill included) against constrained plain on the same
+    tokens; `decode_speedup`: the tokens after the first against the time after the first
+    (the prefill and its first token left out); `vs_free`: against free plain's tok/s. The
+    agent trace counts its requests after the first `AGENT_AFTER`."""
     out: dict[str, Any] = {}
-    for w in ("extraction", "tools"):
+    for w in WORKLOADS:
         idx = [i for i, r in enumerate(reqs) if r["workload"] == w]
+        if w == "agent":
+            idx = idx[AGENT_AFTER:]
+        if not idx:
+            continue
         rows = {}
+        med = lambda c, i, k: statistics.median(x[k] for x in runs[c][i])  # noqa: E731
         for c in CONFIGS:
-            secs = [statistics.median(x[0] for x in runs[c][i]) for i in idx]
+            secs = [med(c, i, 0) for i in idx]
             toks = [runs[c][i][0][1] for i in idx]
-            base = [statistics.median(x[0] for x in runs["plain"][i]) / runs["plain"][i][0][1]
-                    for i in idx]  # constrained plain's seconds per token, per request
+            after = [med(c, i, 0) - med(c, i, 6) for i in idx]  # time after the first block
+            base = [med("plain", i, 0) / runs["plain"][i][0][1] for i in idx]
+            base_dec = [(med("plain", i, 0) - med("plain", i, 6)) / max(1, runs["plain"][i][0][1]
+                                                                      - 1) for i in idx]
             # tok/s against constrained plain's (the same tokens, but for free text)
             speed = [b * t / s for b, t, s in zip(base, toks, secs, strict=True)]
+            dec = [b * max(1, t - 1) / max(a, 1e-9)
+                   for b, t, a in zip(base_dec, toks, after, strict=True)]
+            free_tps = [runs["free"][i][0][1] / med("free", i, 0) for i in idx]
+            vs_free = [t / s / f for t, s, f in zip(toks, secs, free_tps, strict=True)]
             drafted = sum(runs[c][i][0][2] for i in idx)
             accepted = sum(runs[c][i][0][3] for i in idx)
-            mask_s = sum(statistics.median(x[4] for x in runs[c][i]) for i in idx)
+            mask_s = sum(med(c, i, 4) for i in idx)
             rows[c] = {
                 "tok_s_median": statistics.median(t / s for t, s in zip(toks, secs,
                                                                         strict=True)),
-                "tokens": sum(toks),
+                "tokens": sum(toks), "requests": len(idx),
                 "speedup_median": statistics.median(speed), "speedup_worst": min(speed),
+                "decode_speedup_median": statistics.median(dec),
+                "decode_speedup_worst": min(dec),
+                "vs_free_median": statistics.median(vs_free),
+                "first_token_ms_median": 1e3 * statistics.median(med(c, i, 6) for i in idx),
                 "acceptance": accepted / drafted if drafted else 0.0,
                 "mask_ms_per_token": 1e3 * mask_s / max(1, sum(toks)),
-                "step_ms_per_token": 1e3 * sum(secs) / max(1, sum(toks)),
+                "step_ms_per_token": 1e3 * sum(after) / max(1, sum(toks) - len(idx)),
             }
             rows[c]["mask_share"] = rows[c]["mask_ms_per_token"] / rows[c]["step_ms_per_token"]
         out[w] = rows
@@ -373,28 +465,34 @@ def _summarise(reqs, runs) -> dict[str, Any]:
 
 def _print(rep: dict[str, Any]) -> None:
     print(f"\nspecbus bench structured: {rep['model']} ({rep['weights']}), one core, one torch "
-          f"thread, {rep['rounds']} rounds interleaved, max_tokens {rep['max_tokens']}, load "
+          f"thread, {rep['rounds']} rounds interleaved, max_tokens {rep['max_tokens']}, prefix "
+          f"cache {rep['prefix_cache_mb']} MB, load "
           f"{' '.join(f'{x:.2f}' for x in rep['load'])}")
-    head = (f"{'workload':<11} {'config':<14} {'tok/s':>7} {'x plain':>8} {'worst':>6} "
-            f"{'accept':>6} {'tokens':>6} {'ms/tok':>7} {'mask ms/tok':>11} {'mask %':>6}")
+    print("x plain: end to end (prefill included) over constrained plain; decode x: after the "
+          "first token; agent: its requests after the first "
+          f"{AGENT_AFTER}; x free: tok/s over free plain's")
+    head = (f"{'workload':<10} {'config':<14} {'tok/s':>6} {'x plain':>7} {'worst':>5} "
+            f"{'decode x':>8} {'worst':>5} {'x free':>6} {'ttft ms':>7} {'accept':>6} "
+            f"{'tokens':>6} {'ms/tok':>6} {'mask ms':>7} {'mask %':>6}")
     print(head)
     print("-" * len(head))
-    for w in ("extraction", "tools"):
-        for c, r in rep[w].items():
-            print(f"{w:<11} {c:<14} {r['tok_s_median']:7.1f} {r['speedup_median']:8.2f} "
-                  f"{r['speedup_worst']:6.2f} {r['acceptance']:6.2f} {r['tokens']:6d} "
-                  f"{r['step_ms_per_token']:7.2f} {r['mask_ms_per_token']:11.3f} "
-                  f"{100 * r['mask_share']:6.2f}")
-    print(f"constrained plain vs free plain (ms/token): extraction "
+    for w in WORKLOADS:
+        for c, r in rep.get(w, {}).items():
+            print(f"{w:<10} {c:<14} {r['tok_s_median']:6.1f} {r['speedup_median']:7.2f} "
+                  f"{r['speedup_worst']:5.2f} {r['decode_speedup_median']:8.2f} "
+                  f"{r['decode_speedup_worst']:5.2f} {r['vs_free_median']:6.2f} "
+                  f"{r['first_token_ms_median']:7.0f} {r['acceptance']:6.2f} "
+                  f"{r['tokens']:6d} {r['step_ms_per_token']:6.2f} "
+                  f"{r['mask_ms_per_token']:7.3f} {100 * r['mask_share']:6.2f}")
+    print("mask ms: mask and matcher per token; mask %: of a decode step's time per token "
+          "(ms/tok, after the first token)")
+    print(f"constrained plain vs free plain (ms/token after the first): extraction "
           f"{rep['extraction']['plain']['step_ms_per_token']:.2f} vs "
           f"{rep['extraction']['free']['step_ms_per_token']:.2f}, tools "
           f"{rep['tools']['plain']['step_ms_per_token']:.2f} vs "
-          f"{rep['tools']['free']['step_ms_per_token']:.2f} (prefill included: free text "
-          f"differs in length)")
+          f"{rep['tools']['free']['step_ms_per_token']:.2f} (free text differs in length)")
     print(f"schema compile: p50 {rep['compile_ms']['p50']:.2f} ms, p99 "
           f"{rep['compile_ms']['p99']:.2f} ms ({rep['compile_ms']['n']} fresh compiles)")
     print(f"invalid outputs (finished answers): {rep['invalid_outputs']}; cut by max_tokens "
           f"(not judged): {rep['cut_by_max_tokens']}; speculative != constrained plain: "
           f"{rep['speculative_not_equal_plain']}")
-
-
