@@ -97,6 +97,10 @@ class GenerateReq(wire.Struct):
     #: None: free text; else `{kind, text}` every generated token must keep matching (a JSON
     #: schema's text, a regex, a Lark grammar; "json_object": any JSON object)
     grammar: Mapping[str, str] | None = wire.custom(MAP, _grammar, dict, default=None)
+    #: a resumed generation (a failover): the last `resumed` ids of `tokens` were generated
+    #: already, under this request's grammar and penalties; the verifier's grammar matcher and
+    #: presence / frequency counts start after them. None (absent): nothing resumed
+    resumed: int | None = wire.integer(0, MAX_TOKENS, default=None)
 
     def _cross_check(self) -> None:
         given = [n for n in ("prompt", "messages", "tokens") if getattr(self, n) is not None]
@@ -104,6 +108,12 @@ class GenerateReq(wire.Struct):
             raise BadRequest(given[1], f"give one of prompt, messages or tokens, not {given}")
         if not given:
             raise BadRequest("prompt", "needs a prompt, messages or a token tensor")
+        if self.resumed:
+            if self.tokens is None:
+                raise BadRequest("resumed", "a resumed generation sends its prompt as tokens")
+            if self.resumed >= len(self.tokens):
+                raise BadRequest("resumed", f"{self.resumed} generated tokens leave no prompt of "
+                                 f"the {len(self.tokens)} tokens sent")
         if self.draft is not None:
             if not self.speculate:
                 raise BadRequest("draft", "draft='force' contradicts speculate=false")

@@ -14,9 +14,12 @@ only send its messages, wait for replies and hand them in. So both faces have on
   reply ends the generation (`timeout`);
 - continuity: chunk `index` counts 0, 1, 2, ... per verifier, else `broken_stream`;
 - failover: the generation resumes on another verifier of the same model (and tokenizer) with
-  the prompt's token ids plus every token received as the new prompt and `max_tokens` reduced
-  by as many. Greedy decoding is deterministic, so the text is exactly the uninterrupted one
-  (with sampling, a fresh draw given the same prefix). It needs the prompt's token ids: without
+  the prompt's token ids plus every token received as the new prompt, `max_tokens` reduced
+  by as many and `resumed` saying how many (the new verifier starts the request's grammar
+  matcher and its presence / frequency counts after them, not at the start). Greedy decoding
+  is deterministic, so the text is exactly the uninterrupted one, constrained or not (with
+  sampling, a fresh draw given the same prefix unless the request fixed its seed: the noise is
+  keyed by the seed and the absolute position). It needs the prompt's token ids: without
   them, or with no other verifier, the generation ends with a `ClusterError`.
 
 Text: chunk texts as the verifier streamed them until a failover, then the client's own decode
@@ -370,8 +373,12 @@ class Failover:
                 req = self.req
             else:
                 ids = np.asarray([*self.prompt_ids, *self.ids], dtype=np.int32)
+                # the tokens received were generated under the request's grammar (and
+                # penalties): the next verifier starts its matcher (and counts) after them
+                resumed = (self.req.resumed or 0) + len(self.ids)
                 req = replace(self.req, prompt=None, messages=None, tokens=ids,
-                              max_tokens=self.req.max_tokens - len(self.ids))
+                              max_tokens=self.req.max_tokens - len(self.ids),
+                              resumed=resumed or None)
         except BadRequest as exc:
             raise ClusterError(str(exc), "invalid_value", detail=exc.reason,
                                field=exc.field) from None

@@ -20,12 +20,14 @@ def GenerateRequest(  # noqa: N802 - reads as the request it builds, at many cal
     sampling: SamplingParams | None = None, stop: Sequence[str] = (), chat: bool = True,
     speculate: bool = True, proposers: Sequence[str] | None = None, force_draft: bool = False,
     messages: Sequence[Mapping[str, str]] | None = None, tokens: Sequence[int] | None = None,
-    grammar: Mapping[str, str] | None = None,
+    grammar: Mapping[str, str] | None = None, resumed: int | None = None,
 ) -> GenerateReq:
     """A text `prompt`, or chat `messages`, or `tokens`. `force_draft` (with `proposers`)
     pins speculation: the verifier asks exactly those proposers every block with its full
     deadline, whatever it thinks of their speed (tests, demos). `grammar`: `{kind, text}`
-    every generated token keeps matching (`nodes.engine.grammar.Constraint.to_wire`)."""
+    every generated token keeps matching (`nodes.engine.grammar.Constraint.to_wire`).
+    `resumed` (with `tokens`): its last `resumed` ids were generated already (a resume: the
+    cluster client's failover sets it itself)."""
     return GenerateReq(
         prompt=prompt, messages=None if messages is None else tuple(messages),
         tokens=None if tokens is None else np.asarray(tokens, dtype=np.int32),
@@ -33,5 +35,5 @@ def GenerateRequest(  # noqa: N802 - reads as the request it builds, at many cal
         chat=chat, speculate=speculate,
         proposers=None if proposers is None else tuple(proposers),
         draft=FORCE if force_draft else None,
-        grammar=None if grammar is None else dict(grammar),
+        grammar=None if grammar is None else dict(grammar), resumed=resumed,
     )

@@ -194,6 +194,9 @@ class Engine:
         one source on its own drafter, if it has one, and closes it with the sequence."""
         prompt = self._check_prompt(prompt_ids)
         params.validate()
+        if params.resumed >= len(prompt):
+            raise BadRequestError(f"resumed: {params.resumed} generated tokens leave no prompt "
+                                  f"of the {len(prompt)} given", "resumed")
         vocab = self.backend.vocab_size
         for t, _ in params.sampling.logit_bias or ():
             if t >= vocab:
@@ -215,6 +218,8 @@ class Engine:
         grammar = None
         if params.constraint is not None:
             grammar = self.grammars.matcher(params.constraint)
+            if params.resumed:  # a failover's resume: the grammar state after what it had
+                grammar.resume(prompt[len(prompt) - params.resumed:])
             if self.grammar_drafts:
                 slots.append(Slot(GrammarSource(grammar), GrammarSource.name, owned=True))
         seq = SequenceState(

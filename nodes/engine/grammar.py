@@ -295,6 +295,19 @@ class GrammarMatcher:
         for t in tokens:
             self.advance(t)
 
+    def resume(self, tokens: Sequence[int]) -> None:
+        """Start after `tokens`, generated under this grammar before the generation resumed
+        (a failover: they end the new prompt). They are the state the sequence starts from, not
+        part of its generated tokens (`consumed` stays 0: `sync` never rolls them back); a
+        `BadRequestError` naming `resumed` when the grammar refuses them."""
+        tokens = [int(t) for t in tokens]
+        ok = int(self.ll.validate_tokens(tokens)) if tokens else 0
+        if ok == len(tokens) and self.ll.consume_tokens(tokens):
+            return
+        at = min(ok, len(tokens) - 1)
+        raise BadRequestError(f"resumed: token {at} of the {len(tokens)} resumed "
+                              f"(id {tokens[at]}) does not match the grammar", "resumed")
+
     @property
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (but EOS)."""

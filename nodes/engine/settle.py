@@ -35,8 +35,9 @@ def noise(seq: SequenceState, position: int, vocab_size: int) -> np.ndarray:
 def history(seq: SequenceState) -> History:
     """The sequence's committed history for the logit controls (`sampling.History`), brought
     up to date with what was committed since it was last read."""
-    if seq.history is None:
-        seq.history, seq.history_len = History(seq.prompt), 0
+    if seq.history is None:  # a resumed generation's own tokens count as generated
+        cut = len(seq.prompt) - seq.params.resumed
+        seq.history, seq.history_len = History(seq.prompt[:cut], seq.prompt[cut:]), 0
     for t in seq.generated[seq.history_len:]:
         seq.history.add(t)
     seq.history_len = len(seq.generated)

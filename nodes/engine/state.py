@@ -34,6 +34,10 @@ class GenerationParams:
     #: None: free text; else what every committed token must keep matching (a JSON schema, a
     #: regex, a Lark grammar: `nodes.engine.grammar`), applied to the verifier's own logits
     constraint: Constraint | None = None
+    #: a resumed generation: the prompt's last `resumed` tokens were generated already (under
+    #: `constraint` and the penalties), so the grammar and the generated-token counts start
+    #: after them (`Engine.start`)
+    resumed: int = 0
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -45,6 +49,9 @@ class GenerationParams:
             raise BadRequestError(f"logprobs must be 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
         if self.constraint is not None:
             self.constraint.check()
+        if not isinstance(self.resumed, int) or self.resumed < 0:
+            raise BadRequestError(f"resumed must be a non-negative integer, got {self.resumed}",
+                                  "resumed")
 
     def seeded(self) -> GenerationParams:
         """These params with a seed drawn when they sample without one: the sequence's noise

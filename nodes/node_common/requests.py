@@ -27,7 +27,8 @@ DEFAULT_MAX_CONTEXT = 8192
 def generation_params(req: GenerateReq) -> GenerationParams:
     constraint = None if req.grammar is None else Constraint.from_wire(dict(req.grammar))
     return GenerationParams(max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop,
-                            logprobs=req.logprobs, constraint=constraint)
+                            logprobs=req.logprobs, constraint=constraint,
+                            resumed=req.resumed or 0)
 
 
 def check_ids(field: str, ids: np.ndarray, vocab_size: int) -> None:
