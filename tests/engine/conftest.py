@@ -184,6 +184,20 @@ def hf_greedy(backend, prompt_ids, max_new, eos_id):
     return out[0, len(prompt_ids) :].tolist()
 
 
+def stream_checked(engine, prompt_ids, params, **kw):
+    """`engine.stream` to the end, checking the K/V invariant after every block (the cache
+    holds every committed token but the pending last one) and that no drafter failed;
+    returns (tokens, stats). `kw`: `stream`'s (`sources`)."""
+    from nodes.engine import Stats
+
+    out, stats = [], Stats()
+    for block in engine.stream(prompt_ids, params, stats=stats, **kw):
+        assert block.cache_len == block.committed_len - 1, "cache must hold committed minus pending"
+        out.extend(block.token_ids)
+    assert stats.drafter_errors == 0
+    return out, stats
+
+
 class Ahead:
     """`DraftState.draft_ahead`'s paths read back as a proposer sends them: the chain
     (`ids`, `conf`) and the alternatives as `(at, tokens, conf)` branches off it."""

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from nodes.engine import Engine, GenerationParams
-from nodes.engine.core import Stats
+from tests.engine.conftest import stream_checked
 
 N = 24
 NO_EOS = frozenset({49151})
@@ -36,12 +36,8 @@ def test_mlx_reference_is_not_degenerate(mlx_reference):
 @pytest.mark.parametrize("k", [3, 8])
 def test_mlx_greedy_matches_mlx_lm(tiny_mlx, prompt_ids, mlx_reference, scripted, mode, k):
     engine = Engine(tiny_mlx, scripted(prompt_ids + mlx_reference, mode, 49152), fixed_k=k)
-    out = []
-    for block in engine.stream(
-        prompt_ids, GenerationParams(max_tokens=N, eos_token_ids=NO_EOS), stats=Stats()
-    ):
-        assert block.cache_len == block.committed_len - 1
-        out.extend(block.token_ids)
+    params = GenerationParams(max_tokens=N, eos_token_ids=NO_EOS)
+    out, _ = stream_checked(engine, prompt_ids, params)
     assert out == mlx_reference[:N]
 
 

@@ -7,7 +7,7 @@ import pytest
 from nodes.drafters.base import Drafter
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.core import Stats
-from tests.engine.conftest import hf_greedy
+from tests.engine.conftest import hf_greedy, stream_checked
 
 N = 24
 
@@ -18,17 +18,6 @@ N = 24
 def reference(tiny_torch, prompt_ids):
     """HF greedy continuation with an EOS id nobody produces (so it runs the full length)."""
     return hf_greedy(tiny_torch, prompt_ids, N + 12, eos_id=49151)
-
-
-def run(engine, prompt_ids, params):
-    """Generate via the streaming API, checking the KV invariant after every block."""
-    out = []
-    stats = Stats()
-    for block in engine.stream(prompt_ids, params, stats=stats):
-        assert block.cache_len == block.committed_len - 1, "cache must hold committed minus pending"
-        out.extend(block.token_ids)
-    assert stats.drafter_errors == 0
-    return out
 
 
 def test_reference_is_not_degenerate(reference):
@@ -42,7 +31,7 @@ def test_greedy_matches_hf(tiny_torch, prompt_ids, reference, scripted, mode, k)
     drafter = scripted(prompt_ids + reference, mode, tiny_torch.vocab_size, seed=k or 0)
     engine = Engine(tiny_torch, drafter, fixed_k=k)
     params = GenerationParams(max_tokens=N, eos_token_ids=frozenset({49151}))
-    assert run(engine, prompt_ids, params) == reference[:N]
+    assert stream_checked(engine, prompt_ids, params)[0] == reference[:N]
 
 
 def test_perfect_drafts_are_all_accepted(tiny_torch, prompt_ids, reference, scripted):
@@ -82,7 +71,8 @@ def test_eos_inside_draft(tiny_torch, prompt_ids, reference, scripted, k):
     assert expected == reference[:cut]
     engine = Engine(tiny_torch, scripted(prompt_ids + reference, "perfect", 49152), fixed_k=k)
     params = GenerationParams(max_tokens=N, eos_token_ids=frozenset({eos}))
-    assert run(engine, prompt_ids, params) == expected  # also checks the cache after EOS
+    out, _ = stream_checked(engine, prompt_ids, params)  # also checks the cache after EOS
+    assert out == expected
     assert engine.generate(prompt_ids, params).finish_reason == "eos"
 
 
@@ -107,13 +97,7 @@ def test_ngram_and_model_drafters_match_hf(tiny_torch, tiny_draft_folder, prompt
     other = ModelDrafter(TorchBackend.load(str(tiny_draft_folder), device="cpu"))
     for drafter in (NgramDrafter(), same_model, other):
         for k in (4, None):
-            stats = Stats()
-            out = []
-            for block in Engine(tiny_torch, drafter, fixed_k=k).stream(
-                prompt_ids, params, stats=stats
-            ):
-                assert block.cache_len == block.committed_len - 1
-                out.extend(block.token_ids)
+            out, stats = stream_checked(Engine(tiny_torch, drafter, fixed_k=k), prompt_ids, params)
             assert out == reference[:N], drafter.name
             if drafter is same_model and k:
                 assert stats.acceptance == 1.0

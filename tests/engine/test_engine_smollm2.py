@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nodes.engine import Engine, GenerationParams
-from nodes.engine.core import Stats
-from tests.engine.conftest import hf_greedy
+from tests.engine.conftest import hf_greedy, stream_checked
 
 pytestmark = pytest.mark.slow
 
@@ -42,11 +41,7 @@ def test_smollm2_torch_matches_hf(smol_torch, smol_prompt, hf_reference, drafter
     from nodes.drafters.registry import make_drafter
 
     engine = Engine(smol_torch, make_drafter(drafter_name, smol_torch))
-    stats = Stats()
-    out = []
-    for block in engine.stream(smol_prompt, GenerationParams(max_tokens=N), stats=stats):
-        assert block.cache_len == block.committed_len - 1
-        out.extend(block.token_ids)
+    out, stats = stream_checked(engine, smol_prompt, GenerationParams(max_tokens=N))
     assert out == hf_reference
     assert stats.drafted > 0 and stats.accepted > 0  # speculation happened and helped
 
@@ -86,11 +81,7 @@ def test_smollm2_trees_match_hf(smol_torch, smol_prompt, hf_reference, drafter_n
         drafter = Int8Drafter(make_drafter("int8", smol_torch).backend, name="int8",
                               tree_width=TREE_WIDTH)
     engine = Engine(smol_torch, drafter, fixed_k=8)
-    stats = Stats()
-    out = []
-    for block in engine.stream(smol_prompt, GenerationParams(max_tokens=N), stats=stats):
-        assert block.cache_len == block.committed_len - 1
-        out.extend(block.token_ids)
+    out, stats = stream_checked(engine, smol_prompt, GenerationParams(max_tokens=N))
     assert out == hf_reference
     assert stats.tree_blocks > 0 and stats.accepted > 0
 

@@ -12,7 +12,7 @@ from nodes.engine.core import Stats
 from nodes.engine.cost import CostModel
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import Candidate, TokenTree
-from tests.engine.conftest import hf_greedy
+from tests.engine.conftest import hf_greedy, stream_checked
 
 N = 24
 EOS_NONE = frozenset({49151})
@@ -111,21 +111,12 @@ class ScriptedTree(DraftSource):
         return out
 
 
-def run(engine, prompt_ids, params, **kw):
-    out, stats = [], Stats()
-    for block in engine.stream(prompt_ids, params, stats=stats, **kw):
-        assert block.cache_len == block.committed_len - 1
-        out.extend(block.token_ids)
-    assert stats.drafter_errors == 0
-    return out, stats
-
-
 @pytest.mark.parametrize("k", [3, 8, 16])
 def test_scripted_tree_greedy_matches_hf(tiny_torch, prompt_ids, reference, k):
     source = ScriptedTree(prompt_ids + reference, tiny_torch.vocab_size, seed=k)
     engine = Engine(tiny_torch, fixed_k=k)
     params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
-    out, stats = run(engine, prompt_ids, params, sources=[source])
+    out, stats = stream_checked(engine, prompt_ids, params, sources=[source])
     assert out == reference[:N]
     assert stats.tree_blocks > 0 and stats.accepted > 0
 
@@ -135,7 +126,7 @@ def test_tree_with_eos_inside(tiny_torch, prompt_ids, reference):
     expected = hf_greedy(tiny_torch, prompt_ids, N, eos_id=eos)
     source = ScriptedTree(prompt_ids + reference, tiny_torch.vocab_size)
     params = GenerationParams(max_tokens=N, eos_token_ids=frozenset({eos}))
-    out, _ = run(Engine(tiny_torch, fixed_k=8), prompt_ids, params, sources=[source])
+    out, _ = stream_checked(Engine(tiny_torch, fixed_k=8), prompt_ids, params, sources=[source])
     assert out == expected
 
 
@@ -148,7 +139,7 @@ def test_drafts_are_cut_after_an_eos(tiny_torch, prompt_ids, reference):
     assert expected == reference[: j + 1]
     truth = Chain("truth", prompt_ids + reference, tiny_torch.vocab_size, right=True)
     params = GenerationParams(max_tokens=N, eos_token_ids=frozenset({eos}))
-    out, stats = run(Engine(tiny_torch, fixed_k=12), prompt_ids, params, sources=[truth])
+    out, stats = stream_checked(Engine(tiny_torch, fixed_k=12), prompt_ids, params, sources=[truth])
     assert out == expected
     # one verify block: of the 12 tokens the source proposed, the engine fed reference[1..j],
     # the EOS the last of them
@@ -166,7 +157,7 @@ def test_model_and_ngram_trees_match_hf(tiny_torch, tiny_draft_folder, prompt_id
     other = TorchBackend.load(str(tiny_draft_folder), device="cpu")
     for drafter in (NgramDrafter(branches=4), ModelDrafter(other, tree_width=3),
                     ModelDrafter(tiny_torch, tree_width=2)):
-        out, _ = run(Engine(tiny_torch, drafter, fixed_k=k), prompt_ids, params)
+        out, _ = stream_checked(Engine(tiny_torch, drafter, fixed_k=k), prompt_ids, params)
         assert out == reference[:N], drafter.name
 
 
@@ -185,7 +176,7 @@ def test_two_sources_merge_into_one_tree(tiny_torch, tiny_draft_folder, prompt_i
         other.open_source(prompt_ids, sp),
     ]
     params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
-    out, stats = run(Engine(tiny_torch, fixed_k=12), prompt_ids, params, sources=sources)
+    out, stats = stream_checked(Engine(tiny_torch, fixed_k=12), prompt_ids, params, sources=sources)
     assert out == reference[:N]
     assert stats.blocks < N // 2  # the truth is in every tree: long blocks
 
@@ -315,7 +306,7 @@ def test_a_wrong_source_is_pruned_without_costing_the_right_one(tiny_torch, prom
     junk = Chain("junk", full, tiny_torch.vocab_size, right=False)
     truth = Chain("truth", full, tiny_torch.vocab_size, right=True)
     params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
-    out, stats = run(engine, prompt_ids, params, sources=[junk, truth])
+    out, stats = stream_checked(engine, prompt_ids, params, sources=[junk, truth])
     assert out == reference[:N]
     steps = len(truth.offered) - 1  # the prefill offers nothing
     assert sum(1 for o in junk.offered if o) <= 2  # the prior's tries, then it is left out
@@ -357,7 +348,7 @@ def test_a_likely_runner_up_is_verified_and_a_hopeless_one_pruned(tiny_torch, pr
     trees, plan = [], engine._plan
     engine._plan = lambda seq, *rest: trees.append(plan(seq, *rest)) or trees[-1]
     params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
-    out, stats = run(engine, prompt_ids, params, sources=[source])
+    out, stats = stream_checked(engine, prompt_ids, params, sources=[source])
     assert out == reference[:N]
     # once asked, every step commits the runner-up (and the verifier's own next token)
     asked = [acc for acc, off in zip(source.accepted, source.offered, strict=True) if off]
@@ -402,7 +393,7 @@ def test_announced_drafts_are_waited_for_only_when_they_pay(tiny_torch, prompt_i
     engine.cost = PinnedCost(max_k=engine.max_draft)
     late = Late("late", prompt_ids + reference, tiny_torch.vocab_size, right=right)
     params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
-    out, stats = run(engine, prompt_ids, params, sources=[late])
+    out, stats = stream_checked(engine, prompt_ids, params, sources=[late])
     assert out == reference[:N]
     assert stats.waits == late.waits
     if right:  # waited every step (1 ms for many tokens) and got long blocks
@@ -428,7 +419,7 @@ def test_a_probe_waits_for_a_source_no_wait_pays_for(tiny_torch, prompt_ids, rig
     reference = hf_greedy(tiny_torch, prompt_ids, n, eos_id=49151)
     slow = Slow("slow", prompt_ids + reference, tiny_torch.vocab_size, right=right)
     params = GenerationParams(max_tokens=n, eos_token_ids=EOS_NONE)
-    out, stats = run(engine, prompt_ids, params, sources=[slow])
+    out, stats = stream_checked(engine, prompt_ids, params, sources=[slow])
     assert out == reference[:n]
     assert stats.waits == slow.waits >= 1  # only probes wait: 5 s never pays
     if right:  # each probe's drafts were all taken
@@ -459,7 +450,7 @@ def test_a_probes_wait_is_capped_at_its_share_of_the_verifiers_time(tiny_torch, 
     reference = hf_greedy(tiny_torch, prompt_ids, n, eos_id=49151)
     slow = SlowTimed("slow", prompt_ids + reference, tiny_torch.vocab_size, right=False)
     params = GenerationParams(max_tokens=n, eos_token_ids=EOS_NONE)
-    out, stats = run(engine, prompt_ids, params, sources=[slow])
+    out, stats = stream_checked(engine, prompt_ids, params, sources=[slow])
     assert out == reference[:n]
     cost = engine.cost
     cap = cost.probe_share * cost.max_probe_every * cost.verify_cost(1)
@@ -482,7 +473,7 @@ def test_short_drafts_are_topped_up_by_a_wait_only_when_it_pays(tiny_torch, prom
     engine.cost = PinnedCost(max_k=engine.max_draft)
     src = RunsOut("remote", prompt_ids + reference, tiny_torch.vocab_size, right=right)
     params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
-    out, stats = run(engine, prompt_ids, params, sources=[src])
+    out, stats = stream_checked(engine, prompt_ids, params, sources=[src])
     assert out == reference[:N]
     assert stats.waits == src.waits
     if right:  # 1 ms for a full block instead of 2 tokens: waited every step, long blocks
@@ -525,7 +516,7 @@ def test_a_source_is_judged_per_draft_class(tiny_torch, prompt_ids, reference):
     engine.cost = PinnedCost(max_k=4)
     source = Classed(prompt_ids + long_ref, tiny_torch.vocab_size)
     params = GenerationParams(max_tokens=3 * N, eos_token_ids=EOS_NONE)
-    out, _ = run(engine, prompt_ids, params, sources=[source])
+    out, _ = stream_checked(engine, prompt_ids, params, sources=[source])
     assert out == long_ref[: 3 * N]
     good, junk = source.asked["m5"][1:], source.asked["m1"]
     # long matches: drafted in full every time (but where the answer's end caps the budget)

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from nodes.engine import Engine, GenerationParams
-from nodes.engine.core import Stats
 from nodes.engine.prefix_cache import PrefixCache
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import Candidate
-from tests.engine.conftest import _tokenizer_files, hf_greedy
+from tests.engine.conftest import _tokenizer_files, hf_greedy, stream_checked
 
 N = 40
 WINDOW = 8
@@ -88,15 +87,6 @@ def refs(family):
     return [(p, hf_greedy(b, p, N + 8, eos_id=49151)) for p in prompts]
 
 
-def _run(engine, prompt, params, **kw):
-    out, stats = [], Stats()
-    for block in engine.stream(prompt, params, stats=stats, **kw):
-        assert block.cache_len == block.committed_len - 1
-        out.extend(block.token_ids)
-    assert stats.drafter_errors == 0
-    return out, stats
-
-
 class Tree(DraftSource):
     """The truth among decoys (a wrong first branch, a wrong turn at every depth)."""
 
@@ -125,8 +115,8 @@ def test_chain_matches_hf(family, refs, scripted, mode, k):
     _, b = family
     prompt, ref = refs[0]
     drafter = scripted(prompt + ref, mode, b.vocab_size, seed=k)
-    out, stats = _run(Engine(b, drafter, fixed_k=k), prompt,
-                      GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE))
+    out, stats = stream_checked(Engine(b, drafter, fixed_k=k), prompt,
+                                GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE))
     assert out == ref[:N]
     assert stats.drafted > 0
 
@@ -136,8 +126,9 @@ def test_tree_matches_hf(family, refs, k):
     _, b = family
     prompt, ref = refs[0]
     source = Tree(prompt + ref, b.vocab_size, seed=k)
-    out, stats = _run(Engine(b, fixed_k=k), prompt,
-                      GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE), sources=[source])
+    out, stats = stream_checked(Engine(b, fixed_k=k), prompt,
+                                GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE),
+                                sources=[source])
     assert out == ref[:N]
     assert stats.tree_blocks > 0 and stats.accepted > 0
 
@@ -191,11 +182,12 @@ def test_prefix_reuse_past_the_window(family, refs, scripted):
     prompt, ref = refs[0]
     engine = Engine(b, None, prefix_cache=PrefixCache(b, 1 << 26))
     params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
-    first, _ = _run(engine, prompt, params)
+    first, _ = stream_checked(engine, prompt, params)
     assert first == ref[:N]
     longer = prompt + ref[:3 * WINDOW]
     expected = hf_greedy(b, longer, 16, eos_id=49151)
-    out, stats = _run(engine, longer, GenerationParams(max_tokens=16, eos_token_ids=EOS_NONE))
+    out, stats = stream_checked(engine, longer,
+                                GenerationParams(max_tokens=16, eos_token_ids=EOS_NONE))
     assert stats.reused >= 2 * WINDOW
     assert out == expected
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from nodes.engine import Engine, GenerationParams
-from tests.engine.test_hybrid_cache import EOS_NONE, N, _run, build_family
+from tests.engine.conftest import stream_checked
+from tests.engine.test_hybrid_cache import EOS_NONE, N, build_family
 
 mx = pytest.importorskip("mlx.core")
 
@@ -55,8 +56,8 @@ def test_reference_varies(reference):
 def test_chain_matches_mlx_plain_decoding(gemma_mlx, reference, scripted, mode, k):
     prompt, ref = reference
     drafter = scripted(prompt + ref, mode, gemma_mlx.vocab_size, seed=k)
-    out, stats = _run(Engine(gemma_mlx, drafter, fixed_k=k), prompt,
-                      GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE))
+    out, stats = stream_checked(Engine(gemma_mlx, drafter, fixed_k=k), prompt,
+                                GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE))
     assert out == ref[:N]
     assert stats.drafted > 0
 

@@ -13,7 +13,8 @@ import torch
 from nodes.backends.torch_backend import TorchBackend, check_kv_bound
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.errors import BadRequestError
-from tests.engine.test_hybrid_cache import EOS_NONE, Tree, _run, build_family
+from tests.engine.conftest import stream_checked
+from tests.engine.test_hybrid_cache import EOS_NONE, Tree, build_family
 
 SINK, WINDOW = 4, 16
 N = 48
@@ -71,7 +72,7 @@ def _band_reference(b, prompt, n):
 def plain(bounded, prompts):
     _, b = bounded
     params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
-    return [_run(Engine(b, None), p, params)[0] for p in prompts]
+    return [stream_checked(Engine(b, None), p, params)[0] for p in prompts]
 
 
 def test_plain_bounded_decoding_is_the_band_model(bounded, prompts, plain):
@@ -92,8 +93,8 @@ def test_the_bound_changes_the_output(bounded, prompts, plain):
 def test_chain_equals_plain_under_the_bound(bounded, prompts, plain, scripted, mode, k):
     _, b = bounded
     drafter = scripted(prompts[0] + plain[0], mode, b.vocab_size, seed=k)
-    out, stats = _run(Engine(b, drafter, fixed_k=k), prompts[0],
-                      GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE))
+    out, stats = stream_checked(Engine(b, drafter, fixed_k=k), prompts[0],
+                                GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE))
     assert out == plain[0] and stats.drafted > 0
 
 
@@ -101,8 +102,9 @@ def test_chain_equals_plain_under_the_bound(bounded, prompts, plain, scripted, m
 def test_tree_equals_plain_under_the_bound(bounded, prompts, plain, k):
     _, b = bounded
     source = Tree(prompts[0] + plain[0], b.vocab_size, seed=k)
-    out, stats = _run(Engine(b, fixed_k=k), prompts[0],
-                      GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE), sources=[source])
+    out, stats = stream_checked(Engine(b, fixed_k=k), prompts[0],
+                                GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE),
+                                sources=[source])
     assert out == plain[0] and stats.tree_blocks > 0
 
 
@@ -130,8 +132,8 @@ def test_resume_from_committed_tokens_equals_plain(bounded, prompts, plain):
     of the tokens, so it goes on as the uninterrupted run did."""
     _, b = bounded
     cut = N // 2
-    resumed, _ = _run(Engine(b, None), prompts[0] + plain[0][:cut],
-                      GenerationParams(max_tokens=N - cut, eos_token_ids=EOS_NONE))
+    resumed, _ = stream_checked(Engine(b, None), prompts[0] + plain[0][:cut],
+                                GenerationParams(max_tokens=N - cut, eos_token_ids=EOS_NONE))
     assert resumed == plain[0][cut:]
 
 

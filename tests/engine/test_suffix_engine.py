@@ -8,8 +8,7 @@ import pytest
 
 from nodes.drafters.suffix import SuffixDrafter, SuffixOptions
 from nodes.engine import Engine, GenerationParams
-from nodes.engine.core import Stats
-from tests.engine.conftest import hf_greedy
+from tests.engine.conftest import hf_greedy, stream_checked
 
 N = 32
 EOS_NONE = frozenset({49151})
@@ -19,15 +18,6 @@ PARAMS = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
 @pytest.fixture(scope="module")
 def reference(tiny_torch, prompt_ids):
     return hf_greedy(tiny_torch, prompt_ids, N, eos_id=49151)
-
-
-def run(engine, prompt_ids):
-    out, stats = [], Stats()
-    for block in engine.stream(prompt_ids, PARAMS, stats=stats):
-        assert block.cache_len == block.committed_len - 1
-        out.extend(block.token_ids)
-    assert stats.drafter_errors == 0
-    return out, stats
 
 
 def fill(drafter: SuffixDrafter, reference, vocab: int) -> None:
@@ -49,7 +39,7 @@ def test_suffix_chains_and_trees_match_hf(tiny_torch, prompt_ids, reference, wid
     drafter = SuffixDrafter(SuffixOptions(width=width, factor=2.0))
     if indexed == "filled":
         fill(drafter, reference, tiny_torch.vocab_size)
-    out, stats = run(Engine(tiny_torch, drafter, fixed_k=k), prompt_ids)
+    out, stats = stream_checked(Engine(tiny_torch, drafter, fixed_k=k), prompt_ids, PARAMS)
     assert out == reference
     if indexed == "filled":
         assert stats.accepted > 0
@@ -58,24 +48,24 @@ def test_suffix_chains_and_trees_match_hf(tiny_torch, prompt_ids, reference, wid
 def test_the_second_identical_request_is_drafted_whole(tiny_torch, prompt_ids, reference):
     drafter = SuffixDrafter()
     engine = Engine(tiny_torch, drafter, fixed_k=16)
-    first, s1 = run(engine, prompt_ids)
+    first, s1 = stream_checked(engine, prompt_ids, PARAMS)
     assert drafter.index.stats()["documents"] == 1  # the finished output, at close
-    second, s2 = run(engine, prompt_ids)
+    second, s2 = stream_checked(engine, prompt_ids, PARAMS)
     assert first == second == reference
     # the prompt's hash files the answer (outputs only): prefill, then 16 drafted + 1, then
     # the last 13 + 1 (suffix matching alone ramped 2, 5, 11: 5 forwards)
     assert s2.accepted == N - 3 and s2.blocks == 3 < s1.blocks, (s1.blocks, s2.blocks)
     shared = SuffixDrafter(SuffixOptions(prompts=True))
     engine = Engine(tiny_torch, shared, fixed_k=16)
-    run(engine, prompt_ids)
-    _, s3 = run(engine, prompt_ids)
+    stream_checked(engine, prompt_ids, PARAMS)
+    _, s3 = stream_checked(engine, prompt_ids, PARAMS)
     # the prompt indexed too: the answer is matched from its first token on
     assert s3.accepted == N - 3 and s3.blocks == 3, s3  # prefill + 2 blocks of <= 16
 
 
 def test_a_source_sees_the_last_block_before_close(tiny_torch, prompt_ids, reference):
     drafter = SuffixDrafter()
-    run(Engine(tiny_torch, drafter, fixed_k=4), prompt_ids)
+    stream_checked(Engine(tiny_torch, drafter, fixed_k=4), prompt_ids, PARAMS)
     doc = drafter.index.docs[0]
     stored = list(drafter.index.tokens[doc.start + 1 : doc.end - 1])  # between START and SEP
     assert stored == reference

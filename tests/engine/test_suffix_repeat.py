@@ -10,9 +10,8 @@ import pytest
 from nodes.drafters.suffix import SuffixDrafter, SuffixOptions
 from nodes.drafters.suffix_index import MAX_PER_PROMPT, GlobalIndex, prompt_digest
 from nodes.engine import Engine, GenerationParams
-from nodes.engine.core import Stats
 from nodes.engine.cost import CostModel
-from tests.engine.conftest import hf_greedy
+from tests.engine.conftest import hf_greedy, stream_checked
 
 PROMPT = [11, 12, 13, 14, 15]
 ANSWER = list(range(100, 160))  # 60 tokens, no repeated n-gram
@@ -106,24 +105,16 @@ def reference(tiny_torch, prompt_ids):
     return hf_greedy(tiny_torch, prompt_ids, N, eos_id=49151)
 
 
-def run(engine, prompt_ids):
-    out, stats = [], Stats()
-    for block in engine.stream(prompt_ids, PARAMS, stats=stats):
-        out.extend(block.token_ids)
-    assert stats.drafter_errors == 0
-    return out, stats
-
-
 def test_an_exact_repeat_is_drafted_whole_with_outputs_only(tiny_torch, prompt_ids, reference):
     drafter = SuffixDrafter()  # outputs only: the prompt is not indexed, its hash is
     engine = Engine(tiny_torch, drafter, fixed_k=16)
-    run(engine, prompt_ids)
-    again, s = run(engine, prompt_ids)
+    stream_checked(engine, prompt_ids, PARAMS)
+    again, s = stream_checked(engine, prompt_ids, PARAMS)
     assert again == reference
     # prefill, then 16 drafted + 1, then the last 13 + 1: all 29 drafts right
     assert s.blocks == 3 and s.accepted == N - 3, s
     other = list(prompt_ids[:-1]) + [int(prompt_ids[-1]) + 1]
-    _, s_other = run(engine, other)  # another prompt: no repeat draft
+    _, s_other = stream_checked(engine, other, PARAMS)  # another prompt: no repeat draft
     assert s_other.accepted < N - 3
 
 
@@ -136,10 +127,10 @@ def test_the_cost_model_gives_a_repeat_its_budget_at_once(tiny_torch, prompt_ids
     monkeypatch.setattr(CostModel, "record_draft", lambda self, drafted, seconds, name="": None)
     engine = Engine(tiny_torch, SuffixDrafter(SuffixOptions(width=1)))
     engine.cost._verify.update({n: CPU(n) for n in range(1, 18)})
-    first, _ = run(engine, prompt_ids)
+    first, _ = stream_checked(engine, prompt_ids, PARAMS)
     blocks = []
     for _ in range(3):
-        out, s = run(engine, prompt_ids)
+        out, s = stream_checked(engine, prompt_ids, PARAMS)
         assert out == first == reference
         blocks.append(s.blocks)
     assert blocks[1] == blocks[2] == 3 and blocks[0] > 3, blocks
