@@ -198,6 +198,32 @@ def stream_checked(engine, prompt_ids, params, **kw):
     return out, stats
 
 
+def step_together(engine, seqs):
+    """Step started sequences in one batch (`engine.step_batch` over the unfinished ones)
+    until all finish; each one's tokens from these steps."""
+    outs = [[] for _ in seqs]
+    while any(s.finish_reason is None for s in seqs):
+        live = [i for i, s in enumerate(seqs) if s.finish_reason is None]
+        for i, block in zip(live, engine.step_batch([seqs[i] for i in live]), strict=True):
+            outs[i].extend(block.token_ids)
+    return outs
+
+
+def primed_caches(backend, prompts, capture_layers=()):
+    """A fresh cache per prompt holding all of it but its last token (which a step feeds);
+    with `capture_layers`, a capturing cache (the prompt's own hidden states taken away)."""
+    caches = []
+    for ids in prompts:
+        cache = backend.new_cache()
+        if capture_layers:
+            backend.capture_hidden(cache, capture_layers)
+        backend.forward(cache, ids[:-1])
+        if capture_layers:
+            backend.take_hidden(cache)
+        caches.append(cache)
+    return caches
+
+
 class Ahead:
     """`DraftState.draft_ahead`'s paths read back as a proposer sends them: the chain
     (`ids`, `conf`) and the alternatives as `(at, tokens, conf)` branches off it."""

@@ -20,7 +20,7 @@ from nodes.engine import Engine, GenerationParams, Stats
 from nodes.engine.cost import CostModel
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import Candidate
-from tests.engine.conftest import hf_greedy, needs_kernel
+from tests.engine.conftest import hf_greedy, needs_kernel, primed_caches, step_together
 
 LAYERS = (0, 1)
 
@@ -36,15 +36,7 @@ def _feeds(prompt_ids):
 
 
 def _primed(backend, prompts, capture=False):
-    caches = []
-    for ids in prompts:
-        cache = backend.new_cache()
-        if capture:
-            backend.capture_hidden(cache, LAYERS)
-        backend.forward(cache, ids[:-1])
-        backend.take_hidden(cache)
-        caches.append(cache)
-    return caches
+    return primed_caches(backend, prompts, LAYERS if capture else ())
 
 
 def _prompts(prompt_ids):
@@ -517,10 +509,8 @@ def test_a_prompt_in_the_step_does_not_make_drafts_ride_free(tiny_torch, prompt_
     assert [b.drafted for b in blocks[:2]] == [0, 0]
     for i, b in enumerate(blocks):
         out[i] += b.token_ids
-    while any(q.finish_reason is None for q in seqs):
-        live = [i for i, q in enumerate(seqs) if q.finish_reason is None]
-        for i, b in zip(live, engine.step_batch([seqs[i] for i in live]), strict=True):
-            out[i] += b.token_ids
+    for i, rest in enumerate(step_together(engine, seqs)):
+        out[i] += rest
     assert out == solo
 
 
@@ -700,15 +690,7 @@ def test_a_ragged_step_within_the_kernels_rows_gives_each_sequence_its_solo_logi
     feeds[5] = ([prompts[5][-1], 5, 6, 7, 8], [-1, 0, 0, 1, 2])
     assert sum(len(f[0]) for f in feeds) <= few_rows.MAX_ROWS
 
-    def primed():
-        caches = []
-        for ids in prompts:
-            cache = smol.new_cache()
-            smol.forward(cache, ids[:-1])
-            caches.append(cache)
-        return caches
-
-    alone_caches, batch_caches = primed(), primed()
+    alone_caches, batch_caches = primed_caches(smol, prompts), primed_caches(smol, prompts)
     alone = [smol.forward_batch([c], [f])[0] for c, f in zip(alone_caches, feeds, strict=True)]
     batched = smol.forward_batch(batch_caches, feeds)
     for i, (a, b) in enumerate(zip(alone, batched, strict=True)):

@@ -13,7 +13,7 @@ from nodes.engine import Engine, GenerationParams
 from nodes.engine.prefix_cache import PrefixCache
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import Candidate
-from tests.engine.conftest import _tokenizer_files, hf_greedy, stream_checked
+from tests.engine.conftest import _tokenizer_files, hf_greedy, step_together, stream_checked
 
 N = 40
 WINDOW = 8
@@ -165,11 +165,7 @@ def test_batch_of_four_matches_hf(family, refs, scripted):
         sources = [drafter.open_source(p, params.sampling)] if i % 2 == 0 else [
             Tree(p + ref, b.vocab_size, seed=i)]
         seqs.append(engine.start(p, params, sources=sources))
-    out = [[] for _ in seqs]
-    while any(q.finish_reason is None for q in seqs):
-        live = [i for i, q in enumerate(seqs) if q.finish_reason is None]
-        for i, block in zip(live, engine.step_batch([seqs[i] for i in live]), strict=True):
-            out[i] += block.token_ids
+    out = step_together(engine, seqs)
     for q in seqs:
         q.close()
     assert out == [ref[:N] for _, ref in refs]

@@ -13,7 +13,7 @@ import torch
 from nodes.backends.torch_backend import TorchBackend, check_kv_bound
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.errors import BadRequestError
-from tests.engine.conftest import stream_checked
+from tests.engine.conftest import step_together, stream_checked
 from tests.engine.test_hybrid_cache import EOS_NONE, Tree, build_family
 
 SINK, WINDOW = 4, 16
@@ -117,11 +117,7 @@ def test_batch_of_four_equals_plain_under_the_bound(bounded, prompts, plain, scr
         sources = ([scripted(p + ref, "random", b.vocab_size, seed=i).open_source(
             p, params.sampling)] if i % 2 == 0 else [Tree(p + ref, b.vocab_size, seed=i)])
         seqs.append(engine.start(p, params, sources=sources))
-    out = [[] for _ in seqs]
-    while any(q.finish_reason is None for q in seqs):
-        live = [i for i, q in enumerate(seqs) if q.finish_reason is None]
-        for i, block in zip(live, engine.step_batch([seqs[i] for i in live]), strict=True):
-            out[i] += block.token_ids
+    out = step_together(engine, seqs)
     for q in seqs:
         q.close()
     assert out == plain

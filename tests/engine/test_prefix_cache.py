@@ -12,7 +12,7 @@ import pytest
 
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.prefix_cache import PrefixCache
-from tests.engine.conftest import hf_greedy
+from tests.engine.conftest import hf_greedy, step_together
 from tests.engine.test_engine_batch import Hidden  # a source reading hidden states
 
 PARAMS = GenerationParams(max_tokens=8, eos_token_ids=frozenset())
@@ -112,20 +112,10 @@ def test_a_reusing_prompt_joins_a_batch_without_changing_any_output(tiny_torch, 
     runner = engine.start(prompt_ids, PARAMS, sources=[])
     engine.step(runner)
     joiner = engine.start(long_prompt, PARAMS, sources=[])
-    outs = _step_together(engine, [runner, joiner])
+    outs = step_together(engine, [runner, joiner])
     assert joiner.reused == 16  # looked up at its first step (the runner holds only 12)
     assert outs[1] == _out(plain, long_prompt)
     assert list(runner.generated) == _out(plain, prompt_ids)
-
-
-def _step_together(engine, seqs):
-    """Step `seqs` in one batch until all finish; each one's tokens from these steps."""
-    outs = [[] for _ in seqs]
-    while any(s.finish_reason is None for s in seqs):
-        live = [i for i, s in enumerate(seqs) if s.finish_reason is None]
-        for i, block in zip(live, engine.step_batch([seqs[i] for i in live]), strict=True):
-            outs[i].extend(block.token_ids)
-    return outs
 
 
 def test_a_prompt_starts_from_a_running_sequences_positions(tiny_torch, long_prompt):
@@ -136,7 +126,7 @@ def test_a_prompt_starts_from_a_running_sequences_positions(tiny_torch, long_pro
     for _ in range(3):
         engine.step(runner)  # prefilled, 3 tokens committed, nothing kept yet
     joiner = engine.start(long_prompt[:20] + [5, 6, 7], PARAMS, sources=[])
-    outs = _step_together(engine, [runner, joiner])
+    outs = step_together(engine, [runner, joiner])
     assert joiner.reused == 20 and pc.stats.live == 1
     assert outs[1] == _out(Engine(b, None), long_prompt[:20] + [5, 6, 7])
 
@@ -159,7 +149,7 @@ def test_prompts_arriving_together_compute_a_shared_prefix_once(tiny_torch, long
         assert seqs[1].reused == 24 and blocks[1].fed == 3 and blocks[1].token_ids
     else:
         assert blocks[1].fed == len(second) and seqs[1].reused == 0
-    _step_together(engine, seqs)
+    step_together(engine, seqs)
     plain = Engine(b, None)
     assert list(seqs[0].generated) == _out(plain, first)
     assert list(seqs[1].generated) == _out(plain, second)
@@ -183,7 +173,7 @@ def test_n_identical_prompts_share_one_prefill(tiny_torch, long_prompt):
     assert [blk.fed for blk in blocks[1:]] == [1, 1]  # each its last prompt position
     prompt_rows += sum(blk.fed for blk in blocks[1:])
     assert prompt_rows == len(long_prompt) + 2
-    _step_together(engine, seqs)
+    step_together(engine, seqs)
     want = _out(Engine(b, None), long_prompt)
     assert [list(s.generated) for s in seqs] == [want] * 3
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from nodes.backends import quant_forward as qf
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.errors import BadRequestError
-from tests.engine.conftest import ScriptedDrafter, needs_kernel
+from tests.engine.conftest import ScriptedDrafter, needs_kernel, primed_caches
 
 pytestmark = needs_kernel
 
@@ -145,16 +145,9 @@ def test_a_batch_gives_each_sequence_its_solo_logits(tiny_quant, prompt_ids):
     feeds = [([p[-1], *extra], parents) for p, (extra, parents) in
              zip(prompts, shapes, strict=True)]
 
-    def primed():
-        caches = []
-        for ids in prompts:
-            cache = tiny_quant.new_cache()
-            tiny_quant.forward(cache, ids[:-1])
-            caches.append(cache)
-        return caches
-
-    solo = [tiny_quant.forward_batch([c], [f])[0] for c, f in zip(primed(), feeds, strict=True)]
-    batched = tiny_quant.forward_batch(primed(), feeds)
+    solo = [tiny_quant.forward_batch([c], [f])[0]
+            for c, f in zip(primed_caches(tiny_quant, prompts), feeds, strict=True)]
+    batched = tiny_quant.forward_batch(primed_caches(tiny_quant, prompts), feeds)
     for got, want in zip(batched, solo, strict=True):
         assert np.array_equal(got, want)
 

@@ -24,6 +24,7 @@ from nodes.engine.sampling import History, adjust_logits
 from nodes.engine.sources import DraftSource
 from nodes.engine.state import Stats
 from nodes.engine.tree import Candidate
+from tests.engine.conftest import step_together
 
 N = 24
 EOS_NONE = frozenset({49151})
@@ -177,11 +178,7 @@ def test_a_batch_of_different_controls_equals_each_alone(tiny_torch, prompt_ids,
     seqs = [engine.start(prompt_ids, params(cs[n]), sources=[
         ScriptedChain(list(prompt_ids) + refs[n] + [7] * 32, vocab, seed=i)])
         for i, n in enumerate(names)]
-    outs = [[] for _ in names]
-    while any(s.finish_reason is None for s in seqs):
-        live = [i for i, s in enumerate(seqs) if s.finish_reason is None]
-        for i, block in zip(live, engine.step_batch([seqs[i] for i in live]), strict=True):
-            outs[i].extend(block.token_ids)
+    outs = step_together(engine, seqs)
     for s in seqs:
         engine.release(s)
     assert outs == [refs[n] for n in names]
