@@ -20,7 +20,9 @@ only send its messages, wait for replies and hand them in. So both faces have on
   is deterministic, so the text is exactly the uninterrupted one, constrained or not (with
   sampling, a fresh draw given the same prefix unless the request fixed its seed: the noise is
   keyed by the seed and the absolute position). It needs the prompt's token ids: without
-  them, or with no other verifier, the generation ends with a `ClusterError`.
+  them, or with no other verifier, the generation ends with a `ClusterError`. A verifier lost
+  after its last token or its end-of-sequence token (its `done` not yet sent) is not resumed:
+  the generation is over (`length`, `eos`).
 
 Text: chunk texts as the verifier streamed them until a failover, then the client's own decode
 of every token received; TextAssembler cuts stop strings over the whole text (one straddling
@@ -301,9 +303,14 @@ class Failover:
         log.warning("cluster client: verifier %s lost after %d tokens (%s); resuming elsewhere",
                     v.node_id, len(self.ids), why)
         out: list = [Resuming(v.node_id, why, len(self.ids))]
-        if len(self.ids) >= self.req.max_tokens:  # lost right after its last token
+        # lost right after its last token (before its `done`): nothing to resume
+        eos = getattr(self.tokenizer, "eos_token_ids", frozenset())
+        ended = "eos" if self.ids and self.ids[-1] in eos else None
+        if ended is None and len(self.ids) >= self.req.max_tokens:
+            ended = "length"
+        if ended is not None:
             out += self._piece(self.asm.finish(self._decode()))
-            out.append(self._final("length", {}))
+            out.append(self._final(ended, {}))
         return out
 
     def _pick(self, now: float) -> VerifierInfo | None:

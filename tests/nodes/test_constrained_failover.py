@@ -19,7 +19,7 @@ import pytest
 
 from nodes.cluster_client import ClusterClient, GenerateRequest
 from nodes.cluster_client.choice import Balancer
-from nodes.cluster_client.failover import Failover, Resuming
+from nodes.cluster_client.failover import Failover, Final, Resuming
 
 SCHEMA = {"type": "object",
           "properties": {"city": {"type": "string", "maxLength": 24},
@@ -61,6 +61,25 @@ def test_the_failover_sends_resumed_with_the_grammar():
     sent = core.begin(now=3).message
     assert list(sent.tensors[0]) == [7, 8, 1, 2] and sent["max_tokens"] == 3
     assert sent["resumed"] == 2 and json.loads(sent["grammar"]["text"]) == SCHEMA
+
+
+def test_a_verifier_lost_after_its_eos_is_not_resumed():
+    """Its end-of-sequence token arrived, its `done` did not: the generation is over (a
+    resume would ask for tokens after the end; the grammar, for more than one object)."""
+    from tests.nodes.test_cluster_client_failover import Tok, View, chunk, verifier
+
+    class EosTok(Tok):
+        eos_token_ids = frozenset({5})
+
+    view = View(verifier("a"), verifier("b"))
+    core = Failover(GenerateRequest("hi", max_tokens=9, grammar=GRAMMAR), view, Balancer(),
+                    model="m", prompt_ids=(7, 8), tokenizer=EosTok())
+    att = core.begin(now=0)
+    core.reply(att, chunk(0, 1, 2, 5), now=1)
+    view.dead["a"] = "gone"
+    out = core.quiet(att, now=2)
+    assert core.finished and isinstance(out[-1], Final)
+    assert out[-1].finish_reason == "eos" and out[-1].token_ids == (1, 2, 5)
 
 
 # ---- real processes ----------------------------------------------------------------------------
