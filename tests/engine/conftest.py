@@ -209,6 +209,17 @@ def step_together(engine, seqs):
     return outs
 
 
+def step_live(engine, live, out):
+    """One scheduler step over the running sequences {index: state}: their blocks' tokens go
+    to `out[index]`, finished ones are closed and leave `live`."""
+    order = sorted(live)
+    for i, block in zip(order, engine.step_batch([live[i] for i in order]), strict=True):
+        out[i] += block.token_ids
+    for i in order:
+        if live[i].finish_reason is not None:
+            live.pop(i).close()
+
+
 def primed_caches(backend, prompts, capture_layers=()):
     """A fresh cache per prompt holding all of it but its last token (which a step feeds);
     with `capture_layers`, a capturing cache (the prompt's own hidden states taken away)."""

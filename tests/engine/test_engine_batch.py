@@ -20,7 +20,13 @@ from nodes.engine import Engine, GenerationParams, Stats
 from nodes.engine.cost import CostModel
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import Candidate
-from tests.engine.conftest import hf_greedy, needs_kernel, primed_caches, step_together
+from tests.engine.conftest import (
+    hf_greedy,
+    needs_kernel,
+    primed_caches,
+    step_live,
+    step_together,
+)
 
 LAYERS = (0, 1)
 
@@ -192,7 +198,7 @@ def _step_all(engine, prompts, *, join_at=0, cancel=None, sources=None):
                 live[i] = engine.start(prompts[i], TINY_PARAMS, sources=opened[i])
         if cancel is not None and steps == cancel[1]:
             live.pop(cancel[0]).close()
-        _step_live(engine, live, out)
+        step_live(engine, live, out)
         steps += 1
     return out, opened, steps
 
@@ -593,7 +599,7 @@ def _run(engine, prompts, *, leave=None, join_at=None, stats=None):
                                     sources=_drafts(i, prompts[i]))
         if leave is not None and steps == leave[1] and leave[0] in live:
             live.pop(leave[0]).close()
-        _step_live(engine, live, out)
+        step_live(engine, live, out)
         steps += 1
     return out
 
@@ -662,17 +668,6 @@ def _assert_like_solo(b, got, solo, caches, solo_caches, solo_hidden, capture):
             torch.testing.assert_close(got_h, ref_h, atol=1e-3, rtol=1e-3)
         else:
             assert got_h is None and ref_h is None
-
-
-def _step_live(engine, live, out):
-    """One scheduler step over the running sequences {index: state}: their blocks' tokens go
-    to `out[index]`, finished ones are closed and leave `live`."""
-    order = sorted(live)
-    for i, block in zip(order, engine.step_batch([live[i] for i in order]), strict=True):
-        out[i] += block.token_ids
-    for i in order:
-        if live[i].finish_reason is not None:
-            live.pop(i).close()
 
 
 @pytest.mark.slow

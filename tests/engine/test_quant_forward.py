@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from nodes.backends import quant_forward as qf
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.errors import BadRequestError
-from tests.engine.conftest import ScriptedDrafter, needs_kernel, primed_caches
+from tests.engine.conftest import ScriptedDrafter, needs_kernel, primed_caches, step_live
 
 pytestmark = needs_kernel
 
@@ -188,12 +188,7 @@ def test_batched_speculation_is_each_plain_decoding(tiny_quant, prompt_ids):
     live = {i: engine.start(p, PARAMS) for i, p in enumerate(prompts)}
     out = {i: [] for i in live}
     while live:
-        order = sorted(live)
-        for i, block in zip(order, engine.step_batch([live[i] for i in order]), strict=True):
-            out[i] += block.token_ids
-        for i in order:
-            if live[i].finish_reason is not None:
-                live.pop(i).close()
+        step_live(engine, live, out)
     assert [out[i] for i in range(len(prompts))] == plain
 
 
