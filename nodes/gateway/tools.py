@@ -27,6 +27,8 @@ from typing import Any
 from nodes.gateway.errors import ApiError, bad
 
 MAX_TOOLS = 128
+#: the most calls one answer may hold with parallel_tool_calls (see `max_calls`)
+MAX_PARALLEL_CALLS = 8
 CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 _CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -104,9 +106,19 @@ def response_grammar(fmt: Any) -> dict[str, str] | None:
             raise bad("response_format.json_schema",
                       "json_schema must be {name, schema, strict}")
         return {"kind": "json_schema",
-                "text": json.dumps(spec.get("schema", {}), separators=(",", ":"))}
+                "text": json.dumps(closed(spec.get("schema", {})), separators=(",", ":"))}
     raise bad("response_format.type", "response_format.type must be text, json_object or "
               "json_schema")
+
+
+def max_calls(tools: Tools, callable_tools: int) -> int:
+    """How many calls one answer may hold: 1 without parallel calls; with them, as many as
+    there are tools it may call, at least 2 (the same tool for two arguments) and at most
+    MAX_PARALLEL_CALLS. Unbounded, a small greedy model repeats its call until max_tokens and
+    the answer is a truncated text, not calls."""
+    if not tools.parallel:
+        return 1
+    return min(MAX_PARALLEL_CALLS, max(2, callable_tools))
 
 
 def tool_grammar(tools: Tools) -> dict[str, str] | None:
@@ -118,10 +130,11 @@ def tool_grammar(tools: Tools) -> dict[str, str] | None:
     # writes the history's calls): a small model cannot pad a call with newlines and spaces, and
     # every key and separator is forced, so the grammar drafts it
     call = {"x-guidance": _COMPACT, "oneOf": [{"type": "object", "properties": {
-        "name": {"const": f["name"]}, "arguments": f["parameters"]},
+        "name": {"const": f["name"]}, "arguments": closed(f["parameters"])},
         "required": ["name", "arguments"], "additionalProperties": False} for f in fns]}
-    rep = "(\"\\n\" call)*" if tools.parallel else ""
-    calls = f"call {rep}"
+    calls = "call"
+    for _ in range(max_calls(tools, len(fns)) - 1):  # call ("\n" call ("\n" call)?)?
+        calls = f"call (\"\\n\" {calls})?"
     lark = (f"start: {'calls | TEXT' if tools.choice == 'auto' else 'calls'}\n"
             f"calls: {calls}\n"
             f"call: \"<tool_call>\\n\" body \"\\n</tool_call>\"\n"
@@ -129,6 +142,49 @@ def tool_grammar(tools: Tools) -> dict[str, str] | None:
     if tools.choice == "auto":  # free text, but not starting a tool call
         lark += "TEXT: /([^<]|<[^t])(.|\\n)*/ | /[^<]?/\n"
     return {"kind": "lark", "text": lark}
+
+
+#: keywords that combine a subschema with others: under them an object closed on its own
+#: `properties` could contradict its siblings, so a schema holding any is left as it is
+_COMBINERS = ('"allOf"', '"unevaluatedProperties"', '"dependentSchemas"', '"if"')
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with every object that lists `properties` and says nothing of other keys
+    closed (`additionalProperties: false`), as OpenAI's strict mode requires of a schema.
+
+    Non-strict tools (LangChain's `bind_tools`, litellm, most clients) send open objects, and a
+    small model under an open object's grammar invents keys ("description": ...) and rambles in
+    them until `max_tokens`. Closing only narrows what the grammar allows: every answer still
+    validates against the schema as sent. Left open: objects with `additionalProperties`,
+    `patternProperties` or a `$ref` of their own, and whole schemas using a combining keyword
+    (`_COMBINERS`), where closing one part could make the whole unsatisfiable."""
+    if not isinstance(schema, dict):
+        return schema
+    text = json.dumps(schema)
+    if any(k in text for k in _COMBINERS):
+        return schema
+    return _close(schema)
+
+
+def _close(s: Any) -> Any:
+    if isinstance(s, list):
+        return [_close(x) for x in s]
+    if not isinstance(s, dict):
+        return s
+    out = {}
+    for k, v in s.items():
+        if k in ("properties", "$defs", "definitions") and isinstance(v, dict):
+            out[k] = {name: _close(sub) for name, sub in v.items()}
+        elif k in ("items", "prefixItems", "anyOf", "oneOf", "additionalProperties") and \
+                isinstance(v, dict | list):
+            out[k] = _close(v)
+        else:
+            out[k] = v
+    if isinstance(out.get("properties"), dict) and not any(
+            k in out for k in ("additionalProperties", "patternProperties", "$ref")):
+        out["additionalProperties"] = False
+    return out
 
 
 def tools_message(tools: Tools) -> dict[str, str]:

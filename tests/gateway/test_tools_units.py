@@ -25,7 +25,9 @@ def test_response_format_becomes_the_grammar():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     g = chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": schema, "strict": True}}).grammar
-    assert g["kind"] == "json_schema" and json.loads(g["text"]) == schema
+    # objects closed (nodes.gateway.tools.closed): the grammar narrows, never widens
+    assert g["kind"] == "json_schema" and json.loads(g["text"]) == {
+        **schema, "additionalProperties": False}
     assert chat(response_format={"type": "text"}).grammar is None
 
 
@@ -77,3 +79,32 @@ def test_answers_parse_back_into_tool_calls():
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
     assert parse_calls("It is sunny.") is None
     assert parse_calls("<tool_call>\n{bad\n</tool_call>") is None
+
+
+def test_closed_narrows_open_objects_only():
+    from nodes.gateway.tools import closed
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+        "free": {"type": "object", "additionalProperties": True},
+        "xs": {"type": "array", "items": {"properties": {"c": {}}}}},
+        "$defs": {"D": {"properties": {"d": {}}}}}
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["free"]["additionalProperties"] is True  # said: left as is
+    assert out["properties"]["xs"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["D"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the request's own schema is not changed
+    mixed = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert closed(mixed) == mixed  # closing each part would make the whole unsatisfiable
+    assert closed(True) is True
+
+
+@pytest.mark.parametrize("tools, parallel, most", [(1, None, 2), (1, False, 1), (3, True, 3),
+                                                    (50, True, 8)])
+def test_parallel_calls_are_bounded(tools, parallel, most):
+    fns = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(tools)]
+    lark = chat(tools=fns, tool_choice="required", parallel_tool_calls=parallel).grammar["text"]
+    calls = next(line for line in lark.splitlines() if line.startswith("calls:"))
+    assert calls.count("call") - 1 == most
