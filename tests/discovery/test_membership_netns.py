@@ -15,8 +15,8 @@ import uuid
 import pytest
 
 from bus.security import write_secret_file
+from tests.lan import lan_or_skip
 from tools.local_cluster import NodeProcess, all_see_each_other, event_time, wait_all
-from tools.netns import Lan, NetnsUnavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
@@ -31,19 +31,15 @@ def _ip(*args: str, ns: str | None = None) -> None:
 @pytest.fixture
 def lan():
     """Namespaces `specbus-t-<rand>-{br,1..3}`: a bridge and three hosts 10.77.0.{1..3}."""
-    try:
-        net = Lan(hosts=HOSTS, prefix="specbus-t")
-    except NetnsUnavailable as exc:
-        pytest.skip(str(exc))
-    procs: list[NodeProcess] = []
-    try:
-        yield {"bridge": net.bridge, "hosts": net.hosts, "procs": procs}
-    finally:
-        for p in procs:
-            if p.proc.poll() is None:
-                p.proc.kill()
-            p.proc.wait(10)
-        net.close()
+    with lan_or_skip(hosts=HOSTS, prefix="specbus-t") as net:
+        procs: list[NodeProcess] = []
+        try:
+            yield {"bridge": net.bridge, "hosts": net.hosts, "procs": procs}
+        finally:
+            for p in procs:
+                if p.proc.poll() is None:
+                    p.proc.kill()
+                p.proc.wait(10)
 
 
 def test_multicast_discovery_partition_and_rejoin(lan, tmp_path):

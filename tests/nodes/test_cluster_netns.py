@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from bus.security import write_secret_file
+from tests.lan import lan_or_skip
 from tools.local_cluster import LocalCluster
-from tools.netns import Lan, NetnsUnavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
@@ -20,11 +20,8 @@ PROMPT = "Copy exactly, word for word: The committee will meet on Tuesday at the
 
 @pytest.fixture
 def lan():
-    try:
-        with Lan(hosts=3, prefix="specbus-n") as net:
-            yield net
-    except NetnsUnavailable as exc:
-        pytest.skip(str(exc))
+    with lan_or_skip(hosts=3, prefix="specbus-n") as net:
+        yield net
 
 
 def generate(lan, cluster, host, *extra, secret=None):

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from bus.security import read_secret_file
+from tests.lan import lan_or_skip
 from tools.local_cluster import LocalCluster, NodeProcess
-from tools.netns import Lan, NetnsUnavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
@@ -33,11 +33,8 @@ PROMPT = ("Copy exactly, word for word: the purple walrus audits quarterly ledge
 
 @pytest.fixture
 def lan():
-    try:
-        with Lan(hosts=4, prefix="specbus-s") as net:
-            yield net
-    except NetnsUnavailable as exc:
-        pytest.skip(str(exc))
+    with lan_or_skip(hosts=4, prefix="specbus-s") as net:
+        yield net
 
 
 def cli(lan, host, *args, timeout=300):

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from bus.security import write_secret_file
+from tests.lan import lan_or_skip
 from tools.local_cluster import LocalCluster
-from tools.netns import Lan, NetnsUnavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
@@ -23,11 +23,8 @@ MAX_TOKENS = 16
 
 @pytest.fixture
 def lan():
-    try:
-        with Lan(hosts=3, prefix="specbus-s") as net:
-            yield net
-    except NetnsUnavailable as exc:
-        pytest.skip(str(exc))
+    with lan_or_skip(hosts=3, prefix="specbus-s") as net:
+        yield net
 
 
 def generate(lan, cluster, host, *extra, env=None):
