@@ -21,7 +21,7 @@ import numpy as np
 
 from codec.chat import ChatMessage
 from codec.errors import BadRequest
-from codec.structs import GenerateReq
+from codec.structs import GRAMMAR_KINDS, GenerateReq
 from nodes.cluster_client import aio
 from nodes.cluster_client.choice import Balancer, ClusterView
 from nodes.cluster_client.failover import (
@@ -202,7 +202,11 @@ def _api_error(exc: ClusterError, plan: Plan) -> ApiError:
     if exc.code == BUSY:
         return _busy(exc.detail)
     if exc.remote and exc.code in CLIENT_ERRORS:  # the request's fault: 4xx, never retried
-        return ApiError(400, f"the verifier refused the request: {exc.detail}", code=exc.code)
+        api = plan.api
+        param = api.grammar_param if api.grammar is not None and any(
+            w in exc.detail for w in ("grammar", *GRAMMAR_KINDS)) else None
+        return ApiError(400, f"the verifier refused the request: {exc.detail}", param=param,
+                        code=exc.code)
     if exc.remote:
         return ApiError(502, f"the verifier failed: {exc.code}: {exc.detail}",
                         type_="server_error", code=exc.code)

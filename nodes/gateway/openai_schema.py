@@ -49,6 +49,8 @@ class ApiRequest:
     logprobs: int | None = None
     #: `response_format` or `tools` as the `generate_req.grammar` (None: free text)
     grammar: dict[str, str] | None = None
+    #: the request field the grammar came from (its errors' `param`)
+    grammar_param: str | None = None
     #: the request's tools (`nodes.gateway.tools.Tools`), None without
     tools: Any = None
     #: choices asked for (1..MAX_N): as many generations, the i-th seeded by `choice_seed`
@@ -204,9 +206,11 @@ def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
         messages = _messages(body.get("messages"))
         if tools is not None:
             messages = (tl.tools_message(tools), *messages)
-        return ApiRequest(kind="chat", messages=messages, **common,
-                          grammar=fmt or (tl.tool_grammar(tools) if tools else None),
-                          tools=tools)
+        grammar = fmt or (tl.tool_grammar(tools) if tools else None)
+        param = tl.SCHEMA_PARAM if fmt else tl.TOOLS_PARAM if grammar else None
+        tl.check_grammar(grammar, param)
+        return ApiRequest(kind="chat", messages=messages, **common, grammar=grammar,
+                          grammar_param=param, tools=tools)
     text, ids = _prompt(body.get("prompt"))
     return ApiRequest(kind="completion", prompt=text, prompt_ids=ids, **common)
 

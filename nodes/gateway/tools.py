@@ -22,6 +22,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from nodes.gateway.errors import ApiError, bad
@@ -232,6 +233,42 @@ def parse_calls(text: str) -> list[dict[str, Any]] | None:
     if not calls or text[end:].strip():
         return None
     return calls
+
+
+#: where a request's grammar came from, for its 400s' `param`
+SCHEMA_PARAM, TOOLS_PARAM = "response_format.json_schema.schema", "tools"
+
+
+def check_grammar(grammar: dict[str, str] | None, param: str) -> None:
+    """Refuse, before any verifier sees it, a grammar that is too large or does not compile
+    under the verifiers' llguidance limits (nodes.engine.grammar.validate: size, then compile,
+    a few ms): a 400 naming the reason and `param`. An unsatisfiable schema llguidance sees at
+    compile time (`minLength` over `maxLength`, a `false` schema) is one of these; a grammar
+    that accepts nothing only with the model's tokens is found by the verifier, and its 400
+    names `param` too (`generation._api_error`)."""
+    if grammar is None:
+        return
+    if grammar["kind"] == "json_schema" and grammar["text"] == "false":
+        raise ApiError(400, "the schema is false: it accepts nothing", param=param,
+                       code="invalid_schema")
+    error = _compile_error(grammar["kind"], grammar["text"])
+    if error is not None:
+        if param == TOOLS_PARAM:  # the tools' call grammar holds their parameters' schemas
+            error = "tools: the grammar of their calls " + error.removeprefix("lark ")
+        raise ApiError(400, error, param=param, code="invalid_schema")
+
+
+@lru_cache(maxsize=128)
+def _compile_error(kind: str, text: str) -> str | None:
+    """Why (kind, text) does not compile, or None; remembered (clients resend their schemas)."""
+    from nodes.engine.errors import BadRequestError
+    from nodes.engine.grammar import Constraint, validate
+
+    try:
+        validate(Constraint(kind, text))
+    except BadRequestError as exc:
+        return str(exc)
+    return None
 
 
 def no_grammar_conflict(fmt: dict | None, tools: Tools | None) -> None:

@@ -81,3 +81,67 @@ def test_bad_schema_and_missing_tool_are_400s(oai):
                                     tool_choice={"type": "function",
                                                  "function": {"name": "nope"}})
     assert err.value.code == "tool_not_found"
+
+
+def _with_props(n: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
+
+
+def _fn(name: str, params: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, **(
+        {"parameters": params} if params else {})}}
+
+
+def _schema(schema) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                        "schema": schema}}}
+
+
+@pytest.mark.parametrize("kw, param, says", [
+    (_schema({"type": "string", "minLength": 5, "maxLength": 2}),  # accepts nothing
+     "response_format.json_schema.schema", "minLength (5) is greater than maxLength (2)"),
+    (_schema({"not": {}}), "response_format.json_schema.schema", 'Unimplemented keys: ["not"]'),
+    (_schema(False), "response_format.json_schema.schema", "accepts nothing"),
+    (_schema({"$ref": "#/$defs/nope"}), "response_format.json_schema.schema", "does not exist"),
+    (_schema(_with_props(10_000)), "response_format.json_schema.schema",
+     "more than the 65536 accepted"),
+    (dict(tools=[_fn(f"f{i}") for i in range(1000)]), "tools", "at most 128 tools"),
+    (dict(tools=[_fn("f", _with_props(10_000))]), "tools", "more than the 65536 accepted"),
+    (dict(tools=[_fn("f", {"type": "object", "required": ["a"], "properties": {"a": {
+        "type": "string", "minLength": 5, "maxLength": 2}}})], tool_choice="required"),
+     "tools", "unsatisfiable"),
+])
+def test_bad_grammars_are_specific_400s(raw, kw, param, says):
+    """Refused by the gateway before a verifier is asked (nodes.gateway.tools.check_grammar)."""
+    status, _, body = raw.json("POST", "/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 5, "messages": ASK, **kw})
+    assert status == 400, body
+    err = body["error"]
+    assert err["param"] == param and says in err["message"], err
+    assert err["code"] in ("invalid_schema", "invalid_value")
+
+
+TREE = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10},
+    "children": {"type": "array", "maxItems": 2, "items": {"$ref": "#"}}},
+    "required": ["name", "children"], "additionalProperties": False}
+
+
+def _is_tree(obj) -> bool:
+    return isinstance(obj, dict) and set(obj) == {"name", "children"} and isinstance(
+        obj["name"], str) and len(obj["children"]) <= 2 and all(map(_is_tree, obj["children"]))
+
+
+def test_recursive_schema_compiles_and_holds(oai):
+    """A schema that refers to itself (`$ref: "#"`) is served: llguidance compiles recursion
+    (docs/api.md); the answer is a tree of the schema, however deep the model goes."""
+    r = oai.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=120, messages=[{
+            "role": "user", "content": "A family tree: Ann, whose children are Bob and Cy."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "tree",
+                                                                 "schema": TREE}})
+    text = r.choices[0].message.content
+    if r.choices[0].finish_reason == "stop":
+        assert _is_tree(json.loads(text)), text
+    else:  # cut by max_tokens inside a deep tree: a prefix of one
+        assert text.startswith('{"name":"'), text
