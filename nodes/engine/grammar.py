@@ -33,7 +33,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -157,6 +157,7 @@ class Grammars:
         self.habits: dict[bytes, int] = {}
         self._lock = threading.Lock()
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
+        self._running: dict[Constraint, Future] = {}  # compiles under way
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         #: (compiles, cache hits, seconds compiling): for the record
         self.compiles = 0
@@ -186,28 +187,55 @@ class Grammars:
     def compile(self, c: Constraint) -> Any:
         """The compiled matcher of `c` (cached); `BadRequestError` naming why when it does not
         compile or takes longer than `timeout_s`."""
+        try:
+            return self.prepare(c).result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise self._too_slow(c) from None
+
+    def prepare(self, c: Constraint) -> Future:
+        """Start compiling `c` on the grammar thread and return at once: a future of the
+        compiled matcher (done already when cached; one compile however many ask while it
+        runs), failing with a `BadRequestError` naming why it does not compile or that it took
+        longer than `timeout_s`. A verifier calls it as a request arrives, so the compute
+        thread starts the request only when its grammar is ready and never waits on a compile
+        with a batch running (nodes/verifier/role.py); limits `check` refuses at once."""
         c.check()
         with self._lock:
             hit = self._cache.get(c)
             if hit is not None:
                 self._cache.move_to_end(c)
                 self.hits += 1
-                return hit
-        ll = self.ll_tokenizer
-        t0 = time.perf_counter()
-        future = self._pool.submit(_build, ll, c)
+                done: Future = Future()
+                done.set_result(hit)
+                return done
+            running = self._running.get(c)
+            if running is None:
+                running = self._running[c] = self._pool.submit(self._compile_now, c)
+            return running
+
+    def _compile_now(self, c: Constraint) -> Any:
+        """The grammar thread: compile `c`, cache it when it compiled in time."""
         try:
-            matcher = future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise BadRequestError(f"{c.kind} took longer than {self.timeout_s:g} s to compile",
-                                  "grammar") from None
-        self.compile_s += time.perf_counter() - t0
-        self.compiles += 1
-        with self._lock:
-            self._cache[c] = matcher
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return matcher
+            ll = self.ll_tokenizer
+            t0 = time.perf_counter()
+            matcher = _build(ll, c)
+            seconds = time.perf_counter() - t0
+            if seconds > self.timeout_s:
+                raise self._too_slow(c)
+            with self._lock:
+                self.compile_s += seconds
+                self.compiles += 1
+                self._cache[c] = matcher
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            return matcher
+        finally:
+            with self._lock:
+                self._running.pop(c, None)
+
+    def _too_slow(self, c: Constraint) -> BadRequestError:
+        return BadRequestError(f"{c.kind} took longer than {self.timeout_s:g} s to compile",
+                               "grammar")
 
     def matcher(self, c: Constraint) -> GrammarMatcher:
         """A fresh per-sequence matcher for `c`, at the start of the generation."""

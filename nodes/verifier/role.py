@@ -37,6 +37,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -50,6 +51,7 @@ from discovery.counters import Counters
 from nodes.backends.base import Backend
 from nodes.engine.core import Block, Engine, SequenceState, Stats
 from nodes.engine.errors import BUSY, GenerationError, NoProposerError, error_code
+from nodes.engine.grammar import Constraint
 from nodes.node_common import requests
 from nodes.node_common.admission import AdmissionLimits, PeerSlots
 from nodes.node_common.host import RoleHost
@@ -177,6 +179,7 @@ class VerifierRole:
         try:
             parsed = requests.admit_generate(req.message, self.engine.backend.vocab_size,
                                              self.max_context)
+            grammar = self._prepare_grammar(parsed)
         except requests.INPUT_ERRORS as exc:
             req.fail(*requests.wire_error(exc))
             return
@@ -185,7 +188,7 @@ class VerifierRole:
             req.fail(BUSY, f"this connection has {self.slots.per_peer} generations queued or "
                            "running; wait for one to finish")
             return
-        item = (req, parsed)
+        item = (req, parsed, grammar)
         with self._cv:
             full = len(self._waiting) >= self.max_queue
             if not full:
@@ -197,8 +200,24 @@ class VerifierRole:
             req.fail(BUSY, f"verifier queue is full ({self.max_queue} waiting)")
             return
         req.on_cancel(lambda: self._unqueue(item))  # a cancelled request leaves the queue
+        if grammar is not None and not grammar.done():
+            grammar.add_done_callback(lambda _: self._wake())  # ready to start: tell the
+            # compute thread (its queue skips it meanwhile)
         self._watch_clients()
         self._sweep().arm()
+
+    def _prepare_grammar(self, parsed: GenerateReq) -> Future | None:
+        """I/O thread: start compiling the request's grammar (`Grammars.prepare`), so the
+        compute thread takes the request only once it is compiled and a compile never stalls
+        the running batch; None without a grammar (or with forced drafting, whose own engine
+        compiles at start)."""
+        if parsed.grammar is None or parsed.force_draft:
+            return None
+        return self.engine.grammars.prepare(Constraint.from_wire(dict(parsed.grammar)))
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
 
     def _unqueue(self, item) -> bool:
         with self._cv:
@@ -241,10 +260,22 @@ class VerifierRole:
         """The next request; while idle, every `PRUNE_IDLE_S` the links of proposers that
         are no longer workers are closed (their sockets belong to this thread)."""
         with self._cv:
-            while not self._waiting and not self._closing:
+            while not self._closing and (at := self._first_ready()) is None:
                 if not self._cv.wait(PRUNE_IDLE_S):
                     return _IDLE
-            return None if self._closing else self._waiting.popleft()
+            if self._closing:
+                return None
+            item = self._waiting[at]
+            del self._waiting[at]
+            return item
+
+    def _first_ready(self, rank=None) -> int | None:
+        """With `_cv` held: the queued request to take next among those whose grammar, if
+        any, is compiled (by `rank`, else the oldest); None when none is ready."""
+        ready = [i for i, (_, _, g) in enumerate(self._waiting) if g is None or g.done()]
+        if not ready:
+            return None
+        return min(ready, key=rank) if rank is not None else ready[0]
 
     def _next_nowait(self):
         """A queued request if there is one (None otherwise, or when closing): the oldest of
@@ -254,8 +285,9 @@ class VerifierRole:
             if self._closing or not self._waiting:
                 return None
             running = collections.Counter(job.req.peer for job in self._jobs)
-            best = min(range(len(self._waiting)),
-                       key=lambda i: (running[self._waiting[i][0].peer], i))
+            best = self._first_ready(lambda i: (running[self._waiting[i][0].peer], i))
+            if best is None:
+                return None
             item = self._waiting[best]
             del self._waiting[best]
             return item
@@ -301,11 +333,13 @@ class VerifierRole:
     def _admit(self, item) -> None:
         """Start a queued request's generation (its sources opened, its prompt checked), or
         answer it with the error that stops it."""
-        req, parsed = item
+        req, parsed, grammar = item
         if req.cancelled.is_set():
             self.slots.release(req.peer)
             return
         try:
+            if grammar is not None:
+                grammar.result()  # compiled (cached: the start finds it), or why it is not
             self._jobs.append(self._begin(req, parsed))
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the node
             self._fail(req, exc)

@@ -375,3 +375,46 @@ def test_a_repeated_prompt_starts_from_the_prefix_cache_and_says_so(host, tiny_b
     # the first answer's tokens are kept too: a prompt continuing it reuses them
     assert longer["cached_tokens"] >= first["prompt_tokens"] - 1
     assert telemetry["reused"] == again["cached_tokens"] + longer["cached_tokens"]
+
+
+def test_a_grammar_compiles_off_the_compute_thread(host, verifier, monkeypatch):
+    """Issue 46: a request's grammar compiles on the grammar thread as it arrives
+    (`Grammars.prepare`); the compute thread starts it only once it is compiled, so a slow
+    compile never stalls the requests behind (or beside) it. The compile is held on a gate:
+    a free request sent after the constrained one is served to the end meanwhile, and the
+    constrained one then completes, valid. A grammar that does not compile is a
+    `bad_request` saying why, and the queue goes on."""
+    import json
+
+    import nodes.engine.grammar as grammar_module
+
+    gate, entered = threading.Event(), threading.Event()
+    build = grammar_module._build
+
+    def held(ll, c):
+        entered.set()
+        gate.wait(60)
+        return build(ll, c)
+
+    monkeypatch.setattr(grammar_module, "_build", held)
+    schema = {"type": "object", "properties": {"held": {"type": "integer"}},
+              "required": ["held"], "additionalProperties": False}
+    constrained = host.client.request(host.server.endpoint, make(
+        "generate_req", prompt=PROMPT, max_tokens=24,
+        grammar={"kind": "json_schema", "text": json.dumps(schema)}), timeout=120)
+    try:
+        assert entered.wait(60)
+        assert generate(host, prompt=PROMPT)["finish_reason"] in ("length", "eos")
+        assert not constrained.done
+    finally:
+        gate.set()
+    done = constrained.result(120)
+    if done["finish_reason"] == "eos":
+        assert set(json.loads(done["text"])) == {"held"}
+    else:
+        assert done["text"].startswith('{"held":')
+    monkeypatch.setattr(grammar_module, "_build", build)
+    err = refused(host, prompt=PROMPT, grammar={"kind": "json_schema",
+                                                "text": '{"type": "objectx"}'})
+    assert err.code == "bad_request" and "json_schema does not compile: Invalid type" in str(err)
+    assert generate(host, prompt=PROMPT)["finish_reason"] in ("length", "eos")
