@@ -4,12 +4,33 @@ from __future__ import annotations
 
 import pytest
 
+from bus.sockets import SocketFactory, bind
+from codec.messages import encode, make
+from discovery.membership import topic_for
 from discovery.table import Timeouts
 from nodes.node import Node, NodeConfig
 from tests.polling import wait_until
 
 FAST = Timeouts(heartbeat=0.05, suspect_after=0.5, dead_after=1.0, forget_after=30.0,
                 check_every=0.02)
+
+
+#: the membership gossip topic of cluster "specbus", as a raw PUB sends it
+TOPIC = topic_for("specbus").encode()
+
+
+def gossip_frames(type_, sender, **fields):
+    """One gossip message as a raw PUB socket sends it: [topic, header, ...]."""
+    return [TOPIC, *encode(make(type_, sender=sender, **fields))]
+
+
+@pytest.fixture
+def raw_pub():
+    """A bare PUB socket on loopback (sock, endpoint): a hostile or broken peer's gossip."""
+    sock = SocketFactory().pub()
+    endpoint = bind(sock, "tcp://127.0.0.1:0")
+    yield sock, endpoint
+    sock.close(linger=0)
 
 
 _wait_until = wait_until  # the suite's one poll (tests/polling.py), as a fixture below

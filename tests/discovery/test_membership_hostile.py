@@ -15,32 +15,16 @@ import time
 
 import pytest
 
-from bus.sockets import SocketFactory, bind
-from codec.messages import encode, make
 from discovery.counters import Counters, WrongThread
 from discovery.identity import IncarnationExhausted, acquire_identity
 from discovery.limits import MAX_COUNTER, MAX_JUMP
 from discovery.mdns import PeerAd
-from discovery.membership import topic_for
-
-TOPIC = topic_for("specbus").encode()
-
-
-@pytest.fixture
-def raw_pub():
-    sock = SocketFactory().pub()
-    endpoint = bind(sock, "tcp://127.0.0.1:0")
-    yield sock, endpoint
-    sock.close(linger=0)
-
-
-def frames(type_, sender, **fields):
-    return [TOPIC, *encode(make(type_, sender=sender, **fields))]
+from tests.discovery.conftest import gossip_frames
 
 
 def attach(sock, endpoint, nodes, wait_until):
     """Connect the nodes' SUBs to the raw PUB and wait until each receives from it."""
-    probe = frames("stats", "probe", cluster="specbus", incarnation=1, stats={})
+    probe = gossip_frames("stats", "probe", cluster="specbus", incarnation=1, stats={})
     for n in nodes:
         n.gossip.connect(endpoint)
         before = n.gossip.received
@@ -76,11 +60,11 @@ def test_absurd_numbers_are_dropped_and_nobody_dies(make_node, seed_of, view, wa
     hostile_a, hostile_b = a.membership.counters["hostile"], b.membership.counters["hostile"]
 
     def hb(node_id, incarnation, version=1, **extra):
-        return frames("heartbeat", node_id, cluster="specbus", incarnation=incarnation,
-                      version=version, **extra)
+        return gossip_frames("heartbeat", node_id, cluster="specbus", incarnation=incarnation,
+                             version=version, **extra)
 
     def card(c, **changes):
-        return frames("card", c.node_id, **{**c.wire_fields(), **changes})
+        return gossip_frames("card", c.node_id, **{**c.wire_fields(), **changes})
 
     # each of these is hostile for both nodes (their own id at one, a peer's at the other)
     forged = []
@@ -100,9 +84,9 @@ def test_absurd_numbers_are_dropped_and_nobody_dies(make_node, seed_of, view, wa
             card(c, vocab=2**62),
             card(c, free_mem=-1),
             card(c, extras={"blob": "x" * 10_000}),
-            frames("leave", n, cluster="specbus", incarnation=2**64 - 1),
-            frames("leave", n, cluster="specbus", incarnation=-7),
-            frames("leave", n, cluster="specbus", incarnation=inc + MAX_JUMP + 1),
+            gossip_frames("leave", n, cluster="specbus", incarnation=2**64 - 1),
+            gossip_frames("leave", n, cluster="specbus", incarnation=-7),
+            gossip_frames("leave", n, cluster="specbus", incarnation=inc + MAX_JUMP + 1),
             hb(n, inc, peers=[2**40, 5]),
             hb(n, inc, peers=[3, 2**40]),
         ]
@@ -138,13 +122,13 @@ def test_plausible_claims_still_refute_within_bounds(make_node, seed_of, view, w
     assert wait_until(lambda: view(b).get(a.node_id) == "alive")
     attach(sock, endpoint, (a,), wait_until)
     inc = a.membership.card.incarnation
-    sock.send_multipart(frames("heartbeat", a.node_id, cluster="specbus",
-                               incarnation=inc + 5, version=1))
+    sock.send_multipart(gossip_frames("heartbeat", a.node_id, cluster="specbus",
+                                      incarnation=inc + 5, version=1))
     assert wait_until(lambda: a.membership.card.incarnation == inc + 6)
     assert persisted(tmp_path, a) == inc + 6
     assert wait_until(lambda: b.membership.get(a.node_id).incarnation == inc + 6)
     # a forged leave of a's own id: a outgrows it, so peers keep (or take back) a
-    sock.send_multipart(frames("leave", a.node_id, cluster="specbus", incarnation=inc + 6))
+    sock.send_multipart(gossip_frames("leave", a.node_id, cluster="specbus", incarnation=inc + 6))
     assert wait_until(lambda: a.membership.card.incarnation == inc + 7)
     assert wait_until(lambda: view(b).get(a.node_id) == "alive"
                       and b.membership.get(a.node_id).incarnation == inc + 7)

@@ -12,28 +12,13 @@ import time
 import msgpack
 import pytest
 
-from bus.sockets import SocketFactory, bind
 from codec.messages import encode, make
 from discovery.cards import Card
-from discovery.membership import topic_for
-
-TOPIC = topic_for("specbus").encode()
-
-
-@pytest.fixture
-def raw_pub():
-    sock = SocketFactory().pub()
-    endpoint = bind(sock, "tcp://127.0.0.1:0")
-    yield sock, endpoint
-    sock.close(linger=0)
+from tests.discovery.conftest import TOPIC, gossip_frames
 
 
 def send(sock, *frames) -> None:
     sock.send_multipart([f if isinstance(f, bytes) else bytes(f) for f in frames])
-
-
-def msg_frames(type_, sender, **fields):
-    return [TOPIC, *encode(make(type_, sender=sender, **fields))]
 
 
 def test_malformed_gossip_changes_nothing(make_node, seed_of, view, wait_until, raw_pub):
@@ -46,7 +31,7 @@ def test_malformed_gossip_changes_nothing(make_node, seed_of, view, wait_until, 
     before = a.membership.get(b.node_id)
     a.gossip.connect(endpoint)
     # slow joiner: publish an ignored message until the node's SUB receives from us
-    probe = msg_frames("stats", "probe", cluster="specbus", incarnation=1, stats={})
+    probe = gossip_frames("stats", "probe", cluster="specbus", incarnation=1, stats={})
     received = a.gossip.received
 
     def connected() -> bool:
@@ -71,18 +56,18 @@ def test_malformed_gossip_changes_nothing(make_node, seed_of, view, wait_until, 
                                "incarnation": "one", "version": 1})],
         [TOPIC, *encode(make("ping"))], [TOPIC, b"x", b"extra frame"],
         # well-formed messages that must be ignored
-        msg_frames("card", forged.node_id, **forged.wire_fields()),  # stale incarnation
-        msg_frames("card", "ghost1", **ghost.wire_fields()),  # other cluster
+        gossip_frames("card", forged.node_id, **forged.wire_fields()),  # stale incarnation
+        gossip_frames("card", "ghost1", **ghost.wire_fields()),  # other cluster
         [b"specbus/other/", *encode(make("card", sender="ghost2",
                                           **{**ghost.wire_fields(), "cluster": "other"}))],
-        msg_frames("card", "ghost3", **{**real.wire_fields(),
-                                        "endpoints": {"gossip": "nope", "stream": "nope"}}),
-        msg_frames("card", "bad id!", **real.wire_fields()),
-        msg_frames("heartbeat", b.node_id, cluster="specbus", incarnation=0, version=999),
-        msg_frames("leave", b.node_id, cluster="specbus", incarnation=real.incarnation - 1),
-        msg_frames("leave", b.node_id, cluster="other", incarnation=real.incarnation + 5),
-        msg_frames("heartbeat", "stranger", cluster="specbus", incarnation=1, version=1),
-        msg_frames("stats", b.node_id, cluster="specbus", incarnation=1, stats={"x": 1}),
+        gossip_frames("card", "ghost3", **{**real.wire_fields(),
+                                           "endpoints": {"gossip": "nope", "stream": "nope"}}),
+        gossip_frames("card", "bad id!", **real.wire_fields()),
+        gossip_frames("heartbeat", b.node_id, cluster="specbus", incarnation=0, version=999),
+        gossip_frames("leave", b.node_id, cluster="specbus", incarnation=real.incarnation - 1),
+        gossip_frames("leave", b.node_id, cluster="other", incarnation=real.incarnation + 5),
+        gossip_frames("heartbeat", "stranger", cluster="specbus", incarnation=1, version=1),
+        gossip_frames("stats", b.node_id, cluster="specbus", incarnation=1, stats={"x": 1}),
     ]
     dropped = a.gossip.dropped
     for _ in range(3):
