@@ -40,6 +40,22 @@ SHARED_NODES = (
 )
 
 
+@pytest.fixture(scope="module")
+def tiny_backend(tmp_path_factory):
+    """A torch backend of the tiny random Llama (tests/engine/conftest.py's `build_tiny`, seed 0)
+    with the embedded model's tokenizer, one torch thread: for node, CLI and tool tests."""
+    import torch
+
+    from nodes import models
+    from nodes.backends.torch_backend import TorchBackend
+    from tests.engine.conftest import build_tiny
+
+    torch.set_num_threads(1)
+    folder = tmp_path_factory.mktemp("tiny")
+    build_tiny(folder, models.resolve(models.DEFAULT_MODEL).path, seed=0)
+    return TorchBackend.load(str(folder), device="cpu")
+
+
 def pytest_addoption(parser):
     parser.addoption("--cluster-secret", action="store_true",
                      help="run cluster tests with a cluster secret (CURVE + gossip MAC)")

@@ -14,7 +14,6 @@ import pytest
 from nodes.engine.core import Engine
 from nodes.node import Node, NodeConfig
 from nodes.verifier.role import VerifierRole
-from tests.nodes.test_verifier_requests import tiny_backend  # noqa: F401 - fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +45,7 @@ def test_bad_values_exit_2_naming_the_field_before_any_work(flags, field, mode):
 
 
 @pytest.fixture
-def verifier_node(tmp_path, tiny_backend):  # noqa: F811 - fixture
+def verifier_node(tmp_path, tiny_backend):
     node = Node(NodeConfig(cluster="wire-cli", roles=("verifier",), interface="127.0.0.1",
                            mdns=False, state_dir=tmp_path, name="tiny-verifier"))
     role = VerifierRole(Engine(tiny_backend, None, max_draft=4))
@@ -81,7 +80,7 @@ def test_local_only_flags_in_cluster_mode_are_an_error(flags):
 
 
 def test_messages_file_is_checked_and_sent_as_a_conversation(tmp_path, verifier_node,
-                                                             tiny_backend):  # noqa: F811
+                                                             tiny_backend):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"role": "wizard", "content": "hi"}]))
     out = specbus("--messages", str(bad), "--cluster", "nowhere", "--no-mdns")

@@ -11,7 +11,6 @@ import re
 import pytest
 
 from tests.nodes.test_cli_generate import specbus, verifier_node  # noqa: F401 - fixture
-from tests.nodes.test_verifier_requests import tiny_backend  # noqa: F401 - fixture
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 8},

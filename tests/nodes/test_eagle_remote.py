@@ -14,13 +14,7 @@ from nodes.verifier.proposer_client import DraftPolicy
 from nodes.verifier.role import VerifierRole
 from tests.engine.eagle_heads import head_config, head_tensors, write_head
 from tests.nodes.conftest import BusHost
-from tests.nodes.test_verifier_requests import (  # noqa: F401 - fixture
-    PROMPT,
-    FakeMembership,
-    generate,
-    refused,
-    tiny_backend,
-)
+from tests.nodes.test_verifier_requests import PROMPT, FakeMembership, generate, refused
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +23,7 @@ def head_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def cluster(bus, host, tiny_backend, head_dir):  # noqa: F811 - the fixture
+def cluster(bus, host, tiny_backend, head_dir):
     host.membership = FakeMembership()
     verifier = VerifierRole(Engine(tiny_backend, None, max_draft=4),
                             policy=DraftPolicy(forced_s=60.0))

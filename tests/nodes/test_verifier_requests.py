@@ -26,20 +26,6 @@ CONTEXT = 1024  # the tiny model's max_position_embeddings
 PROMPT = "Copy this: one two three four, one two three four, one two three four"
 
 
-@pytest.fixture(scope="module")
-def tiny_backend(tmp_path_factory):
-    import torch
-
-    from nodes import models
-    from nodes.backends.torch_backend import TorchBackend
-    from tests.engine.conftest import build_tiny
-
-    torch.set_num_threads(1)
-    folder = tmp_path_factory.mktemp("tiny")
-    build_tiny(folder, models.resolve(models.DEFAULT_MODEL).path, seed=0)
-    return TorchBackend.load(str(folder), device="cpu")
-
-
 class FakeMembership:
     """The two calls the verifier makes on membership, over a list we control."""
 

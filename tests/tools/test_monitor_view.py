@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from tools.monitor_view import rate_text
 
 
@@ -106,20 +104,6 @@ def test_the_totals_line_shows_prompt_positions_reused_once_there_are_any():
         stats["verifier"]["reused"] = reused
         view.on_stats("v" * 12, stats)
         assert role_lines(view)[0][2].endswith(tail)
-
-
-@pytest.fixture(scope="module")
-def tiny_backend(tmp_path_factory):
-    import torch
-
-    from nodes import models
-    from nodes.backends.torch_backend import TorchBackend
-    from tests.engine.conftest import build_tiny
-
-    torch.set_num_threads(1)
-    folder = tmp_path_factory.mktemp("tiny")
-    build_tiny(folder, models.resolve(models.DEFAULT_MODEL).path, seed=0)
-    return TorchBackend.load(str(folder), device="cpu")
 
 
 def test_batch_figures_render_from_a_real_verifier_telemetry_snapshot(tiny_backend):
