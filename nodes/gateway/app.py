@@ -33,6 +33,7 @@ from nodes.gateway.responses import (
     response_object,
     status_of,
 )
+from nodes.gateway.tools import CallStream
 
 log = logging.getLogger(__name__)
 
@@ -463,23 +464,44 @@ class GatewayApp:
             first_chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             await send(first_chunk)
             verifier = None
-        held: list[str] | None = [] if chat and api.tools is not None and api.tools.active \
-            else None  # tools: the answer is held until it is known to be calls or text
+        # tools: an answer that is calls streams as `tool_calls` deltas (CallStream: name
+        # first, then argument fragments); under tool_choice auto its first characters are
+        # held until they tell calls ("<t", the only way the grammar lets an answer start
+        # with "<t") from text, which then streams as content
+        tools_on = chat and api.tools is not None and api.tools.active
+        held: str | None = "" if tools_on and api.tools.choice == "auto" else None
+        calls_stream = CallStream() if tools_on and held is None else None
+
+        async def send_calls(deltas: list[dict]) -> None:
+            for d in deltas:
+                c = chunk(None, None)
+                c["choices"][0]["delta"] = {"tool_calls": [d]}
+                await send(c)
+
         try:
             async for ev in events:
                 if isinstance(ev, Started):
                     verifier = {"specbus": {"verifier": ev.verifier}}
+                elif isinstance(ev, Piece) and calls_stream is not None:
+                    await send_calls(calls_stream.feed(ev.text))
                 elif isinstance(ev, Piece) and held is not None:
-                    held.append(ev.text)
-                elif isinstance(ev, Outcome) and held is not None:
-                    text = "".join(held)
-                    held, calls = None, _tool_calls(api, text)
-                    for i, call in enumerate(calls or []):
-                        c = chunk(None, None)
-                        c["choices"][0]["delta"] = {"tool_calls": [{"index": i, **call}]}
-                        await send(c)
-                    if not calls and text:
+                    text = held + ev.text
+                    if text.startswith("<t"):
+                        calls_stream, held = CallStream(), None
+                        await send_calls(calls_stream.feed(text))
+                    elif text and (text[0] != "<" or len(text) >= 2):
+                        held = None
                         await send(chunk(text, None))
+                    else:
+                        held = text
+                elif isinstance(ev, Outcome) and tools_on and (calls_stream is not None or
+                                                                  held is not None):
+                    text = calls_stream.text if calls_stream is not None else held or ""
+                    calls = _tool_calls(api, text)
+                    if calls and (calls_stream is None or calls_stream.fallback):
+                        await send_calls([{"index": i, **call} for i, call in enumerate(calls)])
+                    elif not calls and text and (calls_stream is None or not calls_stream.calls):
+                        await send(chunk(text, None))  # (calls cut by max_tokens: none sent)
                     await send(chunk(None, "tool_calls" if calls else ev.finish_reason,
                                      {"timings": ev.timings, "specbus": ev.specbus}))
                     if api.include_usage:

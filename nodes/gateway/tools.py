@@ -227,9 +227,12 @@ def parse_calls(text: str) -> list[dict[str, Any]] | None:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
-        calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
-                      "function": {"name": obj["name"], "arguments": json.dumps(
-                          obj.get("arguments", {}), separators=(",", ":"))}})
+        head = _HEAD.format(name=obj["name"])
+        raw = m.group(1)  # the arguments as the model wrote them (compact: the grammar's)
+        args = raw[len(head):-1] if raw.startswith(head) and raw.endswith("}") else json.dumps(
+            obj.get("arguments", {}), separators=(",", ":"))
+        calls.append({"id": new_call_id(), "type": "function",
+                      "function": {"name": obj["name"], "arguments": args}})
     if not calls or text[end:].strip():
         return None
     return calls
@@ -269,6 +272,74 @@ def _compile_error(kind: str, text: str) -> str | None:
     except BadRequestError as exc:
         return str(exc)
     return None
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+#: how a call's JSON starts, its arguments next (the grammar's property order, compact)
+_HEAD = '{{"name":"{name}","arguments":'
+_HEAD_RE = re.compile(r'<tool_call>\n\{"name":"([a-zA-Z0-9_-]{1,64})","arguments":')
+
+
+class CallStream:
+    """A tool-call answer's text, fed as it is generated (pieces of any length: speculation
+    commits several tokens at once), turned into OpenAI `tool_calls` deltas: a call's first
+    delta as soon as its name is complete (`index`, `id`, `type`, `function.name`,
+    `function.arguments` ""), then `function.arguments` fragments as the arguments grow.
+    Concatenated, a call's fragments are exactly its arguments as `parse_calls` reads them
+    from the whole answer (the text the model wrote).
+
+    The grammar's calls are compact JSON, so the first raw newline after a call's arguments
+    ends them (a JSON string holds its newlines escaped) and the character before it is the
+    call object's closing brace: the last character received is held back until the next
+    shows it is not that brace. Text that does not have the call format (a grammar that
+    ordered the keys otherwise) streams nothing; `fallback` then tells the caller to send the
+    calls whole from the answer."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[dict[str, Any]] = []  # {id, name, arguments sent so far}
+        self._at = 0  # where the next call starts in `text`
+        self._args = -1  # where the current call's arguments start (-1: between calls)
+        self.fallback = False
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        self.text += piece
+        out: list[dict[str, Any]] = []
+        while not self.fallback:
+            if self._args < 0:  # a call's head: `<tool_call>\n{"name":"...","arguments":`
+                rest = self.text[self._at:].lstrip("\n")
+                m = _HEAD_RE.match(rest)
+                if m is None:
+                    probe = '<tool_call>\n{"name":"'
+                    if not (probe.startswith(rest) or rest.startswith(probe)) or len(
+                            rest) > len(probe) + 64 + len('","arguments":'):
+                        self.fallback = bool(rest.strip())
+                    break
+                start = len(self.text) - len(rest)
+                self._args = start + m.end()
+                call = {"id": new_call_id(), "name": m.group(1), "arguments": ""}
+                self.calls.append(call)
+                out.append({"index": len(self.calls) - 1, "id": call["id"], "type": "function",
+                            "function": {"name": call["name"], "arguments": ""}})
+                continue
+            call = self.calls[-1]
+            end = self.text.find("\n", self._args)
+            upto = end - 1 if end >= 0 else len(self.text) - 1  # hold the maybe-closing brace
+            fragment = self.text[self._args + len(call["arguments"]):upto]
+            if fragment:
+                call["arguments"] += fragment
+                out.append({"index": len(self.calls) - 1,
+                            "function": {"arguments": fragment}})
+            if end < 0:
+                break
+            close = self.text.find("</tool_call>", end)
+            if close < 0:
+                break
+            self._at, self._args = close + len("</tool_call>"), -1
+        return out
 
 
 def no_grammar_conflict(fmt: dict | None, tools: Tools | None) -> None:

@@ -55,11 +55,7 @@ def test_tool_calls_and_their_stream(oai, choice):
     args = [json.loads(c.function.arguments) for c in calls]
     assert all(set(a) == {"city"} for a in args)
     chunks = list(oai.chat.completions.create(**kw, stream=True))
-    streamed: dict[int, str] = {}
-    for c in chunks:
-        for d in c.choices[0].delta.tool_calls or [] if c.choices else []:
-            streamed[d.index] = streamed.get(d.index, "") + (d.function.arguments or "")
-    assert [json.loads(streamed[i]) for i in sorted(streamed)] == args
+    assert _reassembled(chunks) == [(c.function.name, c.function.arguments) for c in calls]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # the next turn: the call and its result go back through the tool prompt format
     again = oai.chat.completions.create(model=MODEL, temperature=0, max_tokens=20, messages=[
@@ -70,12 +66,61 @@ def test_tool_calls_and_their_stream(oai, choice):
     assert again.choices[0].message.content
 
 
+def _reassembled(chunks) -> list[tuple[str, str]]:
+    """The (name, arguments) of each streamed call, checking the deltas' shape: a call's
+    first delta has its id, type and name, later ones only argument fragments."""
+    calls: dict[int, list] = {}
+    for c in chunks:
+        for d in c.choices[0].delta.tool_calls or [] if c.choices else []:
+            if d.id is not None:
+                assert d.index not in calls and d.type == "function" and d.function.name
+                calls[d.index] = [d.function.name, d.function.arguments or ""]
+            else:
+                assert d.function.name is None and d.function.arguments
+                calls[d.index][1] += d.function.arguments
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
+TIME = {"type": "function", "function": {"name": "get_time", "description":
+        "Local time in a city", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 30}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_streamed_call_fragments_match_the_answer_under_speculation(oai, choice):
+    """Streamed `tool_calls` deltas (name first, then argument fragments as the verifier
+    commits them, several tokens a step while it speculates) reassemble to exactly the
+    non-streamed calls' arguments; under auto a text answer streams as content."""
+    kw = dict(model=MODEL, temperature=0, max_tokens=120, tools=[WEATHER, TIME],
+              tool_choice=choice, messages=[{"role": "user", "content": (
+                  "What is the weather in Paris, and what time is it in Tokyo?")}])
+    whole = oai.chat.completions.create(**kw).choices[0]
+    chunks = list(oai.chat.completions.create(**kw, stream=True))
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == whole.finish_reason
+    if whole.message.tool_calls:
+        assert whole.finish_reason == "tool_calls"
+        assert _reassembled(chunks) == [(c.function.name, c.function.arguments)
+                                        for c in whole.message.tool_calls]
+        assert all(json.loads(c.function.arguments)["city"] for c in whole.message.tool_calls)
+        fragments = sum(1 for c in chunks for d in (c.choices[0].delta.tool_calls or [] if
+                                                     c.choices else []) if d.id is None)
+        print(f"{choice}: {len(whole.message.tool_calls)} calls, {fragments} argument "
+              f"fragments; speculation: {chunks[-1].model_extra.get('specbus')}")
+    else:
+        assert choice == "auto" and not _reassembled(chunks)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            whole.message.content
+
+
 def test_bad_schema_and_missing_tool_are_400s(oai):
     import openai
 
-    with pytest.raises(openai.BadRequestError, match="Invalid type"):
+    with pytest.raises(openai.BadRequestError, match="Invalid type") as err:
         oai.chat.completions.create(model=MODEL, max_tokens=5, messages=ASK, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}})
+    assert err.value.code == "invalid_schema"
+    assert err.value.param == "response_format.json_schema.schema"
     with pytest.raises(openai.BadRequestError, match="not among the tools") as err:
         oai.chat.completions.create(model=MODEL, max_tokens=5, messages=ASK, tools=[WEATHER],
                                     tool_choice={"type": "function",

@@ -108,3 +108,35 @@ def test_parallel_calls_are_bounded(tools, parallel, most):
     lark = chat(tools=fns, tool_choice="required", parallel_tool_calls=parallel).grammar["text"]
     calls = next(line for line in lark.splitlines() if line.startswith("calls:"))
     assert calls.count("call") - 1 == most
+
+
+def test_streamed_call_fragments_reassemble_to_the_answers_calls():
+    """CallStream over every way of cutting an answer into pieces (speculation commits
+    several tokens at once): name first, then argument fragments that concatenate to exactly
+    the arguments the whole answer parses to."""
+    import random
+
+    from nodes.gateway.tools import CallStream
+
+    text = ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Pa}ris\\n","x":{"a":[1,'
+            '2]}}}\n</tool_call>\n<tool_call>\n{"name":"get_time","arguments":{"city":"Tokyo '
+            'é"}}\n</tool_call>')
+    want = [c["function"] for c in parse_calls(text)]
+    assert want[0]["arguments"] == '{"city":"Pa}ris\\n","x":{"a":[1,2]}}'  # as written
+    for seed in range(200):
+        rng, stream, deltas, at = random.Random(seed), CallStream(), [], 0
+        while at < len(text):
+            n = rng.randint(1, 12)
+            deltas += stream.feed(text[at:at + n])
+            at += n
+        got: dict[int, dict] = {}
+        for d in deltas:
+            if "id" in d:  # a call's first delta: id, type, name, no arguments yet
+                assert d["index"] not in got and d["type"] == "function"
+                got[d["index"]] = {"name": d["function"]["name"], "arguments": ""}
+            else:
+                assert set(d["function"]) == {"arguments"} and d["function"]["arguments"]
+                got[d["index"]]["arguments"] += d["function"]["arguments"]
+        assert [got[i] for i in sorted(got)] == want and not stream.fallback
+    other = CallStream()  # not the call format: nothing streamed, the caller sends it whole
+    assert other.feed('<tool_call>\n{"arguments":{},"name":"x"}') == [] and other.fallback
