@@ -186,12 +186,16 @@ class Engine:
         *,
         stats: Stats | None = None,
         sources: Sequence[DraftSource] | None = None,
+        draft: bool = True,
     ) -> SequenceState:
         """A new sequence, validated, ready for its first step (the prefill).
 
         `sources` are the caller's (remote proposers with their deadlines, say): used, never
-        closed by the engine; an empty list is plain decoding. Without them the engine opens
-        one source on its own drafter, if it has one, and closes it with the sequence."""
+        closed by the engine; an empty list drafts with none of them. Without them the engine
+        opens one source on its own drafter, if it has one, and closes it with the sequence.
+        A constrained sequence also drafts the grammar's forced tokens (`grammar_drafts`)
+        unless `draft` is False: plain decoding, no drafts at all (a request's `speculate:
+        false`, the baseline speculation is measured against)."""
         prompt = self._check_prompt(prompt_ids)
         params.validate()
         if params.resumed >= len(prompt):
@@ -220,7 +224,7 @@ class Engine:
             grammar = self.grammars.matcher(params.constraint)
             if params.resumed:  # a failover's resume: the grammar state after what it had
                 grammar.resume(prompt[len(prompt) - params.resumed:])
-            if self.grammar_drafts:
+            if self.grammar_drafts and draft:
                 slots.append(Slot(GrammarSource(grammar), GrammarSource.name, owned=True))
         seq = SequenceState(
             prompt=prompt,

@@ -394,7 +394,8 @@ class VerifierRole:
             engine, prompt_ids, params.sampling)
         stats = Stats()
         try:
-            seq = engine.start(prompt_ids, params, stats=stats, sources=sources)
+            seq = engine.start(prompt_ids, params, stats=stats, sources=sources,
+                               draft=parsed.speculate)
         except Exception:
             for source in sources:
                 source.close()

@@ -369,7 +369,8 @@ def test_a_grammar_compiles_off_the_compute_thread(host, verifier, monkeypatch):
     compile never stalls the requests behind (or beside) it. The compile is held on a gate:
     a free request sent after the constrained one is served to the end meanwhile, and the
     constrained one then completes, valid. A grammar that does not compile is a
-    `bad_request` saying why, and the queue goes on."""
+    `bad_request` saying why, and the queue goes on. With `speculate: false` nothing is
+    drafted, the grammar's forced tokens included: the baseline is plain decoding."""
     import json
 
     import nodes.engine.grammar as grammar_module
@@ -399,6 +400,10 @@ def test_a_grammar_compiles_off_the_compute_thread(host, verifier, monkeypatch):
         assert set(json.loads(done["text"])) == {"held"}
     else:
         assert done["text"].startswith('{"held":')
+    # `speculate: false` is the baseline: plain decoding, not even the grammar's forced tokens
+    plain = generate(host, prompt=PROMPT, max_tokens=24, speculate=False,
+                     grammar={"kind": "json_schema", "text": json.dumps(schema)})
+    assert plain["stats"]["drafted"] == 0 and plain["text"] == done["text"]
     monkeypatch.setattr(grammar_module, "_build", build)
     err = refused(host, prompt=PROMPT, grammar={"kind": "json_schema",
                                                 "text": '{"type": "objectx"}'})
