@@ -96,6 +96,20 @@ def _tiled(backend: Any, cache: Any, length: int) -> None:
             setattr(layer, name, torch.cat([t] * reps, dim=-2)[..., :length, :].contiguous())
 
 
+def _fill(b, cache, ids: list[int], length: int, how: str) -> None:
+    """Put `length` positions of `ids` in `cache`, 512 a forward: every one (`how` "real") or
+    the first 1,024 with their K/V tiled to `length` ("tiled": `--fill`)."""
+    import torch
+
+    fill = length if how == "real" else min(length, 1024)
+    with torch.inference_mode():
+        for s in range(0, fill, 512):
+            b.forward_last(cache, ids[s:min(s + 512, fill)])
+        b.crop(cache, fill)
+        if fill < length:
+            _tiled(b, cache, length)
+
+
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
     """One (mode, context) in this process: fill, decode, measure (or, as `spec` says, the
     interleaved timing or the speculation section)."""
@@ -119,14 +133,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     length = spec["context"]
     ids = (ids * (length // len(ids) + 1))[:length]
     cache = b.new_cache()
-    fill = length if spec["fill"] == "real" else min(length, 1024)
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        for s in range(0, fill, 512):
-            b.forward_last(cache, ids[s:min(s + 512, fill)])
-        b.crop(cache, fill)
-        if fill < length:
-            _tiled(b, cache, length)
+    _fill(b, cache, ids, length, spec["fill"])
     fill_s = time.perf_counter() - t0
     tok = int(np.argmax(b.forward_last(cache, [ids[-1]])))
     b.crop(cache, length + 1)
@@ -163,13 +171,7 @@ def _interleaved(spec: dict[str, Any]) -> dict[str, Any]:
         for bound in (None, tuple(spec["bound"])):
             ids = (text * (context // len(text) + 1))[:context]
             cache = growing_cache.new_cache(b.model.config, bound)
-            fill = context if spec["fill"] == "real" else min(context, 1024)
-            with torch.inference_mode():
-                for s in range(0, fill, 512):
-                    b.forward_last(cache, ids[s:min(s + 512, fill)])
-                b.crop(cache, fill)
-                if fill < context:
-                    _tiled(b, cache, context)
+            _fill(b, cache, ids, context, spec["fill"])
             rows.append({"mode": "bounded" if bound else "full", "context": context,
                          "cache": cache, "tok": int(ids[-1]), "times": []})
     for _ in range(spec["steps"]):
