@@ -297,6 +297,26 @@ class Chain(DraftSource):
         self.offered.append(fb.offered)
 
 
+def run_alone_pinned(backend, prompt_ids, reference, n, source):
+    """Decode `n` tokens with `source` the only draft source, under `PinnedCost`; the output
+    must be `reference`'s. Returns (engine, stats)."""
+    engine = Engine(backend)
+    engine.cost = PinnedCost(max_k=engine.max_draft)
+    params = GenerationParams(max_tokens=n, eos_token_ids=EOS_NONE)
+    out, stats = stream_checked(engine, prompt_ids, params, sources=[source])
+    assert out == reference[:n]
+    return engine, stats
+
+
+#: tokens the probe tests decode: room for three probes (after 8, 16 and 32 plain steps)
+PROBE_N = 64
+
+
+@pytest.fixture(scope="module")
+def probe_reference(tiny_torch, prompt_ids):
+    return hf_greedy(tiny_torch, prompt_ids, PROBE_N, eos_id=49151)
+
+
 def test_a_wrong_source_is_pruned_without_costing_the_right_one(tiny_torch, prompt_ids,
                                                                  reference):
     engine = Engine(tiny_torch)
@@ -389,12 +409,8 @@ class Late(Chain):
 @pytest.mark.parametrize("right", [True, False])
 def test_announced_drafts_are_waited_for_only_when_they_pay(tiny_torch, prompt_ids, reference,
                                                            right):
-    engine = Engine(tiny_torch)
-    engine.cost = PinnedCost(max_k=engine.max_draft)
     late = Late("late", prompt_ids + reference, tiny_torch.vocab_size, right=right)
-    params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
-    out, stats = stream_checked(engine, prompt_ids, params, sources=[late])
-    assert out == reference[:N]
+    _, stats = run_alone_pinned(tiny_torch, prompt_ids, reference, N, late)
     assert stats.waits == late.waits
     if right:  # waited every step (1 ms for many tokens) and got long blocks
         assert late.waits == stats.blocks - 1 and stats.blocks <= 4
@@ -410,17 +426,12 @@ class Slow(Late):
 
 
 @pytest.mark.parametrize("right", [True, False])
-def test_a_probe_waits_for_a_source_no_wait_pays_for(tiny_torch, prompt_ids, right):
+def test_a_probe_waits_for_a_source_no_wait_pays_for(tiny_torch, prompt_ids, probe_reference,
+                                                     right):
     """Its drafts never arrive in time, so only probes (which wait) can judge them; they back
     off while they fail."""
-    engine = Engine(tiny_torch)
-    engine.cost = PinnedCost(max_k=engine.max_draft)
-    n = 64
-    reference = hf_greedy(tiny_torch, prompt_ids, n, eos_id=49151)
-    slow = Slow("slow", prompt_ids + reference, tiny_torch.vocab_size, right=right)
-    params = GenerationParams(max_tokens=n, eos_token_ids=EOS_NONE)
-    out, stats = stream_checked(engine, prompt_ids, params, sources=[slow])
-    assert out == reference[:n]
+    slow = Slow("slow", prompt_ids + probe_reference, tiny_torch.vocab_size, right=right)
+    _, stats = run_alone_pinned(tiny_torch, prompt_ids, probe_reference, PROBE_N, slow)
     assert stats.waits == slow.waits >= 1  # only probes wait: 5 s never pays
     if right:  # each probe's drafts were all taken
         assert stats.accepted == stats.drafted >= slow.waits
@@ -440,18 +451,13 @@ class SlowTimed(Slow):
         return super().wait(timeout)
 
 
-def test_a_probes_wait_is_capped_at_its_share_of_the_verifiers_time(tiny_torch, prompt_ids):
+def test_a_probes_wait_is_capped_at_its_share_of_the_verifiers_time(tiny_torch, prompt_ids,
+                                                                     probe_reference):
     """A source announcing 5 s is probed with waits of at most `probe_share` of the plain
     steps between probes (not twice the announcement): a slow proposer costs a bounded share
     of the verifier's time however slow it is."""
-    engine = Engine(tiny_torch)
-    engine.cost = PinnedCost(max_k=engine.max_draft)
-    n = 64
-    reference = hf_greedy(tiny_torch, prompt_ids, n, eos_id=49151)
-    slow = SlowTimed("slow", prompt_ids + reference, tiny_torch.vocab_size, right=False)
-    params = GenerationParams(max_tokens=n, eos_token_ids=EOS_NONE)
-    out, stats = stream_checked(engine, prompt_ids, params, sources=[slow])
-    assert out == reference[:n]
+    slow = SlowTimed("slow", prompt_ids + probe_reference, tiny_torch.vocab_size, right=False)
+    engine, _ = run_alone_pinned(tiny_torch, prompt_ids, probe_reference, PROBE_N, slow)
     cost = engine.cost
     cap = cost.probe_share * cost.max_probe_every * cost.verify_cost(1)
     assert slow.timeouts and max(slow.timeouts) <= cap + 1e-9
@@ -469,12 +475,8 @@ class RunsOut(Late):
 @pytest.mark.parametrize("right", [True, False])
 def test_short_drafts_are_topped_up_by_a_wait_only_when_it_pays(tiny_torch, prompt_ids,
                                                                 reference, right):
-    engine = Engine(tiny_torch)
-    engine.cost = PinnedCost(max_k=engine.max_draft)
     src = RunsOut("remote", prompt_ids + reference, tiny_torch.vocab_size, right=right)
-    params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
-    out, stats = stream_checked(engine, prompt_ids, params, sources=[src])
-    assert out == reference[:N]
+    _, stats = run_alone_pinned(tiny_torch, prompt_ids, reference, N, src)
     assert stats.waits == src.waits
     if right:  # 1 ms for a full block instead of 2 tokens: waited every step, long blocks
         assert src.waits == stats.blocks - 1 and stats.blocks <= 4
