@@ -187,7 +187,19 @@ def test_instructor_json_mode(gateway_url):
 
 
 # -- litellm -------------------------------------------------------------------------------------
-def test_litellm_tools(gateway_url):
+def test_litellm_tools(gateway_url, monkeypatch):
+    import socket
+
+    elsewhere: list = []  # any name or address litellm tries beyond loopback: refused, kept
+    real = socket.getaddrinfo
+
+    def loopback_only(host, *args, **kw):
+        if host not in ("127.0.0.1", "localhost", "::1", None):
+            elsewhere.append(host)
+            raise socket.gaierror(f"test: no network beyond 127.0.0.1 ({host})")
+        return real(host, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", loopback_only)
     litellm = pytest.importorskip("litellm")
     litellm.telemetry = False
     r = litellm.completion(model="openai/" + MODEL, api_base=gateway_url + "/v1",
@@ -200,3 +212,4 @@ def test_litellm_tools(gateway_url):
         assert c.function.name == "get_weather"
         _valid_call(c.function.name, c.function.arguments)
     assert json.loads(choice.message.tool_calls[0].function.arguments)["city"]
+    assert not elsewhere, f"litellm reached for {elsewhere}"
