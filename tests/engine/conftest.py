@@ -15,6 +15,8 @@ import pytest
 
 from nodes.backends import few_rows
 from nodes.drafters.base import Drafter, branch_points
+from nodes.engine.sources import DraftSource
+from nodes.engine.tree import Candidate
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -182,6 +184,29 @@ def hf_greedy(backend, prompt_ids, max_new, eos_id):
         temperature=None,
     )
     return out[0, len(prompt_ids) :].tolist()
+
+
+class DecoyTree(DraftSource):
+    """Proposes the true continuation among decoys: a wrong first branch, a wrong turn at
+    every depth, and the truth cut short; the verifier must find the true path in one go.
+    Deterministic for a seed; asserts that the committed tokens follow `reference`."""
+
+    name = "scripted-tree"
+
+    def __init__(self, reference, vocab, seed=0):
+        self.reference, self.vocab = list(reference), vocab
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, committed, budget):
+        pos = len(committed)
+        assert list(committed) == self.reference[:pos], "desync"
+        truth = self.reference[pos : pos + budget]
+        wrong = [(t + 1) % self.vocab for t in truth]
+        out = [Candidate(np.asarray(wrong[:2]))]  # the decoy comes first
+        for cut in range(1, len(truth)):  # at each depth, a wrong turn after the true prefix
+            out.append(Candidate(np.asarray([*truth[:cut], int(self.rng.integers(self.vocab))])))
+        out.append(Candidate(np.asarray(truth[: max(1, len(truth) - 1)])))
+        return [c for c in out if len(c.tokens)]
 
 
 def stream_checked(engine, prompt_ids, params, **kw):

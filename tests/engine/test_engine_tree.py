@@ -12,7 +12,7 @@ from nodes.engine.core import Stats
 from nodes.engine.cost import CostModel
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import Candidate, TokenTree
-from tests.engine.conftest import hf_greedy, stream_checked
+from tests.engine.conftest import DecoyTree, hf_greedy, stream_checked
 
 N = 24
 EOS_NONE = frozenset({49151})
@@ -89,31 +89,9 @@ def test_compaction_leaves_the_chain_cache(tiny_torch, prompt_ids, seed):
     np.testing.assert_allclose(b.forward(cache, nxt), b.forward(ref, nxt), atol=1e-4, rtol=0)
 
 
-class ScriptedTree(DraftSource):
-    """Proposes the true continuation among decoys: wrong siblings at every depth, a wrong
-    first branch, and the truth cut short; the verifier must find the true path in one go."""
-
-    name = "scripted-tree"
-
-    def __init__(self, reference, vocab, seed=0):
-        self.reference, self.vocab = list(reference), vocab
-        self.rng = np.random.default_rng(seed)
-
-    def propose(self, committed, budget):
-        pos = len(committed)
-        assert list(committed) == self.reference[:pos], "desync"
-        truth = self.reference[pos : pos + budget]
-        wrong = [(t + 1) % self.vocab for t in truth]
-        out = [Candidate(np.asarray(wrong[:2]))]  # the decoy comes first
-        for cut in range(1, len(truth)):  # at each depth, a wrong turn after the true prefix
-            out.append(Candidate(np.asarray([*truth[:cut], int(self.rng.integers(self.vocab))])))
-        out.append(Candidate(np.asarray(truth[: max(1, len(truth) - 1)])))
-        return out
-
-
 @pytest.mark.parametrize("k", [3, 8, 16])
 def test_scripted_tree_greedy_matches_hf(tiny_torch, prompt_ids, reference, k):
-    source = ScriptedTree(prompt_ids + reference, tiny_torch.vocab_size, seed=k)
+    source = DecoyTree(prompt_ids + reference, tiny_torch.vocab_size, seed=k)
     engine = Engine(tiny_torch, fixed_k=k)
     params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
     out, stats = stream_checked(engine, prompt_ids, params, sources=[source])
@@ -124,7 +102,7 @@ def test_scripted_tree_greedy_matches_hf(tiny_torch, prompt_ids, reference, k):
 def test_tree_with_eos_inside(tiny_torch, prompt_ids, reference):
     eos = reference[5]
     expected = hf_greedy(tiny_torch, prompt_ids, N, eos_id=eos)
-    source = ScriptedTree(prompt_ids + reference, tiny_torch.vocab_size)
+    source = DecoyTree(prompt_ids + reference, tiny_torch.vocab_size)
     params = GenerationParams(max_tokens=N, eos_token_ids=frozenset({eos}))
     out, _ = stream_checked(Engine(tiny_torch, fixed_k=8), prompt_ids, params, sources=[source])
     assert out == expected
@@ -171,7 +149,7 @@ def test_two_sources_merge_into_one_tree(tiny_torch, tiny_draft_folder, prompt_i
     other = ModelDrafter(TorchBackend.load(str(tiny_draft_folder), device="cpu"), tree_width=2)
     sp = SamplingParams()
     sources = [
-        ScriptedTree(prompt_ids + reference, tiny_torch.vocab_size),
+        DecoyTree(prompt_ids + reference, tiny_torch.vocab_size),
         NgramDrafter(branches=4).open_source(prompt_ids, sp),
         other.open_source(prompt_ids, sp),
     ]
@@ -247,7 +225,7 @@ class FailsOnSecondCall(DraftSource):
 
 
 def test_feedback_is_explicit_and_survives_a_failing_source(tiny_torch, prompt_ids, reference):
-    rec = Recorder(ScriptedTree(prompt_ids + reference, tiny_torch.vocab_size))
+    rec = Recorder(DecoyTree(prompt_ids + reference, tiny_torch.vocab_size))
     flaky = FailsOnSecondCall()
     params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
     blocks, stats = [], Stats()

@@ -11,9 +11,13 @@ import pytest
 
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.prefix_cache import PrefixCache
-from nodes.engine.sources import DraftSource
-from nodes.engine.tree import Candidate
-from tests.engine.conftest import _tokenizer_files, hf_greedy, step_together, stream_checked
+from tests.engine.conftest import (
+    DecoyTree,
+    _tokenizer_files,
+    hf_greedy,
+    step_together,
+    stream_checked,
+)
 
 N = 40
 WINDOW = 8
@@ -87,25 +91,6 @@ def refs(family):
     return [(p, hf_greedy(b, p, N + 8, eos_id=49151)) for p in prompts]
 
 
-class Tree(DraftSource):
-    """The truth among decoys (a wrong first branch, a wrong turn at every depth)."""
-
-    name = "tree"
-
-    def __init__(self, reference, vocab, seed=0):
-        self.reference, self.vocab = list(reference), vocab
-        self.rng = np.random.default_rng(seed)
-
-    def propose(self, committed, budget):
-        pos = len(committed)
-        truth = self.reference[pos:pos + budget]
-        out = [Candidate(np.asarray([(t + 1) % self.vocab for t in truth[:2]]))]
-        for cut in range(1, len(truth)):
-            out.append(Candidate(np.asarray([*truth[:cut], int(self.rng.integers(self.vocab))])))
-        out.append(Candidate(np.asarray(truth[:max(1, len(truth) - 1)])))
-        return [c for c in out if len(c.tokens)]
-
-
 def test_reference_varies(refs):
     assert all(len(set(ref)) > 5 for _, ref in refs)
 
@@ -125,7 +110,7 @@ def test_chain_matches_hf(family, refs, scripted, mode, k):
 def test_tree_matches_hf(family, refs, k):
     _, b = family
     prompt, ref = refs[0]
-    source = Tree(prompt + ref, b.vocab_size, seed=k)
+    source = DecoyTree(prompt + ref, b.vocab_size, seed=k)
     out, stats = stream_checked(Engine(b, fixed_k=k), prompt,
                                 GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE),
                                 sources=[source])
@@ -163,7 +148,7 @@ def test_batch_of_four_matches_hf(family, refs, scripted):
     for i, (p, ref) in enumerate(refs):
         drafter = scripted(p + ref, "random", b.vocab_size, seed=i)
         sources = [drafter.open_source(p, params.sampling)] if i % 2 == 0 else [
-            Tree(p + ref, b.vocab_size, seed=i)]
+            DecoyTree(p + ref, b.vocab_size, seed=i)]
         seqs.append(engine.start(p, params, sources=sources))
     out = step_together(engine, seqs)
     for q in seqs:

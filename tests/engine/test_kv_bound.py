@@ -13,8 +13,8 @@ import torch
 from nodes.backends.torch_backend import TorchBackend, check_kv_bound
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.errors import BadRequestError
-from tests.engine.conftest import step_together, stream_checked
-from tests.engine.test_hybrid_cache import EOS_NONE, Tree, build_family
+from tests.engine.conftest import DecoyTree, step_together, stream_checked
+from tests.engine.test_hybrid_cache import EOS_NONE, build_family
 
 SINK, WINDOW = 4, 16
 N = 48
@@ -101,7 +101,7 @@ def test_chain_equals_plain_under_the_bound(bounded, prompts, plain, scripted, m
 @pytest.mark.parametrize("k", [4, 12])
 def test_tree_equals_plain_under_the_bound(bounded, prompts, plain, k):
     _, b = bounded
-    source = Tree(prompts[0] + plain[0], b.vocab_size, seed=k)
+    source = DecoyTree(prompts[0] + plain[0], b.vocab_size, seed=k)
     out, stats = stream_checked(Engine(b, fixed_k=k), prompts[0],
                                 GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE),
                                 sources=[source])
@@ -115,7 +115,7 @@ def test_batch_of_four_equals_plain_under_the_bound(bounded, prompts, plain, scr
     seqs = []
     for i, (p, ref) in enumerate(zip(prompts, plain, strict=True)):
         sources = ([scripted(p + ref, "random", b.vocab_size, seed=i).open_source(
-            p, params.sampling)] if i % 2 == 0 else [Tree(p + ref, b.vocab_size, seed=i)])
+            p, params.sampling)] if i % 2 == 0 else [DecoyTree(p + ref, b.vocab_size, seed=i)])
         seqs.append(engine.start(p, params, sources=sources))
     out = step_together(engine, seqs)
     for q in seqs:
