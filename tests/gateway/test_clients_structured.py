@@ -131,6 +131,37 @@ def test_langchain_bind_tools(chat_model):
         _valid_call(call["name"], call["args"])
 
 
+def test_langchain_streamed_tool_calls(chat_model):
+    """LangChain merges the streamed `tool_calls` deltas (name, then argument fragments) into
+    the same calls as the plain answer."""
+    bound = chat_model.bind_tools([GetWeather], tool_choice="any")
+    ask = "What is the weather in Paris?"
+    whole = bound.invoke(ask)
+    merged = None
+    for part in bound.stream(ask):
+        merged = part if merged is None else merged + part
+    assert merged.tool_calls and [(c["name"], c["args"]) for c in merged.tool_calls] == [
+        (c["name"], c["args"]) for c in whole.tool_calls]
+    for call in merged.tool_calls:
+        _valid_call(call["name"], call["args"])
+
+
+def test_langchain_tool_result_round_trip(chat_model):
+    """The history LangChain sends after a call (the AIMessage with its tool_calls, then a
+    ToolMessage) is served; the next answer is text or valid calls."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    bound = chat_model.bind_tools([GetWeather])
+    ask = HumanMessage("What is the weather in Paris?")
+    first = chat_model.bind_tools([GetWeather], tool_choice="any").invoke([ask])
+    history = [ask, first, *(ToolMessage("18 C, sunny", tool_call_id=c["id"])
+                             for c in first.tool_calls)]
+    again = bound.invoke(history)
+    for call in again.tool_calls:
+        _valid_call(call["name"], call["args"])
+    assert again.tool_calls or again.content
+
+
 @pytest.mark.parametrize("method", ["function_calling", "json_schema"])
 def test_langchain_structured_output(chat_model, method):
     out = chat_model.with_structured_output(Person, method=method).invoke(ALICE)
