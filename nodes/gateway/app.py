@@ -33,7 +33,7 @@ from nodes.gateway.responses import (
     response_object,
     status_of,
 )
-from nodes.gateway.tools import CallStream
+from nodes.gateway.tools import CallStream, check_grammar
 
 log = logging.getLogger(__name__)
 
@@ -372,6 +372,8 @@ class GatewayApp:
         return resp
 
     async def _plan(self, api: ApiRequest) -> Plan:
+        if api.grammar is not None:  # a bad schema: its 400 before anything else (a few ms,
+            await asyncio.to_thread(check_grammar, api.grammar, api.grammar_param)  # cached)
         models = self.served_models()
         vs = models.get(api.model)
         if not models:  # nothing is up: the service is unavailable, not the model unknown

@@ -208,7 +208,7 @@ def parse_request(kind: str, body: dict[str, Any]) -> ApiRequest:
             messages = (tl.tools_message(tools), *messages)
         grammar = fmt or (tl.tool_grammar(tools) if tools else None)
         param = tl.SCHEMA_PARAM if fmt else tl.TOOLS_PARAM if grammar else None
-        tl.check_grammar(grammar, param)
+        # (compiled once off the event loop, by the app: `tools.check_grammar`)
         return ApiRequest(kind="chat", messages=messages, **common, grammar=grammar,
                           grammar_param=param, tools=tools)
     text, ids = _prompt(body.get("prompt"))

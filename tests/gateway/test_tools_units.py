@@ -140,3 +140,26 @@ def test_streamed_call_fragments_reassemble_to_the_answers_calls():
         assert [got[i] for i in sorted(got)] == want and not stream.fallback
     other = CallStream()  # not the call format: nothing streamed, the caller sends it whole
     assert other.feed('<tool_call>\n{"arguments":{},"name":"x"}') == [] and other.fallback
+
+
+@pytest.mark.parametrize("kw, param, says", [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "minLength": 5, "maxLength": 2}}}),
+     "response_format.json_schema.schema", "minLength (5) is greater than maxLength (2)"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(10_000)}}}}),
+     "response_format.json_schema.schema", "more than the 65536 accepted"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["a"], "properties": {"a": {"not": {}}}}}}],
+        tool_choice="required"), "tools", "tools: the grammar of their calls"),
+])
+def test_check_grammar_names_the_reason_and_param(kw, param, says):
+    from nodes.gateway.tools import check_grammar
+
+    req = chat(**kw)
+    with pytest.raises(ApiError) as err:
+        check_grammar(req.grammar, req.grammar_param)
+    assert err.value.status == 400 and err.value.param == param and says in err.value.message
+    assert err.value.code == "invalid_schema"
+    ok = chat(tools=[WEATHER], tool_choice="required")
+    check_grammar(ok.grammar, ok.grammar_param)  # a good one passes
