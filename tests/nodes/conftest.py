@@ -1,3 +1,5 @@
+from contextlib import contextmanager
+
 import pytest
 
 from bus.loop import IOLoop
@@ -41,22 +43,30 @@ def host(bus):
     return BusHost(*bus)
 
 
-def one_verifier(tmp_path_factory, *flags: str):
+def one_verifier(tmp_path_factory, *flags: str, proposers=()):
     """A local cluster of one real verifier process (`--threads 1` and `flags`), no mDNS, for
-    a module-scoped fixture to yield and stop."""
+    a module-scoped fixture to yield and stop; `proposers`: (name, *flags) each, a seeded
+    `--role proposer` process started after it (the cluster stopped if one fails)."""
     from tools.local_cluster import LocalCluster
 
     c = LocalCluster(log_dir=tmp_path_factory.mktemp("logs"), mdns=False)
     try:
         c.start_node("v", "--role", "verifier", "--threads", "1", *flags)
+        for name, *proposer_flags in proposers:
+            c.start_node(name, "--role", "proposer", *proposer_flags, seed=True)
     except BaseException:
         c.stop()
         raise
     return c
 
 
-def client_of(cluster):
-    """A cluster client that knows the cluster's first node's stream (no mDNS)."""
+@contextmanager
+def client_of(cluster, verifiers_s: float | None = None):
+    """A cluster client that knows the cluster's first node's stream (no mDNS), closed on exit;
+    with `verifiers_s`, once it has seen a verifier (waiting up to that long)."""
     from nodes.cluster_client import ClusterClient
 
-    return ClusterClient(cluster.cluster, peers=(cluster.nodes[0].stream,), mdns=False)
+    with ClusterClient(cluster.cluster, peers=(cluster.nodes[0].stream,), mdns=False) as cc:
+        if verifiers_s is not None:
+            cc.verifiers(verifiers_s)
+        yield cc

@@ -61,21 +61,16 @@ MODES = {"batch-invariant": ("--batch-invariant",), "default": ()}
 
 @pytest.fixture(scope="module", params=list(MODES))
 def cluster(request, tmp_path_factory):
-    c = one_verifier(tmp_path_factory, "--max-batch", "4", *MODES[request.param])
+    c = one_verifier(tmp_path_factory, "--max-batch", "4", *MODES[request.param],
+                     proposers=[("ngram", "--drafter", "ngram")])
     c.mode = request.param
-    try:
-        c.start_node("ngram", "--role", "proposer", "--drafter", "ngram", seed=True)
-    except BaseException:
-        c.stop()
-        raise
     yield c
     c.stop()
 
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    with client_of(cluster) as cc:
-        cc.verifiers(60)
+    with client_of(cluster, verifiers_s=60) as cc:
         proposer = cluster.node("ngram").node_id
         cc.wait_for(lambda ms: any(m.node_id == proposer for m in ms), 30)
         yield cc

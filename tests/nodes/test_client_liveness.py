@@ -41,9 +41,8 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    with client_of(cluster) as cc:
+    with client_of(cluster, verifiers_s=60) as cc:
         cc.stats = StatsWatcher(cc.node, cluster.cluster)
-        cc.verifiers(60)
         yield cc
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from nodes.cluster_client import ClusterClient, GenerateRequest
+from nodes.cluster_client import GenerateRequest
+from tests.nodes.conftest import client_of
 from tests.polling import wait_until as poll
 from tools.monitor_view import ClusterView
 
@@ -41,8 +42,7 @@ def cluster(model_cluster):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    with ClusterClient(cluster.cluster, peers=(cluster.nodes[0].stream,), mdns=False) as cc:
-        cc.verifiers(30)
+    with client_of(cluster, verifiers_s=30) as cc:
         yield cc
 
 

@@ -17,9 +17,10 @@ import signal
 
 import pytest
 
-from nodes.cluster_client import ClusterClient, GenerateRequest
+from nodes.cluster_client import GenerateRequest
 from nodes.cluster_client.choice import Balancer
 from nodes.cluster_client.failover import Failover, Final, Resuming
+from tests.nodes.conftest import client_of
 
 SCHEMA = {"type": "object",
           "properties": {"city": {"type": "string", "maxLength": 24},
@@ -90,8 +91,7 @@ def cluster(model_cluster):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    with ClusterClient(cluster.cluster, peers=(cluster.nodes[0].stream,), mdns=False) as cc:
-        cc.verifiers(30)
+    with client_of(cluster, verifiers_s=30) as cc:
         yield cc
 
 

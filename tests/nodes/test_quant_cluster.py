@@ -30,14 +30,9 @@ REQUESTS = [*((text, 24 + 4 * i) for i, (_, text) in enumerate(PROMPTS)),
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = one_verifier(tmp_path_factory, "--weights", "auto", "--max-batch", "8",
-                     "--prefix-cache-mb", "0")
-    try:
-        for name, drafter in (("ngram", "ngram"), ("int8", "int8")):
-            c.start_node(name, "--role", "proposer", "--drafter", drafter, "--threads", "1",
-                         seed=True)
-    except BaseException:
-        c.stop()
-        raise
+                     "--prefix-cache-mb", "0",
+                     proposers=[(name, "--drafter", name, "--threads", "1")
+                                for name in ("ngram", "int8")])
     yield c
     c.stop()
 

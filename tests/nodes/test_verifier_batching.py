@@ -44,8 +44,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    with client_of(cluster) as cc:
-        cc.verifiers(60)
+    with client_of(cluster, verifiers_s=60) as cc:
         yield cc
 
 
