@@ -23,7 +23,8 @@ token, time to the first token, acceptance; the mask and matcher cost per token
 fresh compile each time); constrained plain against free plain; and invalid outputs (every
 constrained output parsed and checked against its schema: must be 0; an answer cut by
 max_tokens is counted apart, not judged). Greedy: every speculative output must equal
-constrained plain's token for token.
+constrained plain's token for token. `--gateway` adds the same workloads through the gateway as
+an app sends them (tools/bench_structured_gateway.py: real processes, the openai client).
 """
 
 from __future__ import annotations
@@ -188,6 +189,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the verifier's, as served; 0: off, every prompt prefilled whole)")
     parser.add_argument("--no-agent", action="store_true",
                         help="leave out the agent trace with its tool schema")
+    parser.add_argument("--gateway", action="store_true",
+                        help="also through the gateway: a verifier, an ngram proposer and a "
+                             "gateway as processes, the openai client, plain vs speculative "
+                             "(tools/bench_structured_gateway.py)")
+    parser.add_argument("--gateway-only", action="store_true",
+                        help="only the gateway's figures (no in-process rows)")
     parser.add_argument("--compiles", type=int, default=20,
                         help="fresh compiles per constraint for the compile-time figures")
     parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
@@ -293,7 +300,51 @@ def _requests(tokenizer, quick: bool, agent: bool = True) -> list[dict[str, Any]
     return out
 
 
+def gateway_requests(quick: bool, agent: bool) -> list[dict[str, Any]]:
+    """`--gateway`'s requests: workload, the chat call's keyword arguments (as an app sends
+    them), validity check of the answer's message."""
+    out = []
+    for text, schema in EXTRACTION[: 3 if quick else None]:
+        msgs = [{"role": "system", "content": "Extract the facts of the user's text as JSON "
+                 "matching this schema: " + json.dumps(schema)},
+                {"role": "user", "content": text}]
+        out.append({"workload": "extraction", "kw": {"messages": msgs, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "facts", "schema": schema,
+                                                   "strict": True}}},
+                    "valid": lambda m, s=schema: _valid_json(m.content or "", s)})
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+    def calls_valid(m) -> bool:
+        calls = m.tool_calls or []
+        return bool(calls) and all(
+            c.function.name in params and conforms(json.loads(c.function.arguments),
+                                                   params[c.function.name]) for c in calls)
+
+    for ask in TOOL_ASKS[: 3 if quick else None]:
+        out.append({"workload": "tools", "kw": {
+            "messages": [{"role": "user", "content": ask}], "tools": TOOLS,
+            "tool_choice": "required", "parallel_tool_calls": False}, "valid": calls_valid})
+    if agent:
+        from tools.bench_suffix import load_trace
+
+        for t in load_trace("agent_tools")[: 6 if quick else None]:
+            out.append({"workload": "agent", "kw": {"messages": t["messages"],
+                                                    "response_format": {
+                "type": "json_schema", "json_schema": {"name": "call", "schema": AGENT_SCHEMA,
+                                                       "strict": True}}},
+                        "valid": lambda m: _valid_json(m.content or "", AGENT_SCHEMA)})
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.gateway_only:
+        from tools.bench_structured_gateway import print_gateway, run_gateway
+
+        report = {"gateway": _gateway(args, run_gateway)}
+        print_gateway(report["gateway"])
+        _write(args.json, report)
+        g = report["gateway"]
+        return 1 if g["invalid_outputs"] or g["speculative_not_equal_plain"] else 0
     import torch
 
     from nodes.assemble import DEFAULT_PREFIX_CACHE_MB
@@ -401,11 +452,28 @@ def run(args: argparse.Namespace) -> int:
                        "n": len(compile_ms)},
         "machine": platform.machine(), "load": os.getloadavg(),
     })
+    if args.gateway:  # after the in-process rows (they hold core 0 in this process)
+        from tools.bench_structured_gateway import print_gateway, run_gateway
+
+        report["gateway"] = _gateway(args, run_gateway)
+        invalid += report["gateway"]["invalid_outputs"]
+        mismatched += report["gateway"]["speculative_not_equal_plain"]
     _print(report)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
+    if args.gateway:
+        print_gateway(report["gateway"])
+    _write(args.json, report)
     return 1 if invalid or mismatched else 0
+
+
+def _gateway(args: argparse.Namespace, run_gateway) -> dict[str, Any]:
+    return run_gateway(args, gateway_requests(args.quick, not args.no_agent),
+                       {w: AGENT_AFTER if w == "agent" else 0 for w in WORKLOADS})
+
+
+def _write(path: str | None, report: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -1,0 +1,147 @@
+"""`specbus bench structured --gateway`: the same workloads as a client sends them.
+
+Real node processes on loopback: one verifier (core 0, one torch thread, its prefix cache as
+served), one ngram proposer (core 1) and a gateway (core 1); this process (the openai client)
+sits on core 1 too. Every request goes through the OpenAI-compatible API as an app sends it:
+
+- extraction: `response_format` `json_schema` (strict) with the text's schema;
+- tools: the fixed tool set, `tool_choice` "required", `parallel_tool_calls` false;
+- agent: the suffix work's agent trace with `response_format` its tool schema (`AGENT_SCHEMA`),
+  counted after its first `AGENT_AFTER` requests.
+
+Two configurations per request, interleaved (their order alternates request by request and
+round by round): `plain` (`specbus.speculate: false`: the verifier's constrained plain
+decoding) and `speculative` (the default: the proposer's ngram drafts and the grammar's forced
+tokens, merged in one tree). Figures: per request the median wall time over rounds of the whole
+call (HTTP, prefill, decode), speedup = plain's time / speculative's on the same completion
+(greedy: the same tokens, checked), median and worst per workload; invalid outputs (each
+answer parsed and checked against its schema or tool parameters) and speculative != plain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CORE_VERIFIER, CORE_CLIENT = 0, 1
+
+
+def _answer(m) -> str:
+    """What a completion's message says, for comparing plain with speculative."""
+    if m.tool_calls:
+        return json.dumps([[c.function.name, c.function.arguments] for c in m.tool_calls])
+    return m.content or ""
+
+
+def run_gateway(args, reqs: list[dict[str, Any]], workloads: dict[str, int]
+                ) -> dict[str, Any]:
+    """`reqs`: each request's workload, chat keyword arguments and validity check
+    (`bench_structured.gateway_requests`); `workloads`: each workload's requests left out of
+    its figures (the first few of a trace)."""
+    import openai
+
+    from tools.local_cluster import LocalCluster
+
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {CORE_CLIENT})
+    model = ("--model", args.model) if args.model else ()
+    rounds = 2 if args.quick else args.rounds
+    log_dir = Path(tempfile.mkdtemp(prefix="specbus-bench-structured-"))
+    print(f"starting a verifier (core 0, 1 torch thread), an ngram proposer and a gateway "
+          f"(core 1); logs: {log_dir}", file=sys.stderr, flush=True)
+    with LocalCluster(log_dir=log_dir, mdns=False, env={"OMP_NUM_THREADS": "1"}) as c:
+        c.start_node("v0", "--role", "verifier", "--cpus", str(CORE_VERIFIER), "--threads",
+                     "1", "--weights", args.weights, *model)
+        nodes = [c.spawn("n0", "--role", "proposer", "--drafter", "ngram", "--cpus",
+                         str(CORE_CLIENT), seed=True),
+                 c.spawn("gw", "--role", "gateway", "--http", "127.0.0.1:0", "--cpus",
+                         str(CORE_CLIENT), seed=True)]
+        for n in nodes:
+            n.wait_ready()
+        url = c.node("gw").ready["http"]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                               timeout=300)
+        name = client.models.list().data[0].id
+        time.sleep(3)  # gossip: the verifier links its proposer
+        for cfg in CONFIGS:  # warm: the proposer's link, the grammar compiler, caches
+            client.chat.completions.create(model=name, temperature=0, max_tokens=16,
+                                           extra_body={"specbus": {
+                                               "speculate": cfg == "speculative"}},
+                                           **reqs[0]["kw"])
+        times: dict[str, list[list[float]]] = {k: [[] for _ in reqs] for k in CONFIGS}
+        answers: dict[str, list[str | None]] = {k: [None] * len(reqs) for k in CONFIGS}
+        tokens = [0] * len(reqs)
+        invalid = mismatched = cut = 0
+        for r in range(rounds):
+            for i, req in enumerate(reqs):
+                order = CONFIGS if (i + r) % 2 == 0 else CONFIGS[::-1]
+                for cfg in order:
+                    body = {"specbus": {"speculate": cfg == "speculative"}}
+                    t0 = time.perf_counter()
+                    resp = client.chat.completions.create(
+                        model=name, temperature=0, max_tokens=args.max_tokens,
+                        extra_body=body, **req["kw"])
+                    times[cfg][i].append(time.perf_counter() - t0)
+                    choice = resp.choices[0]
+                    answer = _answer(choice.message)
+                    if r == 0:
+                        tokens[i] = resp.usage.completion_tokens
+                        if choice.finish_reason == "length":
+                            cut += 1
+                        elif not req["valid"](choice.message):
+                            invalid += 1
+                            print(f"INVALID ({cfg}, {req['workload']} {i}): {answer!r}",
+                                  file=sys.stderr)
+                    if answers[cfg][i] is not None and answers[cfg][i] != answer:
+                        mismatched += 1  # (greedy: every round the same)
+                    answers[cfg][i] = answer
+            print(f"gateway round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+        for i in range(len(reqs)):
+            if answers["plain"][i] != answers["speculative"][i]:
+                mismatched += 1
+    out: dict[str, Any] = {"rounds": rounds, "invalid_outputs": invalid,
+                           "cut_by_max_tokens": cut, "speculative_not_equal_plain": mismatched,
+                           "load": os.getloadavg()}
+    for w, skip in workloads.items():
+        idx = [i for i, r in enumerate(reqs) if r["workload"] == w][skip:]
+        if not idx:
+            continue
+        plain = [statistics.median(times["plain"][i]) for i in idx]
+        spec = [statistics.median(times["speculative"][i]) for i in idx]
+        x = [p / s for p, s in zip(plain, spec, strict=True)]
+        toks = [tokens[i] for i in idx]
+        out[w] = {"requests": len(idx), "tokens": sum(toks),
+                  "plain_tok_s_median": statistics.median(
+                      t / p for t, p in zip(toks, plain, strict=True)),
+                  "speculative_tok_s_median": statistics.median(
+                      t / s for t, s in zip(toks, spec, strict=True)),
+                  "speedup_median": statistics.median(x), "speedup_worst": min(x)}
+    return out
+
+
+CONFIGS = ("plain", "speculative")
+
+
+def print_gateway(rep: dict[str, Any]) -> None:
+    print(f"\nthrough the gateway (openai client; verifier core 0 one torch thread, ngram "
+          f"proposer + gateway + client core 1), {rep['rounds']} rounds interleaved, load "
+          f"{' '.join(f'{x:.2f}' for x in rep['load'])}")
+    head = (f"{'workload':<10} {'requests':>8} {'tokens':>6} {'plain tok/s':>11} "
+            f"{'spec tok/s':>10} {'x plain':>7} {'worst':>6}")
+    print(head)
+    print("-" * len(head))
+    for w in ("extraction", "tools", "agent"):
+        if w in rep:
+            r = rep[w]
+            print(f"{w:<10} {r['requests']:8d} {r['tokens']:6d} {r['plain_tok_s_median']:11.1f} "
+                  f"{r['speculative_tok_s_median']:10.1f} {r['speedup_median']:7.2f} "
+                  f"{r['speedup_worst']:6.2f}")
+    print(f"invalid outputs: {rep['invalid_outputs']}; cut by max_tokens: "
+          f"{rep['cut_by_max_tokens']}; speculative != plain: "
+          f"{rep['speculative_not_equal_plain']}")
