@@ -40,6 +40,23 @@ SHARED_NODES = (
 )
 
 
+@pytest.fixture
+def loop():
+    """A started I/O loop (bus/loop.py) for one test, stopped after it."""
+    from bus.loop import IOLoop
+
+    lp = IOLoop(name="test-io").start()
+    yield lp
+    lp.stop()
+
+
+@pytest.fixture
+def factory():
+    from bus.sockets import SocketFactory
+
+    return SocketFactory()
+
+
 @pytest.fixture(scope="module")
 def tiny_backend(tmp_path_factory):
     """A torch backend of the tiny random Llama (tests/engine/conftest.py's `build_tiny`, seed 0)

@@ -2,8 +2,6 @@ from contextlib import contextmanager
 
 import pytest
 
-from bus.loop import IOLoop
-from bus.sockets import SocketFactory
 from bus.streams import StreamClient, StreamServer
 
 
@@ -31,11 +29,9 @@ class BusHost:
 
 
 @pytest.fixture
-def bus():
-    loop = IOLoop(name="roles-io").start()
-    factory = SocketFactory()
-    yield loop, factory
-    loop.stop()
+def bus(loop, factory):
+    """(loop, factory): a started I/O loop and a socket factory (tests/conftest.py)."""
+    return loop, factory
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from bus.loop import IOLoop
 from bus.sockets import SocketFactory
 from bus.streams import PeerUnavailable, RequestCancelled, StreamClient, StreamServer
 from codec.messages import make
@@ -19,13 +18,6 @@ from tools.local_cluster import wait_all
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLIES = 40  # stream_server.py sends this many, one every 50 ms
-
-
-@pytest.fixture
-def loop():
-    lp = IOLoop(name="liveness-io").start()
-    yield lp
-    lp.stop()
 
 
 @pytest.fixture

@@ -1,14 +1,6 @@
 import pytest
 
-from bus.loop import IOLoop
 from bus.security import Security, write_secret_file
-
-
-@pytest.fixture
-def loop():
-    lp = IOLoop(name="security-io").start()
-    yield lp
-    lp.stop()
 
 
 @pytest.fixture(scope="session")
