@@ -63,8 +63,10 @@ def test_open_streams_a_draft_ahead_up_to_the_horizon(host, proposer):
         chunks.append(call.next(5.0))
     assert all(c.type == "draft_chunk" and c.session == "s1" for c in chunks)
     assert all(c["base"] == len(PROMPT) for c in chunks)
-    # "... 5 6" -> most recent "5 6" -> 7 8 5 6, then on its own assumption 7 8
-    assert chunks[0].tensors[0].tolist() == [7, 8, 5, 6]
+    # "... 5 6" -> the loop "5 6 7 8" -> 7 8 5 6 7 8 (the ngram copy goes on with the
+    # period where it runs into the tip, or, chunk by chunk, on its own assumption)
+    first = chunks[0].tensors[0].tolist()
+    assert first and first == [7, 8, 5, 6, 7, 8][:len(first)]
     assert chunks[-1].tensors[0].tolist() == [7, 8, 5, 6, 7, 8]
 
 
