@@ -293,3 +293,29 @@ def test_one_token_check_agrees_with_the_mask(grammars, tiny_torch):
             for _ in range(int(rng.integers(1, 4))):
                 if not m.done:
                     m.advance(int(rng.choice(np.flatnonzero(m.allowed()))))
+
+
+def test_constrained_greedy_with_suffix_and_int8_drafts_and_a_batch_of_8(tiny_torch, prompt_ids):
+    """Issue 46's list: the suffix drafter (one index shared by the requests) and the int8
+    copy of the verifier as drafters under a grammar, and eight constrained sequences in one
+    batch (four constraint kinds, each prompt its own), each token for token its constrained
+    plain decoding."""
+    from nodes.drafters.registry import make_drafter
+
+    plain = Engine(tiny_torch, grammar_drafts=False)
+    kinds = [JSON_SCHEMA, REGEX, LARK, Constraint("json_object")]
+    prompts = [list(prompt_ids) + [100 + i] for i in range(8)]
+    cases = [(prompts[i], params(kinds[i % 4], n=40)) for i in range(8)]
+    solo = [plain.generate(ids, p).token_ids for ids, p in cases]
+    for spec in ("suffix", "int8"):
+        engine = Engine(tiny_torch, make_drafter(spec, tiny_torch))
+        for (ids, p), want in zip(cases[:4], solo[:4], strict=True):
+            assert engine.generate(ids, p).token_ids == want, spec
+    engine = Engine(tiny_torch, make_drafter("suffix", tiny_torch))
+    seqs = [engine.start(ids, p) for ids, p in cases]
+    out: list[list[int]] = [[] for _ in seqs]
+    while any(s.finish_reason is None for s in seqs):
+        live = [i for i, s in enumerate(seqs) if s.finish_reason is None]
+        for i, block in zip(live, engine.step_batch([seqs[i] for i in live]), strict=True):
+            out[i].extend(block.token_ids)
+    assert out == solo
