@@ -307,3 +307,66 @@ def test_sampled_distribution_matches_hf_warpers(tiny_torch, short_prompt, case)
         chi2 = sum((counts.get(s, 0) - SAMPLES * p) ** 2 / (SAMPLES * p)
                    for s, p in exact.items())
         assert chi2 < chi2_crit(len(exact) - 1), (which, chi2, len(exact))
+
+
+def test_sampled_distribution_under_a_grammar(tiny_torch, short_prompt):
+    """Issue 46: sampling under a grammar draws from the model's distribution masked to the
+    tokens the grammar allows and renormalised, plain and speculating alike. The reference
+    masks independently of llguidance: a token is allowed where its text keeps the output a
+    prefix of the regex `[a-d]{2}` (EOS once it is whole), from the vocabulary's own strings.
+    Outcomes a reference gives under 5 expected draws are pooled into one cell."""
+    import re
+    from dataclasses import replace
+
+    import torch
+
+    from nodes.engine.grammar import Constraint
+    from tests.engine.test_engine_sampling import GreedyModelDrafter
+
+    hf = tiny_torch.tokenizer.hf
+    eos = sorted(tiny_torch.tokenizer.eos_token_ids)[0]
+    vocab = tiny_torch.vocab_size
+    text = [hf.decode([t]) for t in range(vocab)]
+    sp = SamplingParams(temperature=4.0)  # spread: the random model is peaked
+
+    def dist(prefix_ids, done_text):
+        with torch.no_grad():
+            logits = tiny_torch.model(torch.tensor([prefix_ids])).logits[0, -1].float()
+        if len(done_text) == 2:
+            return {eos: 1.0}
+        ok = [t for t in range(vocab) if text[t] and t != eos and
+              re.fullmatch(r"[a-d]{1,2}", text[t]) and len(done_text + text[t]) <= 2]
+        p = torch.softmax(logits[ok] / sp.temperature, -1).numpy()
+        return dict(zip(ok, p.tolist(), strict=True))
+
+    exact = {(): 1.0}
+    for _ in range(2):
+        nxt = {}
+        for seq, pr in exact.items():
+            done = "".join(text[t] for t in seq if t != eos)
+            if seq and seq[-1] == eos:
+                nxt[seq] = pr
+                continue
+            for t, pt in dist(list(short_prompt) + list(seq), done).items():
+                nxt[seq + (t,)] = pr * pt
+        exact = nxt
+    c = Constraint("regex", "[a-d]{2}")
+    engines = {"plain": Engine(tiny_torch, grammar_drafts=False),
+               "speculative": Engine(tiny_torch, GreedyModelDrafter(tiny_torch), fixed_k=2)}
+    big = {s for s, p in exact.items() if p * SAMPLES >= 5}
+    assert len(big) >= 3
+    for which, engine in engines.items():
+        counts: dict = {}
+        for seed in range(SAMPLES):
+            gen = engine.generate(short_prompt, GenerationParams(
+                max_tokens=2, sampling=replace(sp, seed=seed), constraint=c))
+            key = tuple(gen.token_ids) + ((eos,) if len(gen.token_ids) == 1 else ())
+            counts[key] = counts.get(key, 0) + 1
+        assert set(counts) <= set(exact), f"{which}: sampled outside the masked support"
+        rest_p = sum(p for s, p in exact.items() if s not in big)
+        rest_n = sum(n for s, n in counts.items() if s not in big)
+        cells = [(counts.get(s, 0), exact[s]) for s in big]
+        if rest_p * SAMPLES >= 5:
+            cells.append((rest_n, rest_p))
+        chi2 = sum((n - SAMPLES * p) ** 2 / (SAMPLES * p) for n, p in cells)
+        assert chi2 < chi2_crit(len(cells) - 1), (which, chi2, len(cells))
