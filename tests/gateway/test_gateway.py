@@ -443,28 +443,17 @@ def test_disconnect_cancels_the_generation_on_the_verifier(raw):
 def test_failover_sigkill_mid_stream_keeps_the_text_exact(raw, reference, cluster):
     max_new = 80
     expected = reference.completion(LONG, max_new)
-    conn, resp = raw.open_stream("/v1/completions", {
-        "model": MODEL, "prompt": LONG, "max_tokens": max_new, "temperature": 0,
-        "stream": True})
-    events = sse_events(resp)
-    first = json.loads(next(events))
-    victim = first["specbus"]["verifier"]
-    text = first["choices"][0]["text"]
-    for _ in range(3):  # a few tokens in, then kill the serving verifier
-        text += json.loads(next(events))["choices"][0]["text"]
-    node = next(n for n in cluster.nodes if n.node_id == victim)
-    node.proc.send_signal(signal.SIGKILL)
-    node.proc.wait()
-    final = None
-    for e in events:
-        if e == "[DONE]":
-            break
-        obj = json.loads(e)
-        assert "error" not in obj, obj
-        text += obj["choices"][0]["text"]
-        if obj["choices"][0]["finish_reason"]:
-            final = obj
-    conn.close()
+    killed = []
+
+    def kill(victim):  # a few tokens in, the serving verifier
+        node = next(n for n in cluster.nodes if n.node_id == victim)
+        node.proc.send_signal(signal.SIGKILL)
+        node.proc.wait()
+        killed.append(victim)
+
+    text, final = _stream_with(raw, {"model": MODEL, "prompt": LONG, "max_tokens": max_new,
+                                     "temperature": 0, "stream": True}, kill)
+    victim = killed[0]
     assert text == expected
     assert final["specbus"]["failovers"] == 1
     assert final["specbus"]["verifiers"][0] == victim
