@@ -409,7 +409,7 @@ def _messages(v: Any) -> tuple[dict[str, str], ...]:
         content = m.get("content")
         if content is None and role == "assistant":  # tool-using clients send this: no text
             content = ""
-        text = _content(content, where)
+        text = text_content(content, where)
         if role == "assistant" and m.get("tool_calls"):
             text += _rendered_calls(m["tool_calls"], where)
         if role == "tool":  # the tool prompt format (docs/api.md, "Tools"): a user turn
@@ -437,14 +437,16 @@ def _rendered_calls(calls: Any, where: str) -> str:
     return "\n".join(out)
 
 
-def _content(v: Any, where: str) -> str:
+def text_content(v: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """A message's content: a string, or a list of text parts (their `type` among `kinds`:
+    chat's `text`; the Responses API's `input_text`/`output_text` too) joined."""
     if isinstance(v, str):
         return v
     if isinstance(v, list):
         parts = []
         for j, p in enumerate(v):
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(
-                    p.get("text"), str):
+            if not (isinstance(p, dict) and p.get("type") in kinds
+                    and isinstance(p.get("text"), str)):
                 raise unsupported(f"{where}.content[{j}]", " (only text parts are served)")
             parts.append(p["text"])
         return "".join(parts)

@@ -25,7 +25,17 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from nodes.gateway.openai_schema import ApiError, ApiRequest, bad, parse_request, unsupported
+from nodes.gateway.openai_schema import (
+    ApiError,
+    ApiRequest,
+    bad,
+    parse_request,
+    text_content,
+    unsupported,
+)
+
+#: the Responses API's text parts
+_TEXT_PARTS = ("input_text", "output_text", "text")
 
 MAX_REMEMBERED = 256  # responses kept for previous_response_id
 MAX_REMEMBERED_CHARS = 16 << 20  # their text in all (characters)
@@ -148,23 +158,8 @@ def _input(v: Any) -> tuple[dict[str, str], ...]:
             raise bad(f"{where}.role", f"{where}.role must be user, system, developer or "
                       f"assistant, got {json.dumps(role)[:40]}")
         out.append({"role": "system" if role == "developer" else role,
-                    "content": _content(item.get("content"), where)})
+                    "content": text_content(item.get("content"), where, _TEXT_PARTS)})
     return tuple(out)
-
-
-def _content(v: Any, where: str) -> str:
-    if isinstance(v, str):
-        return v
-    if isinstance(v, list):
-        parts = []
-        for j, p in enumerate(v):
-            if not (isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
-                    and isinstance(p.get("text"), str)):
-                raise unsupported(f"{where}.content[{j}]", " (only text parts are served)")
-            parts.append(p["text"])
-        return "".join(parts)
-    raise bad(f"{where}.content", f"{where}.content must be a string or a list of text parts",
-              code="invalid_type")
 
 
 # -- the response object -------------------------------------------------------------------------
