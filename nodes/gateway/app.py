@@ -208,10 +208,7 @@ class GatewayApp:
             for t in tasks:
                 t.cancel()
             raise
-        origin = request.get(CORS_ORIGIN)
-        resp = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no", **(_cors_headers(origin) if origin else {})})
+        resp = _event_stream(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(i: int, text: str | None, finish: str | None, logprobs=None, extra=None):
@@ -319,10 +316,7 @@ class GatewayApp:
     async def _responses_stream(self, request: web.Request, req,
                                 events) -> web.StreamResponse:
         """The Responses API's streamed events (responses.py), ending with the response."""
-        origin = request.get(CORS_ORIGIN)
-        resp = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no", **(_cors_headers(origin) if origin else {})})
+        resp = _event_stream(request)
         await resp.prepare(request)
         self.metrics.count_request(_endpoint(request), 200)
         rid, msg_id, created = new_ids()
@@ -431,10 +425,7 @@ class GatewayApp:
 
     async def _stream(self, request: web.Request, api: ApiRequest, events,
                       first: Started, tok) -> web.StreamResponse:
-        origin = request.get(CORS_ORIGIN)
-        resp = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no", **(_cors_headers(origin) if origin else {})})
+        resp = _event_stream(request)
         await resp.prepare(request)
         self.metrics.count_request(_endpoint(request), 200)
         rid, created = _ids(api.kind)
@@ -621,6 +612,15 @@ class GatewayApp:
 def _model_object(model: str, vs: list) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": 0, "owned_by": "specbus",
             "specbus": {"verifiers": [v.node_id for v in vs], "tokenizer": vs[0].tokenizer}}
+
+
+def _event_stream(request: web.Request) -> web.StreamResponse:
+    """A 200 server-sent-events response (not yet prepared), CORS headers where the request's
+    origin is allowed."""
+    origin = request.get(CORS_ORIGIN)
+    return web.StreamResponse(status=200, headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no", **(_cors_headers(origin) if origin else {})})
 
 
 def _cors_headers(origin: str) -> dict[str, str]:
