@@ -189,6 +189,7 @@ class Grammars:
     def compile(self, c: Constraint) -> Any:
         """The compiled matcher of `c` (cached); `BadRequestError` naming why when it does not
         compile or takes longer than `timeout_s`."""
+        _ = self.ll_tokenizer  # built once (~0.5 s), before and outside the deadline
         try:
             return self.prepare(c).result(timeout=self.timeout_s)
         except FutureTimeout:
