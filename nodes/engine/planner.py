@@ -95,8 +95,15 @@ class DraftPlanner:
         tree = TokenTree(seq.generated[-1])
         tree.add(found, cap if self.adaptive else min(cap, self.fixed_k),
                  max_depth=max(remaining - 1, 0))
+        for slot in seq.slots:
+            slot.refused_at = None
         if seq.grammar is not None:  # drafts the grammar forbids never cost a row
+            before = {s.tag: tree.depth_of(s.tag) for s in seq.slots}
             tree = prune_tree(tree, seq.grammar)
+            for slot in seq.slots:  # a source's deepest draft cut: wrong there (`observe`)
+                after = tree.depth_of(slot.tag)
+                if after < before[slot.tag]:
+                    slot.refused_at = after
         tree = self._prune(seq, tree, probes)
         self._note_offers(seq, tree, found)
         return tree
@@ -169,7 +176,8 @@ class DraftPlanner:
         absent is unheard (`CostModel.record_unheard`); the draft length's histogram."""
         for slot in seq.slots:
             slot.offered = tree.offered_by(slot.tag)
-            if self.adaptive and slot.budget > 0 and not slot.offered:
+            if self.adaptive and slot.budget > 0 and not slot.offered and \
+                    slot.refused_at is None:
                 seq.cost.record_unheard(slot.key)
         if tree.drafted or found:
             seq.stats.k_hist[tree.drafted] = seq.stats.k_hist.get(tree.drafted, 0) + 1
@@ -305,9 +313,17 @@ class DraftPlanner:
         if not self.adaptive:
             return
         for slot in seq.slots:
-            if slot.asked and slot.offered:
-                seq.cost.record_acceptance(tree.depth_of(slot.tag),
-                                           tree.accepted_by(slot.tag, path), slot.key)
+            if not slot.asked:
+                continue
+            depth = tree.depth_of(slot.tag)
+            accepted = tree.accepted_by(slot.tag, path) if depth else 0
+            if slot.refused_at is not None and slot.refused_at == depth and accepted == depth:
+                # its draft went on past what was verified with a token the grammar refused
+                # (`plan`): a miss right there, not an unheard or a perfect offer (a remote
+                # proposer drafting unconstrained would keep its record, and its waits)
+                seq.cost.record_acceptance(depth + 1, accepted, slot.key)
+            elif slot.offered:
+                seq.cost.record_acceptance(depth, accepted, slot.key)
 
     def observe_forward(self, trees: list[TokenTree], seconds: float, *, together: bool,
                         prompt_rows: int) -> None:

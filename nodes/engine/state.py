@@ -151,6 +151,9 @@ class Slot:
     offered: int = 0
     tag: int = -1  # this step's source index in the tree's owner sets
     budget: int = 0  # draft tokens asked of it this step
+    #: the depth its deepest draft kept after the grammar cut a token it refused (None: not
+    #: cut this step): a known miss for its record (`DraftPlanner.observe`)
+    refused_at: int | None = None
     columns: list[int] | None = None  # its hidden layers' places in the captured tensor
     #: the cost model's name for this step's drafts: `name`, or `name#class` when the source
     #: says what kind of draft it makes next (`DraftSource.draft_class`)

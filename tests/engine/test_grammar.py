@@ -322,3 +322,43 @@ def test_constrained_greedy_with_suffix_and_int8_drafts_and_a_batch_of_8(tiny_to
         for i, block in zip(live, engine.step_batch([seqs[i] for i in live]), strict=True):
             out[i].extend(block.token_ids)
     assert out == solo
+
+
+class Ungrammatical(DraftSource):
+    """A remote proposer drafting without the grammar, always wrong where it matters: its
+    chain starts with a token the grammar refuses (its own matcher says which)."""
+
+    name = "ungrammatical"
+
+    def __init__(self, prompt_len, matcher):
+        self.start, self.matcher, self.asked = prompt_len, matcher, 0
+
+    def propose(self, committed, budget):
+        if budget <= 0:
+            return []
+        self.asked += 1
+        self.matcher.sync(0)
+        self.matcher.replay(committed[self.start:])
+        refused = np.flatnonzero(~self.matcher.allowed())
+        return [Candidate(np.asarray([int(refused[0])] * budget, dtype=np.int64))]
+
+
+def test_drafts_the_grammar_refuses_count_as_misses(tiny_torch, prompt_ids):
+    """A source whose drafts the grammar cuts is wrong there: its record counts the miss
+    (before, a draft pruned whole was 'unheard' and kept the source's estimate, so a proposer
+    drafting unconstrained kept being asked and waited for). Verify costs pinned: the
+    decisions depend only on which drafts were right."""
+    from tests.engine.test_engine_tree import PinnedCost
+
+    engine = Engine(tiny_torch, grammar_drafts=False)
+    engine.cost = PinnedCost(max_k=engine.max_draft)
+    source = Ungrammatical(len(prompt_ids), engine.grammars.matcher(JSON_SCHEMA))
+    seq = engine.start(prompt_ids, params(JSON_SCHEMA, n=40), sources=[source])
+    tokens = []
+    while seq.finish_reason is None:
+        tokens += engine.step(seq).token_ids
+    assert tokens == Engine(tiny_torch, grammar_drafts=False).generate(
+        prompt_ids, params(JSON_SCHEMA, n=40)).token_ids
+    assert seq.stats.drafted == 0  # nothing of it ever cost a row
+    assert seq.cost.acceptance_of("ungrammatical") < 0.2
+    assert source.asked < len(tokens) // 2  # asked less and less: it has been wrong
