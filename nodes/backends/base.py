@@ -119,6 +119,11 @@ class Backend(ABC):
         `dst` had been fed the same tokens (`src` is left as it was)."""
         raise NotImplementedError(f"backend {self.name!r} cannot copy cache prefixes")
 
+    def prefix_floor(self, cache: Any) -> int:
+        """The fewest positions `copy_prefix` can take from `cache` (0: any prefix; a cache
+        that dropped positions, bounded K/V, gives only the longer ones)."""
+        return 0
+
     def settle_cache(self, cache: Any, length: int) -> int:
         """Crop `cache` to `length` positions held in no more memory than they need (a crop
         may leave a view on larger storage) before it is kept; return its bytes."""

@@ -309,6 +309,37 @@ class BoundedLayer(WindowLayer):
                              f"{self.window})")
         self._length = self._values_length = target - self._drop
 
+    def prefix_floor(self) -> int:
+        """The fewest positions a copy of this layer's prefix can hold: every prefix while
+        nothing was dropped, else as deep as a rollback may go (`crop`): a shorter prefix's
+        window needs positions no longer held."""
+        if not self._drop:
+            return 0
+        return self.sink + self._drop + int(self.window or 0) - 1
+
+    def copy_prefix_to(self, dst: BoundedLayer, length: int) -> None:
+        """Make the empty bounded layer `dst` hold this layer's first `length` committed
+        positions as if it had been fed them (the same band, the same dropped count): a
+        chat's next turn starting from the last one's K/V. `length` at least `prefix_floor`."""
+        if self._work_k is not None:
+            raise ValueError("cannot copy a bounded layer with a forward's rows pending")
+        if not self.prefix_floor() <= length <= self.committed():
+            raise ValueError(f"cannot copy {length} positions of a bounded layer holding "
+                             f"{self.committed()} (its window needs positions from "
+                             f"{self.prefix_floor()} on)")
+        if dst.is_initialized and dst.committed():
+            raise ValueError("copying a prefix into a layer that holds positions")
+        if self._keys is None:
+            return
+        dst.device, dst.is_initialized = self.device, True
+        with torch.inference_mode():
+            dst._alloc(self._keys, self._values, keep=0)
+            rows = length - self._drop
+            dst._keys[..., :rows, :] = self._keys[..., :rows, :]
+            dst._values[..., :rows, :] = self._values[..., :rows, :]
+        dst._drop = self._drop
+        dst._length = dst._values_length = rows
+
     def reset(self) -> None:
         super().reset()
         self._work_k = self._work_v = None

@@ -144,8 +144,9 @@ class TorchBackend(Backend):
     def bound_kv(self, sink: int | None, window: int | None) -> None:
         """Bound every full-attention layer's K/V to the first `sink` positions and the last
         `window` (`--kv-sink/--kv-window`; both or neither): a band mask over absolute
-        positions, the rest dropped (growing_cache.WindowLayer). A verifier so bounded keeps
-        no prefix cache (a prefix of a trimmed cache is not there to copy)."""
+        positions, the rest dropped (growing_cache.WindowLayer). Its prefix cache hands over
+        only prefixes whose window is still held (`prefix_floor`): a chat's next turn, the
+        whole of the last one."""
         bound = check_kv_bound(sink, window, self.model.config)
         if bound is not None and isinstance(self.lean, quant_forward.QuantForward):
             # it writes each position at its own row; a bounded layer's rows are not positions
@@ -154,7 +155,6 @@ class TorchBackend(Backend):
                                   "--weights fp32")
         self.kv_bound = bound
         if self.kv_bound is not None:
-            self.supports_prefix_copy = False
             log.info("kv: bounded to %d sink + %d window positions per full-attention layer",
                      *self.kv_bound)
 
@@ -320,10 +320,17 @@ class TorchBackend(Backend):
             raise ValueError(f"cannot copy {length} positions of a {self.cache_length(src)}-"
                              f"position cache into one of {self.cache_length(dst)}")
         for i, layer in enumerate(src.layers):
-            if getattr(layer, "_drop", 0):
-                raise ValueError("cannot copy a prefix of a bounded (--kv-window) cache")
+            if isinstance(layer, growing_cache.BoundedLayer):  # its band, as it was then
+                layer.copy_prefix_to(dst.layers[i], length)
+                continue
             # `update` on an empty layer concatenates onto nothing: a copy, not a view
             dst.update(layer.keys[..., :length, :], layer.values[..., :length, :], i)
+
+    def prefix_floor(self, cache: Any) -> int:
+        """The fewest positions `copy_prefix` can take from `cache`: 0 (any) but under a
+        bound that has dropped positions (`BoundedLayer.prefix_floor`)."""
+        return max((layer.prefix_floor() for layer in cache.layers
+                    if isinstance(layer, growing_cache.BoundedLayer)), default=0)
 
     @torch.inference_mode()
     def settle_cache(self, cache: Any, length: int) -> int:

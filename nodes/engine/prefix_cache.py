@@ -18,7 +18,9 @@ A lookup takes the longest common prefix of the prompt with any entry, or with a
 sequence's cache the engine hands in (its batch-mates: prompts arriving together; the scan is
 `nodes/prefixes.py`, entries are bounded by the budget to a few hundred, microseconds each), at most
 all but the prompt's last position (its logits give the first token), and at least
-`min_reuse` positions (fewer save nothing worth a different cache); the engine copies those
+`min_reuse` positions (fewer save nothing worth a different cache); under bounded K/V only
+prefixes whose window the cache still holds (`Backend.prefix_floor`: a chat's next turn takes
+the whole of the last one; a shorter common prefix is prefilled). The engine copies those
 positions into the new sequence's cache (`Backend.copy_prefix`) and prefills the rest.
 
 Lossless as batched prompt rows are (docs/engine.md, "Prefix reuse"): the reused K/V were
@@ -41,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from nodes.prefixes import as_ids, common_prefix, longest
+from nodes.prefixes import as_ids, common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +102,15 @@ class PrefixCache:
         most all but the prompt's last); None below `min_reuse` or `better_than`."""
         self.stats.lookups += 1
         want = as_ids(prompt)
-        entries = [(("kept", k), e.tokens) for k, e in self._entries.items()]
-        entries += [(("live", i), as_ids(tokens)) for i, (tokens, _) in enumerate(live)]
-        best_key, best = longest(entries, want, len(want) - 1)
+        entries = [(("kept", k), e.tokens, e.cache) for k, e in self._entries.items()]
+        entries += [(("live", i), as_ids(tokens), c) for i, (tokens, c) in enumerate(live)]
+        best_key, best = None, 0
+        floor = getattr(self.backend, "prefix_floor", lambda _cache: 0)
+        for key, ids, cache in entries:
+            n = common_prefix(ids, want, len(want) - 1)
+            # (bounded K/V: only prefixes whose window the cache still holds)
+            if n > best and n >= floor(cache):
+                best_key, best = key, n
         if best_key is None or best < max(self.min_reuse, better_than + 1):
             return None
         kind, key = best_key

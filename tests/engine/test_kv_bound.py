@@ -201,3 +201,26 @@ def test_kv_bytes_are_the_same_at_16k(bounded):
     if name != "lean":
         return
     assert _bytes_after(b, 16000) == _bytes_after(b, 1000)
+
+
+def test_a_next_turn_starts_from_the_last_ones_bounded_kv(bounded, prompts, plain):
+    """Prefix reuse under the bound (issue 45): turn 2 (turn 1's prompt and answer, then
+    more) takes the whole of turn 1's K/V from the prefix cache, its band as it was; a prompt
+    sharing only a short prefix with it, whose window the kept cache no longer holds, is
+    prefilled whole. Both decode as an engine without the cache does."""
+    from nodes.engine.prefix_cache import PrefixCache
+
+    _, b = bounded
+    params = GenerationParams(max_tokens=N, eos_token_ids=EOS_NONE)
+    engine = Engine(b, None, prefix_cache=PrefixCache(b, 64 << 20))
+    first, _ = stream_checked(engine, prompts[0], params)  # kept when it ends
+    assert first == plain[0]
+    held = len(prompts[0]) + N - 1  # its cache: the prompt and all but the last token
+    turn2 = prompts[0] + plain[0] + prompts[1]
+    got, stats = stream_checked(engine, turn2, params)
+    assert stats.reused == held
+    assert got == stream_checked(Engine(b, None), turn2, params)[0]
+    short = prompts[0][:SINK + WINDOW + 4] + prompts[2]
+    got, stats = stream_checked(engine, short, params)
+    assert stats.reused == 0  # its window was dropped from the kept cache
+    assert got == stream_checked(Engine(b, None), short, params)[0]
