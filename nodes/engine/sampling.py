@@ -30,9 +30,9 @@ from nodes.engine.errors import BadRequestError
 if TYPE_CHECKING:
     from nodes.engine.tree import TokenTree
 
-__all__ = ["History", "SamplingParams", "accept_greedy", "adjust_logits", "accept_tree_greedy", "accept_tree_keyed",
-           "accept_tree_masked", "choose",
-           "check_sampling", "keyed_sample", "position_noise", "probs_from_logits", "sample"]
+__all__ = ["History", "SamplingParams", "accept_greedy", "adjust_logits", "accept_tree_greedy",
+           "accept_tree_keyed", "accept_tree_masked", "choose", "check_sampling",
+           "keyed_sample", "position_noise", "probs_from_logits", "sample"]
 
 
 def check_sampling(params: SamplingParams) -> None:
