@@ -105,7 +105,12 @@ def run_gateway(args, reqs: list[dict[str, Any]], workloads: dict[str, int]
         for i in range(len(reqs)):
             if answers["plain"][i] != answers["speculative"][i]:
                 mismatched += 1
+    per_request = [{"workload": r["workload"], "tokens": tokens[i],
+                    "plain_s": [round(x, 4) for x in times["plain"][i]],
+                    "speculative_s": [round(x, 4) for x in times["speculative"][i]]}
+                   for i, r in enumerate(reqs)]
     out: dict[str, Any] = {"rounds": rounds, "invalid_outputs": invalid,
+                           "per_request": per_request,
                            "cut_by_max_tokens": cut, "speculative_not_equal_plain": mismatched,
                            "load": os.getloadavg()}
     for w, skip in workloads.items():
