@@ -37,7 +37,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -179,7 +178,7 @@ class VerifierRole:
         try:
             parsed = requests.admit_generate(req.message, self.engine.backend.vocab_size,
                                              self.max_context)
-            grammar = self._prepare_grammar(parsed)
+            constraint = self._constraint(parsed)
         except requests.INPUT_ERRORS as exc:
             req.fail(*requests.wire_error(exc))
             return
@@ -188,17 +187,20 @@ class VerifierRole:
             req.fail(BUSY, f"this connection has {self.slots.per_peer} generations queued or "
                            "running; wait for one to finish")
             return
-        item = (req, parsed, grammar)
-        with self._cv:
+        with self._cv:  # (this thread alone appends: the queue only shrinks meanwhile)
             full = len(self._waiting) >= self.max_queue
-            if not full:
-                self._waiting.append(item)
-                self._cv.notify()
         if full:
             self.slots.release(req.peer)
             self.admission.inc("rejected_busy")
             req.fail(BUSY, f"verifier queue is full ({self.max_queue} waiting)")
             return
+        # compiles start only for admitted work: a refused request queues none on the
+        # grammar thread, so compiles pending are bounded by the queue and the batch
+        grammar = None if constraint is None else self.engine.grammars.prepare(constraint)
+        item = (req, parsed, grammar)
+        with self._cv:
+            self._waiting.append(item)
+            self._cv.notify()
         req.on_cancel(lambda: self._unqueue(item))  # a cancelled request leaves the queue
         if grammar is not None and not grammar.done():
             grammar.add_done_callback(lambda _: self._wake())  # ready to start: tell the
@@ -206,14 +208,16 @@ class VerifierRole:
         self._watch_clients()
         self._sweep().arm()
 
-    def _prepare_grammar(self, parsed: GenerateReq) -> Future | None:
-        """I/O thread: start compiling the request's grammar (`Grammars.prepare`), so the
-        compute thread takes the request only once it is compiled and a compile never stalls
-        the running batch; None without a grammar (or with forced drafting, whose own engine
-        compiles at start)."""
+    def _constraint(self, parsed: GenerateReq) -> Constraint | None:
+        """I/O thread: the request's grammar, checked against its limits, to compile on the
+        grammar thread once the request is queued (`Grammars.prepare`: the compute thread
+        takes it only once compiled, so a compile never stalls the running batch); None
+        without one (or with forced drafting, whose own engine compiles at start)."""
         if parsed.grammar is None or parsed.force_draft:
             return None
-        return self.engine.grammars.prepare(Constraint.from_wire(dict(parsed.grammar)))
+        constraint = Constraint.from_wire(dict(parsed.grammar))
+        constraint.check()
+        return constraint
 
     def _wake(self) -> None:
         with self._cv:
