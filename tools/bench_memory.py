@@ -193,13 +193,12 @@ def _speculate(b: Any, ids: list[int], tokens: int, rounds: int,
     the mode's own plain output, 8 deep: every draft accepted in both modes, so its speedup
     is the speculative machinery's (verify rows against steps, the overlay's commits), apart
     from what the bound does to a drafter's acceptance; ngram's is the workload's."""
-    import numpy as np
 
     from nodes.drafters.registry import make_drafter
     from nodes.engine import Engine, GenerationParams
     from nodes.engine.core import Stats
     from nodes.engine.sources import DraftSource
-    from nodes.engine.tree import Candidate
+    from nodes.engine.tree import DraftTree
 
     prompt = ids[:960] + ids[:64]
 
@@ -212,7 +211,7 @@ def _speculate(b: Any, ids: list[int], tokens: int, rounds: int,
         def propose(self, committed, budget):
             at = len(committed) - len(prompt)
             got = self.truth[at:at + min(budget, 8)]
-            return [Candidate(np.asarray(got))] if got and budget else []
+            return DraftTree.of_chain(got if budget else [])
 
     def generate(name: str, truth: list[int] | None) -> tuple[list[int], float]:
         drafter = make_drafter("ngram", b) if name == "ngram" else None

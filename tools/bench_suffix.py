@@ -95,7 +95,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def micro(n_tokens: int, spec: str) -> dict:
     """Index ~n_tokens of synthetic repetitive documents; time lookups and drafts."""
-    from nodes.drafters.base import branch_points
     from nodes.drafters.suffix import SuffixDrafter
     from nodes.engine.sampling import SamplingParams
 
@@ -134,14 +133,11 @@ def micro(n_tokens: int, spec: str) -> dict:
         t2 = time.perf_counter()
         session.draft_class()  # the engine asks this first; the draft reuses its matches
         t3 = time.perf_counter()
-        paths = session.draft_ahead(16, drafter.tree_width)
+        tree = session.draft_ahead(16, drafter.tree_width)
         t_draft += time.perf_counter() - t3
         t_class += t3 - t2
         t_extend += t2 - t1
-        if paths:  # tree nodes: the chain, then each alternative past where it leaves it
-            chain = paths[0].tokens
-            drafted += len(chain) + sum(len(toks) for _, toks, _ in
-                                        branch_points(chain, paths[1:]))
+        drafted += len(tree)  # tree nodes: the chain, then each alternative past where it leaves it
     per_m = 1e6 / max(stats["tokens"], 1)
     return {
         "indexed_tokens": stats["tokens"], "documents": stats["documents"],

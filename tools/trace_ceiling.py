@@ -102,8 +102,8 @@ def oracle_replay(drafter: Drafter, prompt: Sequence[int], answer: Sequence[int]
             room = min(max_k, len(answer) - pos - 1)
             accepted = 0
             if room > 0:
-                for cand in session.draft_ahead(room, width):
-                    accepted = max(accepted, _agrees(cand.tokens[:room], answer, pos))
+                for toks, _conf in session.draft_ahead(room, width).path_tokens():
+                    accepted = max(accepted, _agrees(toks[:room], answer, pos))
             step = accepted + 1
             seconds += verify_cost(step)
             committed.append(step)

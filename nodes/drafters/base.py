@@ -4,13 +4,14 @@ A `Drafter` is shared and long-lived. In process, the engine opens one `DraftSou
 sequence with `open_source` (the engine's one draft interface, nodes/engine/sources.py); a
 drafter with trees or hidden-state inputs implements it directly. Behind a proposer node the
 same drafter is driven through a `DraftState` (`open(prompt_ids, params)`): told what was
-committed with `extend(delta)`, asked `draft(k)` for up to k tokens, or `draft_ahead(k,
-width)` for a chain plus alternative paths (a model's runners-up at a position, the n-gram
-index's other continuations) as the engine's own `Candidate`s with the drafter's probability
-of each token, which the verifier uses to rank the nodes of the tree it builds: one draft type
-from the drafter to the engine, flattened only on the wire (`draft_chunk`); a state can roll
-back (`truncate`). ("Session" is the wire's draft session between a verifier and a proposer,
+committed with `extend(delta)`, asked `draft(k)` for up to k tokens, or `draft_ahead(k, width)`
+for a chain plus alternatives (a model's runners-up at a position, the n-gram index's other
+continuations) as one `DraftTree` with the drafter's probability of each token, which the
+verifier uses to rank the nodes of the tree it builds: one draft type from the drafter through
+the wire (`draft_chunk` carries its fields) to the engine's merge; a state can roll back
+(`truncate`). ("Session" is the wire's draft session between a verifier and a proposer,
 nodes/proposer/role.py: it holds one `DraftState`.)
+
 `draft` returns `(ids int32 [n], probs float32 [n, vocab] | None)` with 0 <= n <= k and never
 padding; `probs` is the distribution each token was sampled from (None: a point mass). A
 drafter with only a `DraftState` gets `open_source` for free (`DraftStateSource`).
@@ -25,7 +26,7 @@ import numpy as np
 
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import DraftSource, Feedback, SourceOpener
-from nodes.engine.tree import Candidate
+from nodes.engine.tree import EMPTY_TREE, DraftTree
 
 EMPTY_DRAFT = np.zeros(0, dtype=np.int32)
 
@@ -44,45 +45,6 @@ def copy_on(tokens: Sequence[int], start: int, size: int, matched: int) -> list[
     return chain
 
 
-def draft_paths(chain: Sequence[int], conf: Sequence[float] | None = None,
-                alternatives: Sequence[tuple[int, Sequence[int], Sequence[float] | None]] = (),
-                ) -> list[Candidate]:
-    """A draft tree as the engine's candidates: the chain first, then each alternative
-    `(at, tokens, conf)` (its first token an alternative to chain token `at`, continuing the
-    chain's first `at`) as the whole path from the same point. `conf`: the drafter's
-    probability of each token (None: it gave none)."""
-    if not len(chain):
-        return []
-    head = np.asarray(chain, dtype=np.int64)
-    head_conf = None if conf is None else np.asarray(conf, dtype=np.float64)
-    out = [Candidate(head, None, head_conf)]
-    for at, tokens, alt_conf in alternatives:
-        if not tokens or at > len(head):
-            continue
-        path = np.concatenate([head[:at], np.asarray(tokens, dtype=np.int64)])
-        path_conf = (None if head_conf is None or alt_conf is None
-                     else np.concatenate([head_conf[:at], np.asarray(alt_conf, np.float64)]))
-        out.append(Candidate(path, None, path_conf))
-    return out
-
-
-def branch_points(chain: Sequence[int], paths: Sequence[Candidate]
-                  ) -> list[tuple[int, tuple[int, ...], tuple[float, ...] | None]]:
-    """`draft_paths` undone for the alternatives: (at, tokens, conf) for each path, where it
-    leaves `chain` (its first token an alternative to chain token `at`) and what follows."""
-    chain = [int(t) for t in chain]
-    out = []
-    for c in paths:
-        toks = [int(t) for t in c.tokens]
-        at = 0
-        while at < min(len(chain), len(toks)) and chain[at] == toks[at]:
-            at += 1
-        if at < len(toks):
-            conf = None if c.conf is None else tuple(float(x) for x in c.conf[at:])
-            out.append((at, tuple(toks[at:]), conf))
-    return out
-
-
 class DraftState(ABC):
     """A drafter's state for one sequence (on a proposer: one per draft session)."""
 
@@ -98,20 +60,18 @@ class DraftState(ABC):
     def draft(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Up to k proposed next tokens after everything committed so far."""
 
-    def draft_ahead(self, k: int, width: int = 1) -> list[Candidate]:
-        """Up to k chain tokens like `draft` (the first candidate; the session advances by
-        it), then up to `width - 1` alternative paths from the same point where the drafter
-        has any (this default: none): the engine's own draft type (`draft_paths`)."""
+    def draft_ahead(self, k: int, width: int = 1) -> DraftTree:
+        """Up to k chain tokens like `draft` (the tree's chain; the session advances by it),
+        then up to `width - 1` alternatives where the drafter has any (this default: none)."""
         ids, _probs = self.draft(k)
-        return draft_paths(np.asarray(ids).reshape(-1))
+        return DraftTree.of_chain(ids)
 
-    def propose(self, budget: int, width: int) -> list[Candidate]:
-        """This step's draft as the engine's candidates (`DraftStateSource.propose`), after
-        everything committed: `draft`'s chain by default; a tree drafter (n-gram
-        continuations, a model's tree, the suffix planner) gives its branches, up to `width`
-        where it takes one."""
-        ids, probs = self.draft(budget)
-        return [Candidate(ids, probs)]
+    def propose(self, budget: int, width: int) -> DraftTree:
+        """This step's draft for the engine (`DraftStateSource.propose`), after everything
+        committed: `draft`'s chain by default; a tree drafter (n-gram continuations, a model's
+        tree, the suffix planner) gives its branches, up to `width` where it takes one."""
+        ids, _probs = self.draft(budget)
+        return DraftTree.of_chain(ids)
 
     def draft_class(self) -> str | None:
         """What kind of draft `draft` would make next from everything committed so far
@@ -171,7 +131,7 @@ class Drafter(SourceOpener):
 class DraftStateSource(DraftSource):
     """A `DraftState` as an engine source, the one adapter every drafter's state goes through:
     it tells the state what was committed since it last looked (`told`), then asks it for
-    this step's candidates (`DraftState.propose`)."""
+    this step's draft (`DraftState.propose`)."""
 
     def __init__(self, state: DraftState, told: int, *, name: str = "session",
                  width: int = 1) -> None:
@@ -185,14 +145,14 @@ class DraftStateSource(DraftSource):
             self.state.extend(committed[self.told :])
             self.told = len(committed)
 
-    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
+    def propose(self, committed: Sequence[int], budget: int) -> DraftTree:
         self._sync(committed)
         if budget <= 0:
-            return []
+            return EMPTY_TREE
         own = getattr(self.state, "propose", None)
         if own is None:  # a state not derived from DraftState (duck-typed): its chain
-            ids, probs = self.state.draft(budget)
-            return [Candidate(ids, probs)]
+            ids, _probs = self.state.draft(budget)
+            return DraftTree.of_chain(ids)
         return own(budget, self.width)
 
     def draft_class(self, committed: Sequence[int]) -> str | None:

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from nodes.backends.base import Backend
-from nodes.drafters.base import Drafter, DraftState, DraftStateSource, draft_paths
+from nodes.drafters.base import Drafter, DraftState, DraftStateSource
 from nodes.engine.sampling import SamplingParams, probs_from_logits, sample
-from nodes.engine.tree import Candidate
+from nodes.engine.tree import DraftTree
 
 #: children offered per expanded node; 1 drafts a plain chain
 TREE_WIDTH = 3
@@ -82,7 +82,7 @@ class ModelState(DraftState):
         ids = self._decode(k, choose)
         return np.asarray(ids, dtype=np.int32), (np.stack(probs) if probs else None)
 
-    def draft_ahead(self, k: int, width: int = 1) -> list[Candidate]:
+    def draft_ahead(self, k: int, width: int = 1) -> DraftTree:
         """The likeliest chain (`draft`'s under greedy), each token's draft probability, and at
         each position up to `width - 1` runners-up worth at least MIN_ALT_CONF (one-token
         branches).
@@ -108,7 +108,7 @@ class ModelState(DraftState):
             return tok
 
         ids = self._decode(k, choose)
-        return draft_paths(ids, conf[: len(ids)], branches)
+        return DraftTree.branched(ids, conf[: len(ids)], branches)
 
     def _decode(self, k: int, choose) -> list[int]:
         """k decode steps after everything committed, `choose(logits row) -> token` each."""
@@ -132,14 +132,14 @@ class ModelState(DraftState):
         self.cache = None
         self.cached = []
 
-    def propose(self, budget: int, width: int) -> list[Candidate]:
+    def propose(self, budget: int, width: int) -> DraftTree:
         if width <= 1 or not self.backend.supports_tree:
-            ids, probs = self.draft(budget)
-            return [Candidate(ids, probs)]
+            ids, _probs = self.draft(budget)
+            return DraftTree.of_chain(ids)
         return self.draft_tree(budget, width)
 
-    def draft_tree(self, budget: int, width: int) -> list[Candidate]:
-        """Up to `budget` tree nodes as root-to-leaf candidates, likeliest leaf first."""
+    def draft_tree(self, budget: int, width: int) -> DraftTree:
+        """Up to `budget` tree nodes, the likeliest leaf's path as the chain."""
         keep = self._common_prefix()
         self.backend.crop(self.cache, keep)
         if len(self.tokens) - 1 > keep:
@@ -170,7 +170,7 @@ class ModelState(DraftState):
                 frontier.append(len(toks) - 1)
             if not frontier:
                 break
-        return leaf_candidates(toks, parents, score)
+        return DraftTree.from_parents(toks, parents, score)
 
     def _probs(self, row: np.ndarray) -> np.ndarray:
         if self.params.greedy:
@@ -178,26 +178,6 @@ class ModelState(DraftState):
             e = np.exp(x - x.max())
             return e / e.sum()
         return probs_from_logits(row, self.params)[0]
-
-
-def leaf_candidates(toks: Sequence[int], parents: Sequence[int], score: Sequence[float],
-                    conf: Sequence[float] | None = None) -> list[Candidate]:
-    """A drafted tree (node 0 the root, not a draft) as root-to-leaf candidates, the
-    best-scoring leaf first; `conf`, when given, is each node's draft probability."""
-    children = set(parents[1:])
-    leaves = sorted((i for i in range(1, len(toks)) if i not in children),
-                    key=lambda i: -score[i])
-    out = []
-    for leaf in leaves:
-        path = []
-        while leaf > 0:
-            path.append(leaf)
-            leaf = parents[leaf]
-        path.reverse()
-        out.append(Candidate(np.asarray([toks[i] for i in path], dtype=np.int64), None,
-                             None if conf is None else
-                             np.asarray([conf[i] for i in path], dtype=np.float64)))
-    return out
 
 
 class ModelDrafter(Drafter):

@@ -22,12 +22,11 @@ from nodes.drafters.base import (
     DraftState,
     DraftStateSource,
     copy_on,
-    draft_paths,
 )
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import match_class
-from nodes.engine.tree import Candidate
+from nodes.engine.tree import DraftTree
 
 #: earlier occurrences looked at per tree proposal (most recent first): bounds the work per step
 MAX_OCCURRENCES = 16
@@ -90,26 +89,16 @@ class NgramState(DraftState):
             return EMPTY_DRAFT, None
         return np.asarray(copy_on(self.tokens, ends[-1], k, n), dtype=np.int32), None
 
-    def draft_ahead(self, k: int, width: int = 1) -> list[Candidate]:
+    def draft_ahead(self, k: int, width: int = 1) -> DraftTree:
         """The chain `draft` gives and, for width > 1, the other continuations (up to `width`
         in all) as branches off the point where each leaves the chain."""
         if width <= 1:
-            return draft_paths(self.draft(k)[0])
-        conts = self.continuations(k, width)
-        if not conts:
-            return []
-        chain, branches = conts[0], []
-        for cont in conts[1:]:
-            at = 0
-            while at < min(len(chain), len(cont)) and chain[at] == cont[at]:
-                at += 1
-            if at < len(cont):
-                branches.append((at, tuple(cont[at:]), None))
-        return draft_paths(chain, None, branches)
+            return DraftTree.of_chain(self.draft(k)[0])
+        return DraftTree.from_paths([(c, None) for c in self.continuations(k, width)])
 
-    def propose(self, budget: int, width: int) -> list[Candidate]:
+    def propose(self, budget: int, width: int) -> DraftTree:
         """Several continuations per step (up to `branches`), deterministic."""
-        return [Candidate(np.asarray(c, dtype=np.int64)) for c in self.continuations(budget)]
+        return DraftTree.from_paths([(c, None) for c in self.continuations(budget)])
 
     def continuations(self, k: int, limit: int | None = None) -> list[list[int]]:
         """Distinct continuations (up to k tokens) of the earlier occurrences of the longest

@@ -56,13 +56,12 @@ from nodes.drafters.base import (
     DraftState,
     DraftStateSource,
     copy_on,
-    draft_paths,
 )
 from nodes.drafters.suffix_index import MAX_MATCH, START, GlobalIndex, LocalIndex, Match
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import match_class
-from nodes.engine.tree import Candidate
+from nodes.engine.tree import DraftTree
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +122,10 @@ def parse_spec(spec: str) -> SuffixOptions:
 
 
 @dataclass
-class TreeDraft:
-    """A planned draft: the chain, each token's empirical probability, alternatives
-    (at, tokens, conf): `tokens` continue the chain's first `at` tokens."""
+class SuffixPlan:
+    """The suffix planner's reading of its trie, as `DraftTree.branched` takes it: the
+    chain, each token's empirical probability, alternatives (at, tokens, conf): `tokens`
+    continue the chain's first `at` tokens."""
 
     chain: list[int]
     conf: list[float]
@@ -133,7 +133,7 @@ class TreeDraft:
 
 
 def plan_tree(conts: Sequence[tuple[int, ...]], weights: Sequence[float], size: int,
-              width: int, min_prob: float) -> TreeDraft:
+              width: int, min_prob: float) -> SuffixPlan:
     """Count weighted continuations into a trie and read a tree off it: the heaviest path as
     the chain, the other children whose path probability is >= `min_prob` (likeliest first,
     at most width-1) as alternatives, each followed along its own heaviest path. Earlier
@@ -184,7 +184,7 @@ def plan_tree(conts: Sequence[tuple[int, ...]], weights: Sequence[float], size: 
             confs.append(w / mass)
             sub = sub2
         branches.append((at, toks, confs))
-    return TreeDraft(chain, conf, branches)
+    return SuffixPlan(chain, conf, branches)
 
 
 def _children(group, d: int) -> dict[int, list]:
@@ -279,19 +279,19 @@ class SuffixState(DraftState):
         cls = match_class(m)
         return None if cls is None else ("g" if glob.length == m else "l") + cls
 
-    def plan(self, k: int, width: int) -> TreeDraft:
+    def plan(self, k: int, width: int) -> SuffixPlan:
         """The draft tree for up to k chain tokens: from the index whose match is longer
         (both, counted together, on a tie)."""
         if k <= 0 or not self.local.tokens:
-            return TreeDraft([], [], [])
+            return SuffixPlan([], [], [])
         index = self.drafter.index
         again = self._repeat(k)
         if again is not None:  # the same prompt answered before: its continuation
-            return TreeDraft(*again, [])
+            return SuffixPlan(*again, [])
         local, glob = self._matches()
         m = max(local.length, glob.length)
         if m == 0:
-            return TreeDraft([], [], [])
+            return SuffixPlan([], [], [])
         factor = self.opts.local_factor if local.length == m else self.opts.factor
         size = k if factor == 0 else min(k, max(1, math.floor(factor * m)))
         if glob.length < m:
@@ -316,7 +316,7 @@ class SuffixState(DraftState):
             index.touch(led[:TOUCH_PER_DRAFT])
         return tree
 
-    def _local_chain(self, local: Match, size: int) -> TreeDraft:
+    def _local_chain(self, local: Match, size: int) -> SuffixPlan:
         """A chain from the session's own text: the continuation of the most recent occurrence
         of the longest match, `size` tokens, as ngram drafts. Within one generation the latest
         occurrence predicts best (the previous list item, table row or line of a loop); taking
@@ -338,7 +338,7 @@ class SuffixState(DraftState):
             agree = [i for i in on if conts[i][depth] == tok]
             mass = sum(weights[i] for i in on)
             conf.append(sum(weights[i] for i in agree) / mass)
-        return TreeDraft(list(chain), conf, [])
+        return SuffixPlan(list(chain), conf, [])
 
     def draft(self, k: int) -> tuple[np.ndarray, None]:
         tree = self.plan(k, 1)
@@ -346,11 +346,11 @@ class SuffixState(DraftState):
             return EMPTY_DRAFT, None
         return np.asarray(tree.chain, dtype=np.int32), None
 
-    def draft_ahead(self, k: int, width: int = 1) -> list[Candidate]:
+    def draft_ahead(self, k: int, width: int = 1) -> DraftTree:
         tree = self.plan(k, width)
-        return draft_paths(tree.chain, tree.conf, tree.branches)
+        return DraftTree.branched(tree.chain, tree.conf, tree.branches)
 
-    def propose(self, budget: int, width: int) -> list[Candidate]:
+    def propose(self, budget: int, width: int) -> DraftTree:
         """The chain and each alternative, with their empirical probabilities."""
         return self.draft_ahead(budget, width)
 

@@ -24,14 +24,14 @@ from nodes.engine.errors import (
 )
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import DraftSource, Feedback, SourceOpener
-from nodes.engine.tree import Candidate, TokenTree
+from nodes.engine.tree import DraftTree, TokenTree
 
 __all__ = [
     "BadRequestError",
     "Block",
-    "Candidate",
     "CostModel",
     "DraftSource",
+    "DraftTree",
     "Engine",
     "Feedback",
     "GenerationResult",

@@ -2,7 +2,7 @@
 
 Invariant between steps: the verifier cache holds every committed token except the last one
 (the *pending* token, whose logits are not computed yet). A step asks every draft source for
-candidates, merges them into one token tree rooted at the pending token, feeds the whole tree
+its draft tree, merges them into one token tree rooted at the pending token, feeds the whole tree
 in one forward (a chain is a tree with one branch), accepts the deepest correct path, takes the
 correction (or bonus) token from the last accepted node's row, moves the accepted path's K/V
 into place and crops the rest. No second forward is ever needed. An empty tree is a plain
@@ -83,7 +83,7 @@ class Engine:
     learns (solo and batched) carry over between sequences, acceptance starts afresh with each.
 
     `fixed_k` pins the draft node budget (tests); otherwise the cost model picks it per step.
-    `tree=False` verifies only the first candidate's single path (what a backend without tree
+    `tree=False` verifies only the best source's chain (what a backend without tree
     attention does anyway). `grammar_drafts`: a constrained sequence gets the grammar's forced
     tokens as one more draft source (`grammar.GrammarSource`).
     """

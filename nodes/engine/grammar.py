@@ -43,7 +43,7 @@ import numpy as np
 from codec.structs import GRAMMAR_KINDS, MAX_GRAMMAR_BYTES
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sources import DraftSource
-from nodes.engine.tree import Candidate, TokenTree
+from nodes.engine.tree import DraftTree, TokenTree
 
 #: the kinds of constraint a request may carry, and the largest constraint text accepted (the
 #: wire's bounds, `codec.structs`): a schema this size compiles well under the deadline; one of
@@ -561,6 +561,5 @@ class GrammarSource(DraftSource):
     def __init__(self, matcher: GrammarMatcher) -> None:
         self.matcher = matcher
 
-    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
-        return [Candidate(np.asarray(p, dtype=np.int64))
-                for p in self.matcher.forced_paths(budget) if p]
+    def propose(self, committed: Sequence[int], budget: int) -> DraftTree:
+        return DraftTree.from_paths([(p, None) for p in self.matcher.forced_paths(budget) if p])

@@ -24,15 +24,21 @@ import numpy as np
 from nodes.engine.cost import CostModel, class_key
 from nodes.engine.grammar import prune_tree
 from nodes.engine.state import SequenceState, Slot, drop_source
-from nodes.engine.tree import Candidate, TokenTree
+from nodes.engine.tree import EMPTY_TREE as EMPTY
+from nodes.engine.tree import DraftTree, TokenTree
 
 if TYPE_CHECKING:
     from nodes.backends.base import Backend
 
 log = logging.getLogger(__name__)
 
-#: a source's candidates this step: (its tag, one candidate)
-Found = list[tuple[int, Candidate]]
+#: the sources' drafts this step: (a source's tag, its draft), one per source that has one
+Found = list[tuple[int, DraftTree]]
+
+
+def _deepest(draft: DraftTree | None) -> int:
+    """How many tokens deep a draft goes (0: none)."""
+    return int(draft.depths().max()) if draft is not None and len(draft) else 0
 
 
 @dataclass
@@ -50,7 +56,7 @@ class Verified:
 class DraftPlanner:
     """Plans each step's draft tree from the sequence's sources within what the cost model
     says pays (module docstring). `fixed_k` pins the draft node budget (tests; no learning);
-    `tree=False` verifies only the first candidate's single path."""
+    `tree=False` verifies only the best source's chain."""
 
     def __init__(self, backend: Backend, *, max_draft: int, fixed_k: int | None,
                  tree: bool) -> None:
@@ -78,7 +84,7 @@ class DraftPlanner:
 
     # ---- planning ---------------------------------------------------------------------------
     def plan(self, seq: SequenceState, sharing: int = 1) -> TokenTree:
-        """Ask every source for candidates, each within the budget its own record earns (and,
+        """Ask every source for its draft tree, each within the budget its own record earns (and,
         `sharing` sequences in the step, that the batch's rate leaves it), merge them into one
         tree (the likeliest source first) and keep the nodes worth a forward."""
         remaining = seq.params.max_tokens - len(seq.generated)
@@ -90,10 +96,11 @@ class DraftPlanner:
             found += self._ask(seq, slot, i, committed, cap, sharing, probes)
         if self.adaptive:
             found = self._more_drafts(seq, committed, cap, found)
-        if found and not self.tree:
-            found = found[:1]  # single-path verification: the best source's first candidate
+        if found and not self.tree:  # single-path verification: the best source's chain
+            tag, draft = found[0]
+            found = [(tag, draft.keep(np.arange(len(draft)) < draft.chain))]
         tree = TokenTree(seq.generated[-1])
-        tree.add(found, cap if self.adaptive else min(cap, self.fixed_k),
+        tree.merge(found, cap if self.adaptive else min(cap, self.fixed_k),
                  max_depth=max(remaining - 1, 0))
         for slot in seq.slots:
             slot.refused_at = None
@@ -110,7 +117,7 @@ class DraftPlanner:
 
     def _ask(self, seq: SequenceState, slot: Slot, tag: int, committed: list[int], cap: int,
              sharing: int, probes: set[int]) -> Found:
-        """One source's candidates for this step, within its budget (`slot.budget`), cleaned;
+        """One source's draft for this step, within its budget (`slot.budget`), cleaned;
         `tag` joins `probes` when the cost model is probing the source."""
         adaptive = self.adaptive
         slot.asked, slot.offered, slot.tag, slot.budget = False, 0, tag, 0
@@ -126,7 +133,7 @@ class DraftPlanner:
         budget = slot.budget = max(0, min(budget, cap))
         t0 = time.perf_counter()
         try:
-            cands = slot.source.propose(committed, budget)
+            draft = slot.source.propose(committed, budget)
         except Exception as exc:  # noqa: BLE001 - a broken source must not end generation
             drop_source(seq, slot, "failed", exc)
             return []
@@ -134,13 +141,13 @@ class DraftPlanner:
         slot.asked = True
         if budget <= 0:
             return []
-        cands = [c for c in (self._clean(c, budget, seq.eos) for c in cands) if len(c.tokens)]
+        draft = self._clean(draft, budget, seq.eos)
         seq.stats.draft_s += dt
         if adaptive:
-            seq.cost.record_draft(sum(len(c.tokens) for c in cands), dt, slot.name)
+            seq.cost.record_draft(len(draft), dt, slot.name)
             if seq.cost.probing(slot.key):
                 probes.add(tag)
-        return [(tag, c) for c in cands]
+        return [(tag, draft)] if len(draft) else []
 
     def _more_drafts(self, seq: SequenceState, committed: list[int], cap: int,
                      found: Found) -> Found:
@@ -252,22 +259,22 @@ class DraftPlanner:
         t0 = time.perf_counter()
         try:
             came = slot.source.wait(2 * wait + 0.001)
-            cands = slot.source.propose(committed, k) if came else []
+            draft = slot.source.propose(committed, k) if came else None
         except Exception as exc:  # noqa: BLE001 - same policy as propose
             drop_source(seq, slot, "failed", exc)
             return None
         waited = time.perf_counter() - t0
         seq.stats.waited_s += waited
         seq.stats.waits += 1
-        out = [(slot.tag, c) for c in (self._clean(c, k, seq.eos) for c in cands)
-               if len(c.tokens)]
+        draft = self._clean(draft, k, seq.eos) if draft is not None else None
+        out = [(slot.tag, draft)] if draft is not None and len(draft) else []
+        deepest = _deepest(draft)
         if self.adaptive:
-            seq.cost.record_delivered(slot.key, max((len(c.tokens) for _, c in out), default=0),
-                                      k)
+            seq.cost.record_delivered(slot.key, deepest, k)
         if log.isEnabledFor(logging.DEBUG):  # no formatting on the wait path unless asked
             log.debug("waited %.1f ms (announced %.1f) for %s: %s", waited * 1000,
                       wait * 1000, slot.name,
-                      f"longest {max(len(c.tokens) for _, c in out)}" if out else "nothing")
+                      f"longest {deepest}" if out else "nothing")
         return out
 
     def _top_up(self, seq: SequenceState, committed: list[int],
@@ -276,11 +283,11 @@ class DraftPlanner:
         commit) are due may offer its whole budget after a short wait, where what it has now
         continues an older guess and runs out a few tokens in (a proposer's drafts stop at its
         horizon past the commit it last knew). Wait, bounded by twice the announcement, when
-        the cost model says the longer draft pays for the wait; the source's candidates are
+        the cost model says the longer draft pays for the wait; the source's draft is
         then replaced by what it has after the wait."""
         longest: dict[int, int] = {}
-        for tag, cand in found:
-            longest[tag] = max(longest.get(tag, 0), len(cand.tokens))
+        for tag, draft in found:
+            longest[tag] = max(longest.get(tag, 0), _deepest(draft))
         for slot in sorted(seq.slots, key=lambda s: -seq.cost.acceptance_of(s.key)):
             have, k = longest.get(slot.tag, 0), slot.budget
             if k <= have:
@@ -339,39 +346,39 @@ class DraftPlanner:
         log.info("batch curve from %d throwaway sequences: %s", batch, ", ".join(
             f"{rows} rows {self.cost.batch_cost(rows) * 1000:.0f} ms" for rows, _ in samples))
 
-    # ---- candidates --------------------------------------------------------------------------
-    def _clean(self, cand: Candidate, budget: int, eos: frozenset[int]) -> Candidate:
-        """A hostile or buggy source must not break the verifier: cut at the first bad id and
-        at the budget it was given, ignore probabilities of the wrong shape (the draft is then
-        deterministic) and draft confidences that are not probabilities.
+    # ---- drafts ------------------------------------------------------------------------------
+    def _clean(self, draft: DraftTree | None, budget: int, eos: frozenset[int]) -> DraftTree:
+        """A hostile or buggy source must not break the verifier: drop nodes with a bad id or
+        a bad parent and what hangs under them, nodes deeper than the budget it was given,
+        and draft confidences that are not probabilities.
 
-        And cut after the first of the sequence's EOS ids: a token drafted past it can never
-        commit (an accepted EOS ends the generation, a rejected one rejects what follows),
-        so its row would be paid for nothing. Drafters that match the prompt run into it
-        whenever a match continues across the chat template's end of a turn (a one-token
-        match on an open-ended answer drafting the system prompt's end and the user turn)."""
-        vocab = self.backend.vocab_size
-        ids = np.asarray(cand.tokens, dtype=np.int64).reshape(-1)[: min(budget, self.max_draft)]
-        bad = np.nonzero((ids < 0) | (ids >= vocab))[0]
-        if bad.size:
-            ids = ids[: bad[0]]
-        if eos:
-            ends = np.nonzero(np.isin(ids, np.fromiter(eos, dtype=np.int64)))[0]
-            if ends.size:
-                ids = ids[: ends[0] + 1]
-        probs = cand.probs
-        if probs is not None:
-            probs = np.asarray(probs)
-            if probs.ndim != 2 or probs.shape[0] < len(ids) or probs.shape[1] < vocab:
-                probs = None
-            else:
-                probs = probs[: len(ids), :vocab]
-        conf = cand.conf
+        And drop what hangs under any of the sequence's EOS ids: a token drafted past it can
+        never commit (an accepted EOS ends the generation, a rejected one rejects what
+        follows), so its row would be paid for nothing. Drafters that match the prompt run
+        into it whenever a match continues across the chat template's end of a turn (a
+        one-token match on an open-ended answer drafting the system prompt's end and the user
+        turn)."""
+        if not isinstance(draft, DraftTree) or not len(draft):
+            return EMPTY
+        n = len(draft)
+        tokens = np.asarray(draft.tokens).reshape(-1)
+        parents = np.asarray(draft.parents).reshape(-1)
+        if len(parents) != n or tokens.dtype.kind not in "iu" or parents.dtype.kind not in "iu":
+            return EMPTY
+        chain = min(max(int(draft.chain), 0), n)
+        chain_ok = np.arange(n) < chain
+        ok = ((tokens >= 0) & (tokens < self.backend.vocab_size)
+              & (parents < np.arange(n)) & (parents >= -1)
+              & np.where(chain_ok, parents == np.arange(n) - 1, True))
+        ends = np.isin(tokens, np.fromiter(eos, dtype=np.int64)) if eos else np.zeros(n, bool)
+        ok &= ~np.where(parents >= 0, ends[np.maximum(parents, 0)], False)
+        conf = draft.conf
         if conf is not None:
             conf = np.asarray(conf, dtype=np.float64).reshape(-1)
-            if len(conf) < len(ids) or not np.all((conf[: len(ids)] >= 0)
-                                                  & (conf[: len(ids)] <= 1)):
+            if len(conf) != n or not np.all((conf >= 0) & (conf <= 1)):
                 conf = None  # NaN fails the range check too
-            else:
-                conf = conf[: len(ids)]
-        return Candidate(ids, probs, conf)
+        classes = tuple(draft.classes) if len(draft.classes) == chain else ()
+        tree = DraftTree(tokens.astype(np.int64), parents.astype(np.int64), chain, conf,
+                         classes)
+        tree = tree.keep(ok)
+        return tree.cut(min(budget, self.max_draft))

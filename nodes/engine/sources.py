@@ -1,12 +1,14 @@
-"""Draft sources: where a step's candidates come from, and how they are told what happened.
+"""Draft sources: where a step's drafts come from, and how they are told what happened.
 
 The engine asks every source, once per step, "what do you have that extends this committed
-prefix?" with `propose(committed, budget)`, and takes whatever comes back at once (possibly
-nothing): a source must not block waiting for drafts that have not arrived. After the verify
-forward it tells every source, asked or not, what was committed and how its own proposals
-fared with `feedback(Feedback)`: explicit, never inferred from the next prefix. A source whose
-drafts are in flight may say when they are due (`expected_wait`); the engine decides whether a
-bounded wait for them pays (`CostModel.wait_pays`), else it goes on without them.
+prefix?" with `propose(committed, budget)`, answered with a `DraftTree`, and takes whatever
+comes back at once (possibly nothing): a source must not block waiting for drafts that have not
+arrived. After the verify forward it tells every source, asked or not, what was committed and
+how its own proposals fared with `feedback(Feedback)`: explicit, never inferred from the next
+prefix. A source whose drafts are in flight may say when they are due (`expected_wait`); the
+engine decides whether a bounded wait for them pays (`CostModel.wait_pays`), else it goes on
+without them.
+
 
 A source comes from the caller (`Engine.start(..., sources=[...])`; an empty list is plain
 decoding) or, when the caller gives none, from the engine's `SourceOpener` (a drafter), one
@@ -25,7 +27,7 @@ from typing import Any
 
 from nodes.engine.errors import TokenizerMismatchError
 from nodes.engine.sampling import SamplingParams
-from nodes.engine.tree import Candidate
+from nodes.engine.tree import DraftTree
 
 #: the lower ends of the match-length buckets (`match_class`), longest first
 _MATCH_BUCKETS = (9, 5, 3, 2, 1)
@@ -82,7 +84,7 @@ class Feedback:
 
 
 class DraftSource(ABC):
-    """Per-sequence proposer of candidate continuations."""
+    """Per-sequence proposer of draft continuations (a `DraftTree` a step)."""
 
     name: str = "?"
     #: verifier layers whose hidden states this source reads (EAGLE-3 heads); the engine then
@@ -90,10 +92,11 @@ class DraftSource(ABC):
     hidden_layers: tuple[int, ...] | None = None
 
     @abstractmethod
-    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
-        """Candidates continuing `committed` (prompt + generated, read-only), at most `budget`
-        tokens each; whatever is available now, possibly none. Called every step, also with
-        budget 0 (a plain step), so a source can keep its own state in sync."""
+    def propose(self, committed: Sequence[int], budget: int) -> DraftTree:
+        """A draft continuing `committed` (prompt + generated, read-only), at most `budget`
+        tokens deep; whatever is available now, possibly nothing (an empty tree). Called
+        every step, also with budget 0 (a plain step), so a source can keep its own state in
+        sync."""
 
     def draft_class(self, committed: Sequence[int]) -> str | None:
         """What kind of draft this source would make next from `committed`, as a short label
@@ -109,7 +112,7 @@ class DraftSource(ABC):
         return None
 
     def feedback(self, fb: Feedback) -> None:
-        """Called after every step, whether or not this source's candidates were used."""
+        """Called after every step, whether or not this source's draft was used."""
         return None
 
     def expected_wait(self) -> float | None:

@@ -23,11 +23,10 @@ KV caches are not thread-safe) and answers with `Request.reply`.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -42,7 +41,7 @@ from codec.structs import (
     SessionOpen,
 )
 from discovery.counters import Counters
-from nodes.drafters.base import Drafter, DraftState, branch_points
+from nodes.drafters.base import Drafter, DraftState
 from nodes.engine.errors import (
     GenerationError,
     OutOfSyncError,
@@ -50,6 +49,7 @@ from nodes.engine.errors import (
     error_code,
 )
 from nodes.engine.sources import class_at
+from nodes.engine.tree import EMPTY_TREE, DraftTree
 from nodes.node_common import requests
 from nodes.node_common.admission import FORBIDDEN, TOO_MANY_SESSIONS, AdmissionLimits, SessionBook
 from nodes.node_common.host import RoleHost
@@ -73,16 +73,9 @@ class _Session:
     expires: float
     stream: Request  # the session_open request; chunks are its streamed replies
     horizon: int
-    assumed: list[int] = field(default_factory=list)  # drafted past `tokens`, fed as if committed
-    #: the drafter's probability of each assumed token (NaN: it gave none)
-    assumed_conf: list[float] = field(default_factory=list)
-    #: the drafter's class of the draft each assumed token came from ("" for none)
-    assumed_class: list[str] = field(default_factory=list)
-    #: alternatives drafted with the assumed tokens: (position, tokens, conf or None), where
-    #: position is the committed length the branch continues (its first token is an
-    #: alternative to the token at that position)
-    branches: list[tuple[int, tuple[int, ...], tuple[float, ...] | None]] = field(
-        default_factory=list)
+    #: what was drafted past `tokens`: its chain is fed to the drafter as if committed (the
+    #: assumed tokens), with each chain token's class and the alternatives drafted with them
+    ahead: DraftTree = EMPTY_TREE
     hidden_rows: int = 0  # the verifier's hidden-state rows received (EAGLE-3 heads)
     exhausted: bool = False  # the drafter had nothing more at this point: wait for a commit
     dirty: bool = True  # a commit arrived since the last chunk: tell the verifier even if empty
@@ -91,6 +84,11 @@ class _Session:
     @property
     def committed(self) -> int:
         return len(self.tokens)
+
+    @property
+    def assumed(self) -> list[int]:
+        """The chain drafted past the last commit, fed to the drafter as if committed."""
+        return self.ahead.chain_tokens.tolist()
 
     def wants_drafting(self) -> bool:
         return self.dirty or (not self.exhausted and len(self.assumed) < self.horizon)
@@ -354,16 +352,13 @@ class ProposerRole:
         s.tokens.extend(new)
         self.stats.confirmed += n
         if n == len(new):
-            s.assumed = s.assumed[n:]  # the drafter holds these already
-            s.assumed_conf = s.assumed_conf[n:]
-            s.assumed_class = s.assumed_class[n:]
-            # an alternative to a token now committed is moot
-            s.branches = [b for b in s.branches if b[0] >= s.committed]
+            # the drafter holds these already; an alternative to a token now committed is moot
+            s.ahead = s.ahead.advanced(n)
         else:
             self.stats.rollbacks += 1
             self._rollback(s, s.committed - len(new) + n)
             s.draft.extend(new[n:])
-            s.assumed, s.assumed_conf, s.assumed_class, s.branches = [], [], [], []
+            s.ahead = EMPTY_TREE
         log.debug("session %s: commit to %d (+%d), %d of them drafted here, %d drafted ahead kept",
                   s.sid, s.committed, len(new), n, len(s.assumed))
         s.exhausted = False
@@ -399,23 +394,16 @@ class ProposerRole:
             label = s.draft.draft_class() or ""  # told before drafting, as in process
             # drafts travel as point masses, also under sampling (lossless whatever we do;
             # docs/protocol.md "Why q is not sent"): model drafters propose q's mode
-            cands = s.draft.draft_ahead(k, self.tree_width)
+            tree = s.draft.draft_ahead(k, self.tree_width).cut(k)
             self.stats.draft_s += time.perf_counter() - t0
-            chain = cands[0] if cands else None
-            ids = [int(t) for t in chain.tokens[:k]] if chain is not None else []
+            ids = tree.chain_tokens.tolist()
             if ids:
-                start = s.committed + len(s.assumed)
-                s.branches.extend((start + at, toks, conf)
-                                  for at, toks, conf in branch_points(ids, cands[1:]))
-                conf = (chain.conf[: len(ids)] if chain.conf is not None
-                        else [math.nan] * len(ids))
-                s.assumed_conf.extend(float(c) for c in conf)
                 # each token its own class: the (j+1)-th token of a draft continuing a match
                 # of L tokens continues one of L + j (`class_at`), so the verifier judges the
                 # first token past its prefix by where it stands in the draft
-                s.assumed_class.extend(class_at(label, j) for j in range(len(ids)))
+                tree = replace(tree, classes=tuple(class_at(label, j) for j in range(len(ids))))
+                s.ahead = s.ahead.then(tree)
                 s.draft.extend(ids)
-                s.assumed.extend(ids)
                 self.stats.draft_tokens += len(ids)
             if not ids:
                 s.exhausted = True  # nothing more from here until a commit
@@ -511,28 +499,15 @@ def measured_bytes_per_token(drafter: Drafter, vocab_size: int,
 
 
 def _chunk(s: _Session) -> DraftChunk:
-    """The session's draft as one chunk: the assumed chain past the last commit, and its
-    alternatives as a flattened tree (nearest positions first, within the wire's bound);
-    draft probabilities only when the drafter gave one for every token sent."""
-    n = len(s.assumed)
-    alt_tokens: list[int] = []
-    alt_parents: list[int] = []
-    alt_conf: list[float] = []
-    for pos, toks, conf in sorted(s.branches, key=lambda b: b[0]):
-        at = pos - s.committed
-        if not 0 <= at <= n or len(alt_tokens) + len(toks) > MAX_ALTERNATIVES:
-            continue
-        parent = at - 1
-        for i, t in enumerate(toks):
-            alt_parents.append(parent)
-            parent = n + len(alt_tokens)
-            alt_tokens.append(t)
-            alt_conf.append(math.nan if conf is None else conf[i])
-    conf_ok = bool(n or alt_tokens) and not any(
-        math.isnan(c) for c in [*s.assumed_conf, *alt_conf])
+    """The session's draft as one chunk: its tree past the last commit as it is (the chain
+    first, then the alternatives, nearest positions first, within the wire's bound), draft
+    probabilities when the drafter gave them."""
+    tree = s.ahead.bounded(MAX_ALTERNATIVES)
+    n = tree.chain
+    conf = tree.conf if len(tree) else None
     return DraftChunk(
-        s.sid, s.committed, np.asarray(s.assumed, dtype=np.int32), s.chunks,
-        np.asarray(alt_tokens, dtype=np.int32), np.asarray(alt_parents, dtype=np.int32),
-        np.asarray(s.assumed_conf, dtype=np.float32) if conf_ok else None,
-        np.asarray(alt_conf, dtype=np.float32) if conf_ok else None,
-        tuple(s.assumed_class) if any(s.assumed_class) else ())
+        s.sid, s.committed, tree.tokens[:n].astype(np.int32), s.chunks,
+        tree.tokens[n:].astype(np.int32), tree.parents[n:].astype(np.int32),
+        None if conf is None else conf[:n].astype(np.float32),
+        None if conf is None else conf[n:].astype(np.float32),
+        tuple(tree.classes) if any(tree.classes) else ())

@@ -53,7 +53,7 @@ from nodes.engine.cost import ema
 from nodes.engine.errors import OutOfSyncError, TokenizerMismatchError, UnknownSessionError
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import DraftSource, Feedback
-from nodes.engine.tree import Candidate
+from nodes.engine.tree import EMPTY_TREE, DraftTree
 
 log = logging.getLogger(__name__)
 
@@ -247,24 +247,24 @@ class ProposerSource(DraftSource):
         self.stream = self._send(opening, None)
 
     # -- DraftSource --------------------------------------------------------------------------
-    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
+    def propose(self, committed: Sequence[int], budget: int) -> DraftTree:
         if self.dropped:
-            return []
+            return EMPTY_TREE
         if not self.is_alive(self.link.node_id):
             self._drop("not alive in membership")
-            return []
+            return EMPTY_TREE
         self._drain()
         if budget <= 0 or self.dropped:
             self.idle += 1
-            return []
+            return EMPTY_TREE
         self.idle = 0
         if self.held:  # asked again: the proposer catches up, the engine may wait for it
             self._push(time.monotonic(), None)
         if self.forced:
             self._wait_for_extension(committed)
-        cands = self._candidates(committed, budget)
-        self.proposed = len(cands[0].tokens) if cands else 0
-        return cands
+        draft = self._draft(committed, budget)
+        self.proposed = draft.chain
+        return draft
 
     def draft_class(self, committed: Sequence[int]) -> str | None:
         """The class the proposer gave the freshest chunk's first token past `committed`
@@ -365,44 +365,34 @@ class ProposerSource(DraftSource):
             del calls[call]
 
     # -- chunks -------------------------------------------------------------------------------
-    def _candidates(self, committed: Sequence[int], budget: int) -> list[Candidate]:
-        """The best chunk's paths that still extend `committed`, past it and cut to `budget`:
-        the chain first, then each alternative (chain prefix + branch), with the drafter's
-        probabilities when the chunk has them. A chunk none of whose paths extends the
-        prefix is stale: dropped and counted."""
+    def _draft(self, committed: Sequence[int], budget: int) -> DraftTree:
+        """What the best chunk's tree offers past `committed`, at most `budget` deep
+        (`DraftTree.after`: its paths that continue the tokens committed since the chunk's
+        base, the first of them the chain). A chunk none of whose paths extends the prefix is
+        stale: dropped and counted."""
         c = self.best
         if c is None or budget <= 0:
-            return []
+            return EMPTY_TREE
         known = len(committed) - c.base  # tokens committed since the chunk's base
-        done = np.asarray(committed[c.base :] if known > 0 else [], dtype=np.int64)
-        paths = [(c.tokens, c.conf)]
-        for head, nodes in _alternative_leaves(c):
-            paths.append((np.concatenate([c.tokens[:head], c.alt_tokens[nodes]]),
-                          None if c.conf is None
-                          else np.concatenate([c.conf[:head], c.alt_conf[nodes]])))
-        out, alive = [], False
-        for toks, conf in paths:
-            if known < 0 or len(toks) < known or not np.array_equal(toks[:known], done):
-                continue
-            alive = True
-            if len(toks) > known:
-                out.append(Candidate(np.asarray(toks[known : known + budget], dtype=np.int64),
-                                     None, None if conf is None else conf[known : known + budget]))
+        if known < 0:
+            draft, alive = EMPTY_TREE, False
+        else:
+            draft, alive = _tree_of(c).after(committed[c.base :], budget)
         if not alive:
             self.best = None
             self._count("stale", 1)
         if log.isEnabledFor(logging.DEBUG):  # once per step: no formatting unless asked
             log.debug("session %s: chunk base %d (+%d, %d alternatives) at %d committed: %s",
                       self.sid, c.base, len(c.tokens), len(c.alt_tokens), len(committed),
-                      f"{len(out)} candidates, first {len(out[0].tokens)}" if out else
+                      f"{len(draft)} nodes, chain {draft.chain}" if len(draft) else
                       "live, nothing past the prefix" if alive else "stale")
-        return out
+        return draft
 
     def _extends(self, committed: Sequence[int]) -> bool:
         """Forced drafting may stop waiting: the chunk offers tokens past the prefix (on its
         chain or an alternative), or the proposer has seen the whole prefix and that is all it
         has."""
-        if self._candidates(committed, MAX_HORIZON):
+        if len(self._draft(committed, MAX_HORIZON)):
             return True
         return self.best is not None and self.best.base == len(committed)
 
@@ -587,17 +577,15 @@ def _hidden_rows(hidden) -> np.ndarray:
     return np.clip(arr, -65504, 65504).astype(np.float16).reshape(len(arr), -1)
 
 
-def _alternative_leaves(c: DraftChunk) -> list[tuple[int, list[int]]]:
-    """A tree chunk's alternatives as root-to-leaf paths: (chain tokens before the branch,
-    alternative indices from the branch point to the leaf), in wire order."""
+def _tree_of(c: DraftChunk) -> DraftTree:
+    """A chunk's draft as the tree it carries: the chain, then the alternatives under the
+    parents the wire gives them (validated there: -1 the base, a chain token, or an earlier
+    alternative), with the drafter's probabilities when it sent them."""
     n = len(c.tokens)
-    paths: list[tuple[int, list[int]]] = []
-    inner = set()
-    for j, parent in enumerate(c.alt_parents.tolist()):
-        if parent >= n:  # under an earlier alternative (validated: parent - n < j)
-            head, nodes = paths[parent - n]
-            inner.add(parent - n)
-            paths.append((head, [*nodes, j]))
-        else:
-            paths.append((parent + 1, [j]))
-    return [p for j, p in enumerate(paths) if j not in inner]
+    conf = None
+    if c.conf is not None and (c.alt_conf is not None or not len(c.alt_tokens)):
+        conf = np.concatenate([c.conf, c.alt_conf if c.alt_conf is not None else []])
+    return DraftTree(
+        np.concatenate([c.tokens, c.alt_tokens]).astype(np.int64),
+        np.concatenate([np.arange(-1, n - 1), c.alt_parents]).astype(np.int64), n,
+        None if conf is None else conf.astype(np.float64))

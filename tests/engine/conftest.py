@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from nodes.backends import few_rows
-from nodes.drafters.base import Drafter, branch_points
+from nodes.drafters.base import Drafter
 from nodes.engine.sources import DraftSource
-from nodes.engine.tree import Candidate
+from nodes.engine.tree import DraftTree
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -202,11 +202,11 @@ class DecoyTree(DraftSource):
         assert list(committed) == self.reference[:pos], "desync"
         truth = self.reference[pos : pos + budget]
         wrong = [(t + 1) % self.vocab for t in truth]
-        out = [Candidate(np.asarray(wrong[:2]))]  # the decoy comes first
+        out = [wrong[:2]]  # the decoy comes first
         for cut in range(1, len(truth)):  # at each depth, a wrong turn after the true prefix
-            out.append(Candidate(np.asarray([*truth[:cut], int(self.rng.integers(self.vocab))])))
-        out.append(Candidate(np.asarray(truth[: max(1, len(truth) - 1)])))
-        return [c for c in out if len(c.tokens)]
+            out.append([*truth[:cut], int(self.rng.integers(self.vocab))])
+        out.append(truth[: max(1, len(truth) - 1)])
+        return DraftTree.from_paths([(p, None) for p in out if len(p)])
 
 
 def stream_checked(engine, prompt_ids, params, **kw):
@@ -261,15 +261,25 @@ def primed_caches(backend, prompts, capture_layers=()):
 
 
 class Ahead:
-    """`DraftState.draft_ahead`'s paths read back as a proposer sends them: the chain
-    (`ids`, `conf`) and the alternatives as `(at, tokens, conf)` branches off it."""
+    """`DraftState.draft_ahead`'s tree read back as chain and branches: the chain (`ids`,
+    `conf`) and each alternative leaf's path as an `(at, tokens, conf)` branch off it (its
+    first token an alternative to chain token `at`)."""
 
-    def __init__(self, paths) -> None:
-        chain = paths[0] if paths else None
-        self.ids = (chain.tokens.astype(np.int64) if chain is not None
-                    else np.zeros(0, dtype=np.int64))
-        self.conf = None if chain is None else chain.conf
-        self.branches = tuple(Branch(*b) for b in branch_points(self.ids, paths[1:]))
+    def __init__(self, tree: DraftTree) -> None:
+        paths = tree.path_tokens()
+        self.ids = (paths[0][0].astype(np.int64) if paths else np.zeros(0, dtype=np.int64))
+        self.conf = paths[0][1] if paths else None
+        chain = self.ids.tolist()
+        branches = []
+        for toks, conf in paths[1:]:
+            toks = toks.tolist()
+            at = 0
+            while at < min(len(chain), len(toks)) and chain[at] == toks[at]:
+                at += 1
+            if at < len(toks):
+                alt_conf = None if conf is None else tuple(float(c) for c in conf[at:])
+                branches.append(Branch(at, toks[at:], alt_conf))
+        self.branches = tuple(branches)
 
 
 class Branch(tuple):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from nodes.engine.cost import CostModel
-from nodes.engine.tree import Candidate, TokenTree
+from nodes.engine.tree import DraftTree, TokenTree
 
 
 def feed(c, cost, accept_rate, blocks=200):
@@ -98,8 +98,8 @@ def test_remote_drafts_cost_nothing_local_drafting_counts():
 
 def test_node_values_follow_owners_and_siblings_share():
     tree = TokenTree(1)
-    tree.add([(0, Candidate(np.asarray([5, 6]))), (1, Candidate(np.asarray([7, 8])))], 8, 8)
-    tree.add([(1, Candidate(np.asarray([5, 9])))], 8, 8)  # 5 shared by both sources
+    tree.merge([(0, DraftTree.of_chain([5, 6])), (1, DraftTree.of_chain([7, 8]))], 8, 8)
+    tree.merge([(1, DraftTree.of_chain([5, 9]))], 8, 8)  # 5 shared by both sources
     v = tree.node_values({0: 0.5, 1: 0.9})
     by_tok = dict(zip(tree.tokens, v, strict=True))
     assert by_tok[5] == pytest.approx(0.9)  # the better owner counts
@@ -111,7 +111,7 @@ def test_node_values_follow_owners_and_siblings_share():
 
 def test_node_values_take_an_acceptance_per_depth():
     tree = TokenTree(1)
-    tree.add([(0, Candidate(np.asarray([5, 6, 7, 8])))], 8, 8)
+    tree.merge([(0, DraftTree.of_chain([5, 6, 7, 8]))], 8, 8)
     v = dict(zip(tree.tokens, tree.node_values({0: [0.2, 0.5, 0.9]}), strict=True))
     assert v[5] == pytest.approx(0.2)
     assert v[6] == pytest.approx(0.2 * 0.5)
@@ -123,10 +123,10 @@ def test_alternatives_are_valued_by_their_draft_probability():
     """A model drafter's runners-up: of what the chain token leaves, each gets its share of
     the draft probability the earlier siblings did not take."""
     tree = TokenTree(1)
-    chain = Candidate(np.asarray([5, 6]), None, np.asarray([0.5, 0.9]))
-    likely = Candidate(np.asarray([7]), None, np.asarray([0.4]))  # alternative to 5
-    unlikely = Candidate(np.asarray([8]), None, np.asarray([0.02]))
-    tree.add([(0, chain), (0, likely), (0, unlikely)], 8, 8)
+    chain = ([5, 6], [0.5, 0.9])
+    likely = ([7], [0.4])  # alternative to 5
+    unlikely = ([8], [0.02])
+    tree.merge([(0, DraftTree.from_paths([chain, likely, unlikely]))], 8, 8)
     by_tok = dict(zip(tree.tokens, tree.node_values({0: 0.6}), strict=True))
     assert by_tok[5] == pytest.approx(0.6)  # the chain: the source's measured acceptance
     assert by_tok[6] == pytest.approx(0.6 * 0.6)
@@ -134,7 +134,7 @@ def test_alternatives_are_valued_by_their_draft_probability():
     assert by_tok[8] == pytest.approx((0.4 - 0.32) * (0.02 / 0.1))
     # without probabilities an alternative is valued like any sibling (the n-gram case)
     bare = TokenTree(1)
-    bare.add([(0, Candidate(np.asarray([5, 6]))), (0, Candidate(np.asarray([7])))], 8, 8)
+    bare.merge([(0, DraftTree.from_paths([([5, 6], None), ([7], None)]))], 8, 8)
     assert dict(zip(bare.tokens, bare.node_values({0: 0.6}), strict=True))[7] == \
         pytest.approx(0.4 * 0.6)
     # the pruned tree keeps the likely runner-up and drops the unlikely one
@@ -145,7 +145,8 @@ def test_alternatives_are_valued_by_their_draft_probability():
 def test_select_keeps_what_pays_and_is_prefix_closed():
     c = seeded()
     tree = TokenTree(1)
-    tree.add([(0, Candidate(np.arange(10, 20))), (1, Candidate(np.arange(30, 36)))], 16, 16)
+    tree.merge([(0, DraftTree.of_chain(np.arange(10, 20))),
+                (1, DraftTree.of_chain(np.arange(30, 36)))], 16, 16)
     strong = tree.node_values({0: 0.95, 1: 0.05})
     keep = c.select(strong, [False] * len(tree))
     kept = tree.subtree(keep)

@@ -95,7 +95,7 @@ def test_the_source_names_the_length_of_the_match_it_would_continue():
     assert source.draft_class(prompt + [9, 5]) == "m1"  # [5] occurred
     assert source.draft_class(prompt + [9, 5, 6, 7]) == "m3"  # [5, 6, 7]
     # the class is that of the draft it then proposes: the continuation of [5, 6, 7]
-    assert source.propose(prompt + [9, 5, 6, 7], 2)[0].tokens.tolist() == [9, 5]
+    assert source.propose(prompt + [9, 5, 6, 7], 2).chain_tokens.tolist() == [9, 5]
 
 
 def test_a_generic_session_source_syncs_for_a_class_only_when_its_session_names_classes():
@@ -122,7 +122,7 @@ def test_a_generic_session_source_syncs_for_a_class_only_when_its_session_names_
     assert silent.told == [1, 2, 3]
     ngram = DraftStateSource(NgramState([1, 2, 3, 9], 1, 8), 4)
     assert ngram.draft_class([1, 2, 3, 9, 2, 3]) == "m2"
-    assert ngram.propose([1, 2, 3, 9, 2, 3], 2)[0].tokens.tolist() == [9, 2]
+    assert ngram.propose([1, 2, 3, 9, 2, 3], 2).chain_tokens.tolist() == [9, 2]
 
 
 def test_a_repeating_tail_is_drafted_on_with_its_period():

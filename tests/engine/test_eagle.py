@@ -5,7 +5,6 @@ agreeing with its step-by-step inference."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ from nodes.drafters.registry import make_drafter
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sources import DraftSource
-from nodes.engine.tree import Candidate
+from nodes.engine.tree import DraftTree
 from tests.engine.conftest import hf_greedy, needs_kernel
 from tests.engine.eagle_heads import head_config, head_tensors, write_head
 
@@ -90,8 +89,8 @@ class _Recorder(DraftSource):
     def propose(self, committed, budget):
         truth = self.reference[len(committed) : len(committed) + 3]
         decoy = [(t + 1) % 49152 for t in truth]
-        return [Candidate(np.asarray(decoy[:2])), Candidate(np.asarray(truth[:2])),
-                Candidate(np.asarray(truth[:1] + decoy[1:3]))]
+        return DraftTree.from_paths([(decoy[:2], None), (truth[:2], None),
+                                     (truth[:1] + decoy[1:3], None)])
 
     def feedback(self, fb):
         assert fb.hidden is not None
@@ -209,14 +208,15 @@ def test_tree_nodes_get_what_a_chain_through_them_gets(tiny_torch, foreign_head)
     with torch.inference_mode():
         cache = HeadCache(2, 16, torch.float64, "cpu")
         last = head.step(cache, tokens[1:], feats, torch.arange(m))[-1]
-        cands = draft_tree(head, cache, last, int(tokens[-1]), budget=12, width=3)
-        assert sum(len(c.tokens) for c in cands) >= 12  # a real tree (shared prefixes)
-        assert len(cands) > 1
+        tree = draft_tree(head, cache, last, int(tokens[-1]), budget=12, width=3)
+        paths = tree.path_tokens()
+        assert sum(len(t) for t, _ in paths) >= 12  # a real tree (shared prefixes)
+        assert len(paths) > 1
         to_draft = {int(t): d for d, t in enumerate(head.target_ids().tolist())}
-        for cand in cands:
+        for toks, confs in paths:
             cache.crop(m)
             h = last
-            for depth, (tok, conf) in enumerate(zip(cand.tokens, cand.conf, strict=True), 1):
+            for depth, (tok, conf) in enumerate(zip(toks, confs, strict=True), 1):
                 q = torch.softmax(head.logits(h[None])[0], -1)
                 assert abs(float(q[to_draft[int(tok)]]) - conf) < 1e-6  # float32 softmax
                 h = head.step(cache, torch.tensor([int(tok)]), h[None],
@@ -293,7 +293,7 @@ def test_after_a_long_unread_stretch_the_head_reads_only_the_latest_entries(tiny
         source.feedback(Feedback((), 0, 0, 0, hidden=feats[at:at + 10]))
         assert sum(map(len, source.pending)) <= 2 * CATCH_UP_WINDOW  # bounded meanwhile
     with torch.inference_mode():
-        cands = source.propose(tokens, 6)
+        chain = source.propose(tokens, 6).path_tokens()[0]
         assert source.cache.length == CATCH_UP_WINDOW  # the draft entries cropped away
         ref = HeadCache(2, 16, torch.float64, "cpu")
         start = m - CATCH_UP_WINDOW
@@ -302,7 +302,7 @@ def test_after_a_long_unread_stretch_the_head_reads_only_the_latest_entries(tiny
         assert torch.equal(source.last, last)
         to_draft = {int(t): d for d, t in enumerate(head.target_ids().tolist())}
         h = last
-        for depth, (tok, conf) in enumerate(zip(cands[0].tokens, cands[0].conf, strict=True), 1):
+        for depth, (tok, conf) in enumerate(zip(*chain, strict=True), 1):
             q = torch.softmax(head.logits(h[None])[0], -1)
             assert abs(float(q[to_draft[int(tok)]]) - conf) < 1e-6
             h = head.step(ref, torch.tensor([int(tok)]), h[None],

@@ -26,7 +26,7 @@ def test_the_session_drafts_what_the_source_drafts(tiny_torch, prompt_ids, forei
 
     source = EagleSource(drafter.head, drafter.layers, prompt_ids, SamplingParams(), 1, "in")
     source.feedback(Feedback((17,), len(committed), 0, 0, hidden=hidden))
-    want = source.propose(committed, 6)[0].tokens.tolist()
+    want = source.propose(committed, 6).chain_tokens.tolist()
 
     session = drafter.open(prompt_ids, SamplingParams())
     session.extend([17])
@@ -43,7 +43,7 @@ def test_the_session_drafts_what_the_source_drafts(tiny_torch, prompt_ids, forei
 def test_no_features_no_drafts(tiny_torch, prompt_ids, foreign_head):  # noqa: F811
     session = EagleDrafter.load(foreign_head, tiny_torch).open(prompt_ids, SamplingParams())
     session.extend([17])
-    assert session.draft_ahead(4) == []
+    assert not len(session.draft_ahead(4))
     with pytest.raises(BadRequestError, match="do not fit"):
         session.features(np.zeros((2, 5), dtype=np.float16))
 

@@ -19,7 +19,7 @@ from nodes.drafters.ngram import NgramDrafter
 from nodes.engine import Engine, GenerationParams, Stats
 from nodes.engine.cost import CostModel
 from nodes.engine.sources import DraftSource
-from nodes.engine.tree import Candidate
+from nodes.engine.tree import DraftTree
 from tests.engine.conftest import (
     hf_greedy,
     needs_kernel,
@@ -376,7 +376,7 @@ class Hidden(DraftSource):
         self.got = []
 
     def propose(self, committed, budget):
-        return []
+        return DraftTree.of_chain([])
 
     def feedback(self, fb):
         self.got.append(None if fb.hidden is None else fb.hidden.clone())
@@ -445,7 +445,7 @@ class Truth(DraftSource):
 
     def propose(self, committed, budget):
         toks = self.reference[len(committed):len(committed) + budget]
-        return [Candidate(np.asarray(toks))] if toks else []
+        return DraftTree.of_chain(toks)
 
 
 def _drafted_runs(backend, prompts, solo, cost, *, together):

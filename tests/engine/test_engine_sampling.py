@@ -184,7 +184,7 @@ class IidChainsDrafter(SourceOpener):
 
     def open_source(self, prompt_ids, params):
         from nodes.engine.sources import DraftSource
-        from nodes.engine.tree import Candidate
+        from nodes.engine.tree import DraftTree
 
         session = self.inner.open(prompt_ids, SamplingParams(1.5, 1.0, 3, params.seed))
         chains, told = self.chains, [len(prompt_ids)]
@@ -193,10 +193,9 @@ class IidChainsDrafter(SourceOpener):
             def propose(self, committed, budget):
                 session.extend(committed[told[0] :])
                 told[0] = len(committed)
-                if budget <= 0:
-                    return []
                 k = max(1, budget // chains)
-                return [Candidate(*session.draft(k)) for _ in range(chains)]
+                return DraftTree.from_paths([(session.draft(k)[0], None) for _ in range(chains)]
+                                            if budget > 0 else [])
 
         return Source()
 

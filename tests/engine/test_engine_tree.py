@@ -11,7 +11,7 @@ from nodes.engine import Engine, GenerationParams
 from nodes.engine.core import Stats
 from nodes.engine.cost import CostModel
 from nodes.engine.sources import DraftSource
-from nodes.engine.tree import Candidate, TokenTree
+from nodes.engine.tree import DraftTree, TokenTree
 from tests.engine.conftest import DecoyTree, hf_greedy, stream_checked
 
 N = 24
@@ -160,12 +160,10 @@ def test_two_sources_merge_into_one_tree(tiny_torch, tiny_draft_folder, prompt_i
 
 
 def test_tree_dedups_and_respects_budget():
-    a = Candidate(np.asarray([5, 6, 7]))
-    b = Candidate(np.asarray([5, 6, 8, 8]))
-    c = Candidate(np.asarray([9]))
-    d = Candidate(np.asarray([4, 4, 4]))
+    a = DraftTree.of_chain([5, 6, 7])
+    b = DraftTree.from_paths([([5, 6, 8, 8], None), ([9], None), ([4, 4, 4], None)])
     tree = TokenTree(1)
-    offered = tree.add([(0, a), (1, b), (1, c), (1, d)], budget=9, max_depth=8)
+    offered = tree.merge([(0, a), (1, b)], budget=9, max_depth=8)
     # source 0's chain whole; source 1's chain leaves 2 nodes per alternative (9 - 3 - 4 = 2
     # tokens, but at least half of the 6 left: 3), then the alternatives breadth-first
     assert tree.tokens == [1, 5, 6, 7, 8, 9, 4, 4, 4]
@@ -174,10 +172,10 @@ def test_tree_dedups_and_respects_budget():
     assert tree.accepted_by(0, [1, 2, 3]) == 3 and tree.accepted_by(1, [1, 2, 3]) == 2
     assert tree.accepted_by(1, [1, 2, 4]) == 3
     small = TokenTree(1)
-    small.add([(0, a), (1, b)], budget=2, max_depth=8)
+    small.merge([(0, a), (1, DraftTree.of_chain([5, 6, 8, 8]))], budget=2, max_depth=8)
     assert small.tokens == [1, 5, 6]
     depth_cap = TokenTree(1)
-    depth_cap.add([(0, a)], budget=9, max_depth=2)
+    depth_cap.merge([(0, a)], budget=9, max_depth=2)
     assert depth_cap.tokens == [1, 5, 6]
 
 
@@ -187,15 +185,15 @@ def test_ngram_tree_offers_every_continuation():
 
     tokens = [1, 2, 9, 9, 4, 1, 2, 5, 5, 1, 2, 9, 3, 1, 2]
     src = NgramDrafter(branches=4).open_source(tokens, SamplingParams())
-    got = [c.tokens.tolist() for c in src.propose(tokens, 3)]
+    got = [t.tolist() for t, _ in src.propose(tokens, 3).path_tokens()]
     assert got == [[9, 3, 1], [5, 5, 1], [9, 9, 4]]  # most recent first, all distinct
     # a longer matched suffix first, then shorter suffixes' continuations as alternatives
     tokens = [7, 1, 2, 5, 0, 3, 1, 2, 6, 0, 7, 1, 2]
-    got = [c.tokens.tolist() for c in NgramDrafter(branches=4).open_source(tokens, SamplingParams())
-           .propose(tokens, 2)]
+    got = [t.tolist() for t, _ in NgramDrafter(branches=4).open_source(tokens, SamplingParams())
+           .propose(tokens, 2).path_tokens()]
     assert got == [[5, 0], [6, 0]]
-    assert [c.tokens.tolist() for c in NgramDrafter().open_source(tokens, SamplingParams())
-            .propose(tokens, 2)] == [[5, 0]]  # default: one chain
+    assert [t.tolist() for t, _ in NgramDrafter().open_source(tokens, SamplingParams())
+            .propose(tokens, 2).path_tokens()] == [[5, 0]]  # default: one chain
 
 
 class Recorder(DraftSource):
@@ -221,7 +219,7 @@ class FailsOnSecondCall(DraftSource):
         self.calls += 1
         if self.calls == 2:
             raise ConnectionError("gone")
-        return [Candidate(np.asarray([3, 3]))]
+        return DraftTree.of_chain([3, 3])
 
 
 def test_feedback_is_explicit_and_survives_a_failing_source(tiny_torch, prompt_ids, reference):
@@ -269,7 +267,7 @@ class Chain(DraftSource):
     def propose(self, committed, budget):
         truth = self.reference[len(committed) : len(committed) + budget]
         toks = truth if self.right else [(t + 1) % self.vocab for t in truth]
-        return [Candidate(np.asarray(toks))] if toks else []
+        return DraftTree.of_chain(toks)
 
     def feedback(self, fb):
         self.offered.append(fb.offered)
@@ -326,12 +324,12 @@ class RunnerUp(Chain):
         self.truths.append(self.reference[len(committed)] if len(committed) < len(
             self.reference) else None)
         if not truth:
-            return []
+            return DraftTree.of_chain([])
         conf = np.full(len(truth), 0.8)
         conf[0] = 0.5
-        return [Candidate(np.asarray([(truth[0] + 1) % self.vocab, *truth[1:]]), None, conf),
-                Candidate(np.asarray([truth[0]]), None, np.asarray([0.4])),
-                Candidate(np.asarray([(truth[0] + 2) % self.vocab]), None, np.asarray([0.01]))]
+        return DraftTree.from_paths([([(truth[0] + 1) % self.vocab, *truth[1:]], conf),
+                                     ([truth[0]], [0.4]),
+                                     ([(truth[0] + 2) % self.vocab], [0.01])])
 
     def feedback(self, fb):
         super().feedback(fb)
@@ -369,7 +367,7 @@ class Late(Chain):
         self.arrived, self.waits = False, 0
 
     def propose(self, committed, budget):
-        return super().propose(committed, budget) if self.arrived else []
+        return super().propose(committed, budget) if self.arrived else DraftTree.of_chain([])
 
     def feedback(self, fb):
         super().feedback(fb)
@@ -484,7 +482,7 @@ class Classed(DraftSource):
         self.asked[cls].append(budget)
         truth = self.reference[len(committed) : len(committed) + budget]
         toks = truth if cls == "m5" else [(t + 1) % self.vocab for t in truth]
-        return [Candidate(np.asarray(toks))] if toks else []
+        return DraftTree.of_chain(toks)
 
 
 def test_a_source_is_judged_per_draft_class(tiny_torch, prompt_ids, reference):

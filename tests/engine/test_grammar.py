@@ -24,7 +24,7 @@ from nodes.engine.grammar import (
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import DraftSource
 from nodes.engine.state import Stats
-from nodes.engine.tree import Candidate, TokenTree
+from nodes.engine.tree import DraftTree, TokenTree
 
 SCHEMA = {
     "type": "object",
@@ -132,7 +132,7 @@ def test_matcher_prunes_and_forces(grammars, tiny_torch):
     good = tok.hf.encode('{"name":"Al","age":3')
     bad = tok.hf.encode('{"nome":"Al"}')
     tree = TokenTree(0)
-    tree.add([(0, Candidate(np.asarray(good))), (1, Candidate(np.asarray(bad)))], 64, 64)
+    tree.merge([(0, DraftTree.of_chain(good)), (1, DraftTree.of_chain(bad))], 64, 64)
     pruned = prune_tree(tree, m)
     shared = next(i for i, (a, b) in enumerate(zip(good, bad, strict=False)) if a != b)
     assert 0 < m.valid_prefix(bad) < len(bad)
@@ -142,7 +142,7 @@ def test_matcher_prunes_and_forces(grammars, tiny_torch):
     # the grammar drafter: the whole forced run '{"name":"', its tail (which may merge with
     # the free text after it) written each way the vocabulary allows, fewest tokens first
     src = GrammarSource(m)
-    paths = [list(c.tokens) for c in src.propose([], 8)]
+    paths = [list(t) for t, _ in src.propose([], 8).path_tokens()]
     assert all(p[:len(forced)] == forced for p in paths)
     assert [tok.decode(p) for p in paths] == ['{"name":"'] * len(paths)
     assert len(paths) >= 2 and len(set(map(tuple, paths))) == len(paths)
@@ -178,7 +178,7 @@ class Branchy(DraftSource):
 
     def propose(self, committed, budget):
         if budget <= 0:
-            return []
+            return DraftTree.of_chain([])
         at = len(committed) - self.start
         truth = self.ref[at: at + budget] or [7]
         out = [truth, [int(self.rng.integers(self.vocab)) for _ in truth]]
@@ -189,7 +189,7 @@ class Branchy(DraftSource):
             others = allowed[allowed != truth[1]]
             if len(others):
                 out.insert(1, truth[:1] + [int(self.rng.choice(others))] + truth[2:])
-        return [Candidate(np.asarray(c, dtype=np.int64)) for c in out]
+        return DraftTree.from_paths([(c, None) for c in out])
 
 
 @pytest.mark.parametrize("c", [JSON_SCHEMA, REGEX, LARK], ids=["json", "regex", "lark"])
@@ -335,12 +335,12 @@ class Ungrammatical(DraftSource):
 
     def propose(self, committed, budget):
         if budget <= 0:
-            return []
+            return DraftTree.of_chain([])
         self.asked += 1
         self.matcher.sync(0)
         self.matcher.replay(committed[self.start:])
         refused = np.flatnonzero(~self.matcher.allowed())
-        return [Candidate(np.asarray([int(refused[0])] * budget, dtype=np.int64))]
+        return DraftTree.of_chain([int(refused[0])] * budget)
 
 
 def test_drafts_the_grammar_refuses_count_as_misses(tiny_torch, prompt_ids):

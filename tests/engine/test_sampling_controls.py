@@ -23,7 +23,7 @@ from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import History, adjust_logits
 from nodes.engine.sources import DraftSource
 from nodes.engine.state import Stats
-from nodes.engine.tree import Candidate
+from nodes.engine.tree import DraftTree
 from tests.engine.conftest import step_together
 
 N = 24
@@ -129,7 +129,7 @@ class ScriptedChain(DraftSource):
         truth = self.reference[len(committed): len(committed) + budget]
         out = [t if self.rng.random() < self.right else int(self.rng.integers(self.vocab))
                for t in truth]
-        return [Candidate(np.asarray(out))] if out else []
+        return DraftTree.of_chain(out)
 
 
 class ScriptedTree(ScriptedChain):
@@ -139,13 +139,11 @@ class ScriptedTree(ScriptedChain):
 
     def propose(self, committed, budget):
         truth = self.reference[len(committed): len(committed) + budget]
-        if not truth:
-            return []
-        out = [Candidate(np.asarray([(t + 1) % self.vocab for t in truth[:2]]))]
+        out = [[(t + 1) % self.vocab for t in truth[:2]]]
         for cut in range(1, len(truth)):
-            out.append(Candidate(np.asarray([*truth[:cut], int(self.rng.integers(self.vocab))])))
-        out.append(Candidate(np.asarray(truth)))
-        return out
+            out.append([*truth[:cut], int(self.rng.integers(self.vocab))])
+        out.append(truth)
+        return DraftTree.from_paths([(p, None) for p in out if p])
 
 
 @pytest.mark.parametrize("name", NAMES)

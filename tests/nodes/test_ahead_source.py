@@ -90,8 +90,7 @@ def read_until(src, cond, limit_s=10.0):
 
 
 def offered(src, committed, budget=8):
-    cands = src.propose(committed, budget)
-    return cands[0].tokens.tolist() if cands else []
+    return src.propose(committed, budget).chain_tokens.tolist()
 
 
 def test_freshest_chunk_that_extends_the_prefix_is_offered(make_source, scripted):
@@ -116,19 +115,19 @@ def test_a_tree_chunk_offers_every_alternative_that_still_extends_the_prefix(
                                   conf=np.array([0.6, 0.5, 0.9]),
                                   alt_conf=np.array([0.3, 0.2, 0.8, 0.1])))
     read_until(src, lambda: src.link.chunks == 1)
-    cands = src.propose(PROMPT, 8)
-    assert [c.tokens.tolist() for c in cands] == [[5, 6, 7], [8], [5, 9, 10], [5, 6, 11]]
-    assert [np.round(c.conf.astype(float), 3).tolist() for c in cands] == [
+    paths = src.propose(PROMPT, 8).path_tokens()
+    assert [t.tolist() for t, _ in paths] == [[5, 6, 7], [8], [5, 9, 10], [5, 6, 11]]
+    assert [np.round(c.astype(float), 3).tolist() for _, c in paths] == [
         [0.6, 0.5, 0.9], [0.3], [0.6, 0.2, 0.8], [0.6, 0.5, 0.1]]
     assert src.proposed == 3  # the first candidate (the chain) is counted as its draft
     # the verifier committed 5: the alternative to it is dead, the others lose their 5
-    cands = src.propose(PROMPT + [5], 8)
-    assert [c.tokens.tolist() for c in cands] == [[6, 7], [9, 10], [6, 11]]
+    paths = src.propose(PROMPT + [5], 8).path_tokens()
+    assert [t.tolist() for t, _ in paths] == [[6, 7], [9, 10], [6, 11]]
     # ... it committed 5 9 (the runner-up): the branch through 9 lives on, the chain does not
-    assert [c.tokens.tolist() for c in src.propose(PROMPT + [5, 9], 8)] == [[10]]
+    assert [t.tolist() for t, _ in src.propose(PROMPT + [5, 9], 8).path_tokens()] == [[10]]
     assert src.link.stale == 0
     # ... it committed 5 9 4: nothing extends that; stale, dropped, counted
-    assert src.propose(PROMPT + [5, 9, 4], 8) == [] and src.best is None
+    assert not len(src.propose(PROMPT + [5, 9, 4], 8)) and src.best is None
     assert src.link.stale == 1
 
 

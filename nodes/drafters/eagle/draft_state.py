@@ -18,10 +18,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from nodes.drafters.base import EMPTY_DRAFT, DraftState, draft_paths
+from nodes.drafters.base import EMPTY_DRAFT, DraftState
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sources import DraftSource, Feedback
-from nodes.engine.tree import Candidate
+from nodes.engine.tree import EMPTY_TREE, DraftTree
 
 
 class EagleState(DraftState):
@@ -51,28 +51,24 @@ class EagleState(DraftState):
         del self.tokens[length:]
 
     def draft(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
-        cands = self.draft_ahead(k)
-        return (cands[0].tokens.astype(np.int32) if cands else EMPTY_DRAFT), None
+        tree = self.draft_ahead(k)
+        return (tree.chain_tokens.astype(np.int32) if len(tree) else EMPTY_DRAFT), None
 
-    def draft_ahead(self, k: int, width: int = 1) -> list[Candidate]:
+    def draft_ahead(self, k: int, width: int = 1) -> DraftTree:
         """The head's chain past what the proposer assumed and, `width` > 1, each drafted
         position's runners-up as one-token branches (as the model drafter offers them)."""
         known = self.source.known  # positions whose verifier features arrived
         committed, assumed = self.tokens[: known + 1], self.tokens[known + 1 :]
         if k <= 0 or len(committed) != known + 1:
-            return []
+            return EMPTY_TREE
         drafted = self.source.propose_chain(committed, len(assumed) + k, width)
         if drafted is None:
-            return []
-        cand, branches = drafted
-        chain = [int(t) for t in cand.tokens]
-        if chain[: len(assumed)] != assumed:  # the verifier's features changed its mind
-            return []
+            return EMPTY_TREE
         skip = len(assumed)
-        ids = chain[skip : skip + k]
-        conf = None if cand.conf is None else cand.conf[skip : skip + len(ids)]
-        return draft_paths(ids, conf, [(at - skip, toks, p) for at, toks, p in branches
-                                       if skip <= at < skip + len(ids)])
+        if drafted.chain_tokens[:skip].tolist() != assumed:
+            return EMPTY_TREE  # the verifier's features changed its mind
+        # past what was assumed, and no alternative to a token assumed already
+        return drafted.advanced(skip).cut(k)
 
     def close(self) -> None:
         self.source.close()

@@ -5,8 +5,8 @@ and hands the committed ones to the source with each step's `Feedback` (the sour
 `hidden_layers`). Before drafting, the source feeds the head the entries it has not read yet
 (committed position i: the verifier's features there and token i+1) in one head forward, after
 cropping its cache back to the committed entries (draft entries never stay); then it drafts an
-EAGLE-2 tree (greedy) or a chain sampled from the head's own distribution, whose rows go to the
-engine as `Candidate.probs` for lossless rejection sampling.
+EAGLE-2 tree (greedy) or a chain sampled from the head's own distribution (keyed to the
+verifier's noise where the request has a seed, so the two agree whenever the head is right).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from nodes.engine.sampling import (
     sample,
 )
 from nodes.engine.sources import DraftSource, Feedback
-from nodes.engine.tree import Candidate
+from nodes.engine.tree import EMPTY_TREE, DraftTree
 
 log = logging.getLogger(__name__)
 
@@ -80,27 +80,25 @@ class EagleSource(DraftSource):
                 # a long generation keeps no more than that
                 self.pending = [torch.cat(self.pending)[-CATCH_UP_WINDOW:]]
 
-    def propose(self, committed: Sequence[int], budget: int) -> list[Candidate]:
+    def propose(self, committed: Sequence[int], budget: int) -> DraftTree:
         if len(committed) != len(self.tokens):
             self.tokens = [int(t) for t in committed]
         if budget <= 0 or not self._catch_up():
-            return []
+            return EMPTY_TREE
         with torch.inference_mode():
             if self.params.greedy and self.width > 1:
-                cands = draft_tree(self.head, self.cache, self.last, self.tokens[-1], budget,
-                                   self.width, position=self.fed)
+                tree = draft_tree(self.head, self.cache, self.last, self.tokens[-1], budget,
+                                  self.width, position=self.fed)
             else:
-                cands = [self._chain(budget)[0]]
+                tree = self._chain(budget)
         self.cache.crop(self.held)
-        return cands
+        return tree
 
     def propose_chain(self, committed: Sequence[int], budget: int, width: int
-                      ) -> tuple[Candidate, list[tuple[int, tuple[int, ...], tuple[float, ...]]]
-                                 ] | None:
+                      ) -> DraftTree | None:
         """A proposer's draft: the head's greedy chain of `budget` tokens and, at each depth,
-        up to `width - 1` runners-up worth at least `MIN_ALT_CONF` as one-token branches
-        (`drafters.base.draft_paths`' alternatives), as the model drafter offers them; None
-        when the head cannot draft yet."""
+        up to `width - 1` runners-up worth at least `MIN_ALT_CONF` as one-token branches, as
+        the model drafter offers them; None when the head cannot draft yet."""
         if len(committed) != len(self.tokens):
             self.tokens = [int(t) for t in committed]
         if budget <= 0 or not self._catch_up():
@@ -135,12 +133,12 @@ class EagleSource(DraftSource):
 
     def _chain(self, budget: int, width: int = 1):
         """Greedy: the head's argmax chain (and, `width` > 1, each depth's runners-up as
-        `(depth - 1, (token,), (prob,))`). Sampling: tokens drawn from the head's distribution
-        (processed like the verifier's), the rows kept for rejection sampling."""
+        one-token branches). Sampling: tokens drawn from the head's distribution (processed
+        like the verifier's)."""
         head, greedy = self.head, self.params.greedy
         target = head.target_ids()
         vocab = head.cfg.vocab_size
-        ids, rows, conf, branches = [], [], [], []
+        ids, conf, branches = [], [], []
         h = self.last
         for depth in range(1, budget + 1):
             logits = head.logits(h[None])[0].float()
@@ -163,7 +161,6 @@ class EagleSource(DraftSource):
                                                          len(self.tokens) + depth - 1, vocab))
                 else:
                     tok = sample(q, self.rng)
-                rows.append(q.astype(np.float32))
                 conf.append(float(q[tok]))
             ids.append(tok)
             if depth == budget:
@@ -171,8 +168,7 @@ class EagleSource(DraftSource):
             dev = self.cache.k.device
             h = head.step(self.cache, torch.tensor([tok], device=dev), h[None],
                           torch.tensor([self.fed - 1 + depth], device=dev))[0]
-        probs = np.stack(rows) if rows else None
-        return Candidate(np.asarray(ids, dtype=np.int64), probs, np.asarray(conf)), branches
+        return DraftTree.branched(ids, conf, branches)
 
     def close(self) -> None:
         self.pending = []

@@ -17,14 +17,14 @@ import torch
 
 from nodes.drafters.eagle.cache import HeadCache
 from nodes.drafters.eagle.head import Eagle3Head
-from nodes.drafters.model import BRANCH_RATIO, leaf_candidates
-from nodes.engine.tree import Candidate
+from nodes.drafters.model import BRANCH_RATIO
+from nodes.engine.tree import DraftTree
 
 
 def draft_tree(head: Eagle3Head, cache: HeadCache, last: torch.Tensor, pending: int,
-               budget: int, width: int, position: int | None = None) -> list[Candidate]:
-    """Up to `budget` nodes below the pending token as root-to-leaf candidates (verifier
-    ids, with the head's probability of each token), likeliest leaf first.
+               budget: int, width: int, position: int | None = None) -> DraftTree:
+    """Up to `budget` nodes below the pending token (verifier ids, with the head's
+    probability of each token), the likeliest leaf's path as the chain.
 
     `last` is the head's pre-norm output at its last committed entry (it predicts the
     pending token's children); the cache holds exactly the committed entries, the last at
@@ -61,7 +61,7 @@ def draft_tree(head: Eagle3Head, cache: HeadCache, last: torch.Tensor, pending: 
         frontier = added
         logits = _feed_level(head, cache, base, position, frontier, toks, parents, slot,
                              hidden)
-    return leaf_candidates(toks, parents, score, conf)
+    return DraftTree.from_parents(toks, parents, score, conf)
 
 
 def _feed_level(head: Eagle3Head, cache: HeadCache, base: int, position: int,
