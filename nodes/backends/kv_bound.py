@@ -1,5 +1,6 @@
 """`--kv-sink S --kv-window W`: the bound's validation, light enough for a CLI to call before
-it loads a model (the bound itself: `growing_cache.WindowLayer`, masks in `torch_batch`)."""
+it loads a model (the bound itself: on torch `growing_cache.BoundedLayer`, masks in
+`torch_batch`; on MLX `mlx_bound.BoundedKVCache`, which makes its own mask)."""
 
 from __future__ import annotations
 

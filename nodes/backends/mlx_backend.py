@@ -11,6 +11,7 @@ import numpy as np
 
 from nodes import models
 from nodes.backends.base import Backend
+from nodes.backends.kv_bound import check_kv_bound
 from nodes.backends.tokenizer import Tokenizer
 from nodes.engine.errors import ModelNotFoundError
 
@@ -39,7 +40,8 @@ def _window_cache(window: int) -> Any:
 
 class MlxBackend(Backend):
     """An mlx-lm model with trimmable caches: plain `KVCache` layers, and a `WindowKVCache`
-    where the model has a sliding-window `RotatingKVCache` (`_window_cache`)."""
+    where the model has a sliding-window `RotatingKVCache` (`_window_cache`); under
+    `--kv-sink/--kv-window` (`bound_kv`) every layer a `mlx_bound.BoundedKVCache`."""
 
     name = "mlx"
 
@@ -49,6 +51,11 @@ class MlxBackend(Backend):
         self.model_name = model_name
         probe = model(mx.array([[0]]))
         self.vocab_size = int(probe.shape[-1])
+        #: (sink, window) of bounded K/V on full-attention layers (`bound_kv`), or None
+        self.kv_bound: tuple[int, int] | None = None
+        #: the K/V bytes of the cache cropped last (each step's end): `generate --json`'s
+        #: `kv_bytes`
+        self.last_kv_bytes: int | None = None
 
     @classmethod
     def load(cls, model_ref: str | None = None) -> MlxBackend:
@@ -73,6 +80,16 @@ class MlxBackend(Backend):
         from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
         cache = make_prompt_cache(self.model)
+        if self.kv_bound is not None:
+            from nodes.backends.mlx_bound import bounded_cache
+
+            bounded = bounded_cache(cache, self.kv_bound)
+            for layer, b in zip(cache, bounded, strict=True):
+                if b is None:
+                    raise ModelNotFoundError(
+                        f"model {self.model_name!r}: MLX cache layer {type(layer).__name__} "
+                        "takes no bounded K/V here (plain and sliding-window KV caches do)")
+            return bounded
         out = []
         for layer in cache:
             if type(layer) is KVCache:
@@ -85,6 +102,23 @@ class MlxBackend(Backend):
                     "served by no path here (plain and sliding-window KV caches are); "
                     "speculative decoding needs a trimmable cache")
         return out
+
+    def bound_kv(self, sink: int | None, window: int | None) -> None:
+        """Bound every full-attention layer's K/V to the first `sink` positions and the last
+        `window` (`--kv-sink/--kv-window`; both or neither), as the torch backend does: a band
+        over absolute positions, the rest dropped (`mlx_bound.BoundedKVCache`); sliding-window
+        layers keep their own window and no more."""
+        args = getattr(self.model, "args", None)
+        self.kv_bound = check_kv_bound(sink, window, args)
+        if self.kv_bound is not None:
+            log.info("kv: bounded to %d sink + %d window positions per full-attention layer",
+                     *self.kv_bound)
+
+    def kv_bytes(self, cache: Any) -> int:
+        """Bytes of the K/V buffers `cache` holds (room ahead included)."""
+        from nodes.backends.mlx_bound import kv_bytes
+
+        return kv_bytes(cache)
 
     def forward(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
         logits = self.model(mx.array([list(token_ids)]), cache=cache)
@@ -109,6 +143,13 @@ class MlxBackend(Backend):
     def crop(self, cache: Any, length: int) -> None:
         from mlx_lm.models.cache import trim_prompt_cache
 
-        extra = self.cache_length(cache) - length
-        if extra > 0:
-            trim_prompt_cache(cache, extra)
+        from nodes.backends.mlx_bound import BoundedKVCache, kv_bytes
+
+        if cache and isinstance(cache[0], BoundedKVCache):
+            for layer in cache:  # bounded: what stays is committed, the overlay freed
+                layer.crop(length)
+        else:
+            extra = self.cache_length(cache) - length
+            if extra > 0:
+                trim_prompt_cache(cache, extra)
+        self.last_kv_bytes = kv_bytes(cache)
