@@ -185,6 +185,10 @@ class SessionOpen(wire.Struct):
     tokenizer: str | None = wire.text(default=None)
     drafter: str | None = wire.text(default=None)
     horizon: int | None = wire.integer(0, MAX_HORIZON, default=None)
+    #: the generation's grammar (`generate_req.grammar`'s form and bounds), sent only to a
+    #: proposer whose card says it takes one (`extras.grammar`): it then drafts only what the
+    #: grammar allows after the prompt. Absent otherwise, so other sessions keep their bytes.
+    grammar: Mapping[str, str] | None = wire.custom(MAP, _grammar, dict, default=None)
 
 
 def _no_features() -> np.ndarray:

@@ -236,6 +236,8 @@ def assemble(spec: RoleSpec) -> Roles:
             roles.card.setdefault("model", own.model_name)
         roles.card.setdefault("extras", {}).update(
             drafter=drafter.name, draft_tok_s=round(_measure_draft(drafter), 1))
+        if drafter.takes_grammar:  # verifiers send a constrained generation's grammar
+            roles.card["extras"]["grammar"] = True
         if drafter.hidden_layers:  # an EAGLE-3 head: verifiers send their hidden states
             roles.card["extras"].update(hidden_layers=list(drafter.hidden_layers),
                                         hidden_size=drafter.hidden_size)

@@ -1,8 +1,10 @@
 """`specbus bench structured --gateway`: the same workloads as a client sends them.
 
 Real node processes on loopback: one verifier (core 0, one torch thread, its prefix cache as
-served), one ngram proposer (core 1) and a gateway (core 1); this process (the openai client)
-sits on core 1 too. Every request goes through the OpenAI-compatible API as an app sends it:
+served), a proposer per drafter of `--proposers` (default: one ngram proposer; core 1) and a
+gateway (core 1); this process (the openai client) sits on core 1 too. A model proposer
+(`int8`) takes the grammar (its card says so): it drafts from its logits masked by it. Every
+request goes through the OpenAI-compatible API as an app sends it:
 
 - extraction: `response_format` `json_schema` (strict) with the text's schema;
 - tools: the fixed tool set, `tool_choice` "required", `parallel_tool_calls` false;
@@ -11,7 +13,7 @@ sits on core 1 too. Every request goes through the OpenAI-compatible API as an a
 
 Two configurations per request, interleaved (their order alternates request by request and
 round by round): `plain` (`specbus.speculate: false`: the verifier's constrained plain
-decoding) and `speculative` (the default: the proposer's ngram drafts and the grammar's forced
+decoding) and `speculative` (the default: the proposers' drafts and the grammar's forced
 tokens, merged in one tree). Figures: per request the median wall time over rounds of the whole
 call (HTTP, prefill, decode), speedup = plain's time / speculative's on the same completion
 (greedy: the same tokens, checked), median and worst per workload; invalid outputs (each
@@ -53,13 +55,15 @@ def run_gateway(args, reqs: list[dict[str, Any]], workloads: dict[str, int]
     model = ("--model", args.model) if args.model else ()
     rounds = 2 if args.quick else args.rounds
     log_dir = Path(tempfile.mkdtemp(prefix="specbus-bench-structured-"))
-    print(f"starting a verifier (core 0, 1 torch thread), an ngram proposer and a gateway "
+    drafters = [d for d in getattr(args, "proposers", "ngram").split(",") if d]
+    print(f"starting a verifier (core 0, 1 torch thread), proposers {drafters} and a gateway "
           f"(core 1); logs: {log_dir}", file=sys.stderr, flush=True)
     with LocalCluster(log_dir=log_dir, mdns=False, env={"OMP_NUM_THREADS": "1"}) as c:
         c.start_node("v0", "--role", "verifier", "--cpus", str(CORE_VERIFIER), "--threads",
                      "1", "--weights", args.weights, *model)
-        nodes = [c.spawn("n0", "--role", "proposer", "--drafter", "ngram", "--cpus",
-                         str(CORE_CLIENT), seed=True),
+        nodes = [*(c.spawn(f"p{i}-{d}", "--role", "proposer", "--drafter", d, "--cpus",
+                           str(CORE_CLIENT), "--threads", "1", seed=True)
+                   for i, d in enumerate(drafters)),
                  c.spawn("gw", "--role", "gateway", "--http", "127.0.0.1:0", "--cpus",
                          str(CORE_CLIENT), seed=True)]
         for n in nodes:
@@ -109,7 +113,7 @@ def run_gateway(args, reqs: list[dict[str, Any]], workloads: dict[str, int]
                     "plain_s": [round(x, 4) for x in times["plain"][i]],
                     "speculative_s": [round(x, 4) for x in times["speculative"][i]]}
                    for i, r in enumerate(reqs)]
-    out: dict[str, Any] = {"rounds": rounds, "invalid_outputs": invalid,
+    out: dict[str, Any] = {"rounds": rounds, "proposers": drafters, "invalid_outputs": invalid,
                            "per_request": per_request,
                            "cut_by_max_tokens": cut, "speculative_not_equal_plain": mismatched,
                            "load": os.getloadavg()}
@@ -134,8 +138,9 @@ CONFIGS = ("plain", "speculative")
 
 
 def print_gateway(rep: dict[str, Any]) -> None:
-    print(f"\nthrough the gateway (openai client; verifier core 0 one torch thread, ngram "
-          f"proposer + gateway + client core 1), {rep['rounds']} rounds interleaved, load "
+    print(f"\nthrough the gateway (openai client; verifier core 0 one torch thread, "
+          f"{'+'.join(rep.get('proposers', ['ngram']))} proposer(s) + gateway + client core 1), "
+          f"{rep['rounds']} rounds interleaved, load "
           f"{' '.join(f'{x:.2f}' for x in rep['load'])}")
     head = (f"{'workload':<10} {'requests':>8} {'tokens':>6} {'plain tok/s':>11} "
             f"{'spec tok/s':>10} {'x plain':>7} {'worst':>6}")

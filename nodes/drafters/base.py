@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -119,6 +120,18 @@ class Drafter(SourceOpener):
     hidden_layers: tuple[int, ...] | None = None
     hidden_size: int | None = None
 
+    @property
+    def takes_grammar(self) -> bool:
+        """Whether its states draft under a generation's grammar (`constrain(matcher)`): a
+        proposer's card says so, and verifiers then send the grammar with the session (the
+        others draft free and the verifier prunes). This default: no."""
+        return False
+
+    def grammar_tokenizer(self) -> Any:
+        """The tokenizer (ours, `nodes.backends.tokenizer.Tokenizer`) a grammar for its
+        states compiles against, where `takes_grammar`."""
+        raise NotImplementedError
+
     @abstractmethod
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftState:
         """Start drafting for one generation: its `DraftState`."""
@@ -139,6 +152,10 @@ class DraftStateSource(DraftSource):
         self.told = told  # committed tokens the state has been told about
         self.name = name
         self.width = width
+
+    def constrain(self, matcher: Any) -> None:
+        """The state drafts under the generation's grammar (`Drafter.takes_grammar`)."""
+        self.state.constrain(matcher)
 
     def _sync(self, committed: Sequence[int]) -> None:
         if len(committed) > self.told:

@@ -15,8 +15,9 @@ losslessly.
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +25,11 @@ from nodes.backends.base import Backend
 from nodes.drafters.base import Drafter, DraftState, DraftStateSource
 from nodes.engine.sampling import SamplingParams, probs_from_logits, sample
 from nodes.engine.tree import DraftTree
+
+if TYPE_CHECKING:
+    from nodes.engine.grammar import GrammarMatcher
+
+log = logging.getLogger(__name__)
 
 #: children offered per expanded node; 1 drafts a plain chain
 TREE_WIDTH = 3
@@ -43,14 +49,37 @@ class ModelState(DraftState):
         self.tokens: list[int] = [int(t) for t in prompt_ids]
         self.cached: list[int] = []  # ids whose keys/values are in the cache, in order
         self.cache: Any = backend.new_cache()
+        #: the generation's grammar (`constrain`), at the state after every token past
+        #: `constrained_from` (or after those up to where it completed); None: free drafting
+        self.grammar: GrammarMatcher | None = None
+        self.constrained_from = 0
+
+    def constrain(self, matcher: GrammarMatcher) -> None:
+        """Draft only what `matcher` (a fresh one: nothing consumed) allows after the tokens
+        so far: every drafted token comes from the drafter's logits masked by the grammar, as
+        the verifier picks its own (a proposer whose verifier sent the grammar)."""
+        self.grammar, self.constrained_from = matcher, len(self.tokens)
 
     def extend(self, delta: Sequence[int]) -> None:
         self.tokens.extend(int(t) for t in delta)
+        grammar = self.grammar
+        if grammar is None:
+            return
+        try:
+            for t in delta:
+                if grammar.done:
+                    break
+                grammar.advance(int(t))
+        except RuntimeError as exc:  # a commit the grammar refuses: not this grammar's text
+            log.warning("drafting without the grammar from here: %s", exc)
+            self.grammar = None
 
     def truncate(self, length: int) -> None:
         """Roll back to `length` tokens; the cache is cropped to the common prefix lazily, at
         the next `draft`."""
         del self.tokens[max(length, 0) :]
+        if self.grammar is not None:
+            self.grammar.sync(min(self.grammar.consumed, max(length - self.constrained_from, 0)))
 
     def warm(self) -> None:
         """Feed everything but the last token now, so the first `draft` is only decode steps.
@@ -119,12 +148,27 @@ class ModelState(DraftState):
         feed = self.tokens[keep:]
         self.cached = self.tokens[:keep] + feed
         ids: list[int] = []
-        for _ in range(k):
-            tok = choose(self.backend.forward_last(self.cache, feed))
-            ids.append(tok)
-            feed = [tok]
-            if len(ids) < k:
-                self.cached.append(tok)
+        grammar = self.grammar
+        start = grammar.consumed if grammar is not None else 0
+        try:
+            for _ in range(k):
+                row = self.backend.forward_last(self.cache, feed)
+                ended = False
+                if grammar is not None:  # the drafter's own logits under the grammar
+                    ended = grammar.done  # complete: only the end is left to draft
+                    row = grammar.mask_logits(np.array(row, copy=True))
+                tok = choose(row)
+                ids.append(tok)
+                if ended:
+                    break
+                if grammar is not None:
+                    grammar.advance(tok)
+                feed = [tok]
+                if len(ids) < k:
+                    self.cached.append(tok)
+        finally:
+            if grammar is not None:  # the state follows the tokens, not the drafts
+                grammar.sync(start)
         # the last drafted token was never fed: the cache holds self.cached exactly
         return ids
 
@@ -133,6 +177,8 @@ class ModelState(DraftState):
         self.cached = []
 
     def propose(self, budget: int, width: int) -> DraftTree:
+        if self.grammar is not None:  # under a grammar: its chain and runners-up, masked
+            return self.draft_ahead(budget, width)
         if width <= 1 or not self.backend.supports_tree:
             ids, _probs = self.draft(budget)
             return DraftTree.of_chain(ids)
@@ -199,6 +245,15 @@ class ModelDrafter(Drafter):
 
     def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> ModelState:
         return ModelState(self.backend, prompt_ids, params)
+
+    @property
+    def takes_grammar(self) -> bool:
+        """A model drafter masks its own logits with the grammar (`ModelState.constrain`),
+        where its tokenizer is a Hugging Face one (llguidance builds its own from it)."""
+        return getattr(getattr(self.backend, "tokenizer", None), "hf", None) is not None
+
+    def grammar_tokenizer(self) -> Any:
+        return self.backend.tokenizer
 
     def open_source(self, prompt_ids: Sequence[int],
                     params: SamplingParams) -> DraftStateSource:

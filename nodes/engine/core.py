@@ -226,6 +226,11 @@ class Engine:
                 grammar.resume(prompt[len(prompt) - params.resumed:])
             if self.grammar_drafts and draft:
                 slots.append(Slot(GrammarSource(grammar), GrammarSource.name, owned=True))
+            if sources is None and slots and not params.resumed and \
+                    getattr(self.drafter, "takes_grammar", False):
+                # the engine's own model drafter drafts under the grammar too (a copy: its
+                # state follows the commits, the sequence's follows acceptance)
+                slots[0].source.constrain(self.grammars.matcher(params.constraint))
         seq = SequenceState(
             prompt=prompt,
             params=params,

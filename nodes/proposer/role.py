@@ -107,6 +107,7 @@ class ProposerStats:
     #: the proposer's own view of its acceptance, `confirmed / draft_tokens`
     confirmed: int = 0
     cancelled: int = 0  # sessions whose stream the verifier cancelled
+    constrained: int = 0  # sessions drafted under their generation's grammar
     errors: int = 0
     by_verifier: dict[str, int] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)  # admission code -> count
@@ -124,6 +125,7 @@ class ProposerStats:
             "acceptance_cumulative": round(min(1.0, self.confirmed / self.draft_tokens), 4)
             if self.draft_tokens else 0.0,
             "errors": self.errors,
+            "constrained": self.constrained,
             "refused": dict(self.refused),
         }
 
@@ -154,6 +156,7 @@ class ProposerRole:
         self.input_errors = Counters(("input_errors",), is_owner=lambda: True)
         self._stop = threading.Event()
         self._turn = 0  # round robin over sessions that want drafting
+        self._grammars = None  # compiled grammars for sessions that send one (worker thread)
         self._worker = threading.Thread(target=self._run, name="proposer-worker", daemon=True)
 
     # -- wiring -----------------------------------------------------------------------------
@@ -302,6 +305,8 @@ class ProposerRole:
         draft = self.drafter.open(tokens, params)
         if parsed.tokenizer:
             draft.for_tokenizer(parsed.tokenizer)
+        if parsed.grammar is not None and self.drafter.takes_grammar:
+            self._constrain(sid, draft, parsed.grammar)
         draft.warm()  # prefill now, in parallel with the verifier's own prefill
         horizon = DEFAULT_HORIZON if parsed.horizon is None else parsed.horizon
         self._sessions[sid] = _Session(
@@ -312,6 +317,21 @@ class ProposerRole:
         self.stats.sessions_opened += 1
         owner = req.message.sender
         self.stats.by_verifier[owner] = self.stats.by_verifier.get(owner, 0) + 1
+
+    def _constrain(self, sid: str, draft: DraftState, grammar) -> None:
+        """Draft under the session's grammar (compiled here, cached like a verifier's); one
+        that does not compile here leaves the session drafting free (the verifier prunes)."""
+        from nodes.engine.errors import BadRequestError
+        from nodes.engine.grammar import Constraint, Grammars
+
+        if self._grammars is None:
+            self._grammars = Grammars(self.drafter.grammar_tokenizer(), self.vocab_size)
+        try:
+            draft.constrain(self._grammars.matcher(Constraint.from_wire(dict(grammar))))
+        except BadRequestError as exc:
+            log.warning("session %s drafts without its grammar: %s", sid, exc)
+            return
+        self.stats.constrained += 1
 
     def _weigh(self, tokens: int) -> int:
         """Estimated bytes of a session's state at `tokens` tokens (plus what it drafts)."""

@@ -32,7 +32,7 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -125,6 +125,8 @@ class ProposerLink:
     garbage_seen: int = 0  # the client's undecodable replies already counted
     #: verifier layers whose hidden states the proposer reads (its card says; an EAGLE-3 head)
     hidden_layers: tuple[int, ...] | None = None
+    #: it drafts under a generation's grammar when sent one (its card's `extras.grammar`)
+    takes_grammar: bool = False
     #: the draft classes this proposer named so far (at most MAX_CLASSES are taken)
     classes: set[str] = field(default_factory=set, repr=False)
     _rtts: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW),
@@ -207,6 +209,7 @@ class ProposerSource(DraftSource):
         policy: DraftPolicy | None = None,
         is_alive: Callable[[str], bool] = lambda node_id: True,
         forced: bool = False,
+        grammar: Mapping[str, str] | None = None,
     ) -> None:
         self.link = link
         self.client = client
@@ -241,9 +244,11 @@ class ProposerSource(DraftSource):
         self.idle = 0
         self.held: list[int] = []
         self.horizon = self._horizon()
+        # the grammar goes only to a proposer that takes it (the others draft free and are
+        # pruned here): it then drafts what the grammar allows
         opening = SessionOpen(session_id, np.asarray(self.tokens, dtype=np.int32), lease_s,
-                              sampling, tokenizer=fingerprint,
-                              horizon=self.horizon).to_message()
+                              sampling, tokenizer=fingerprint, horizon=self.horizon,
+                              grammar=grammar if link.takes_grammar else None).to_message()
         self.stream = self._send(opening, None)
 
     # -- DraftSource --------------------------------------------------------------------------

@@ -540,6 +540,8 @@ class VerifierRole:
                 fingerprint=self.engine.backend.fingerprint, max_draft=engine.max_draft,
                 lease_s=self.lease_s, policy=self.policy,
                 is_alive=self._is_alive, forced=parsed.force_draft,
+                # a resumed generation's grammar state starts inside its prompt: free drafts
+                grammar=parsed.grammar if not parsed.resumed else None,
             ) for i, link in enumerate(links)]
         return []
 
@@ -579,10 +581,13 @@ class VerifierRole:
                 continue
             link = self.links.get(card.node_id)
             endpoint = card.endpoints.get("stream", "")
-            if link is None or link.endpoint != endpoint or link.hidden_layers != hidden:
+            grammar = card.extras.get("grammar") is True
+            if link is None or link.endpoint != endpoint or link.hidden_layers != hidden or \
+                    link.takes_grammar != grammar:
                 if link is not None:
                     link.close()
-                link = ProposerLink(card.node_id, endpoint, card.name, hidden_layers=hidden)
+                link = ProposerLink(card.node_id, endpoint, card.name, hidden_layers=hidden,
+                                    takes_grammar=grammar)
                 self.links[card.node_id] = link
             out.append(link)
         return out

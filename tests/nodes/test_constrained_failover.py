@@ -178,3 +178,37 @@ def test_a_verifier_killed_mid_generation_resumes_inside_the_grammar(cluster, cl
     assert result.stats["token_ids"] == tokens
     assert result.text == "".join(pieces) == text
     check(result.text)
+
+
+@pytest.mark.slow
+def test_a_proposer_that_takes_the_grammar_drafts_inside_it(cluster, client, reference):
+    """The shared int8 proposer says on its card that it takes a grammar; a constrained
+    request forced onto it sends the grammar with the session, the proposer drafts from its
+    logits masked by it, and the output is still constrained plain decoding's."""
+    from nodes.telemetry import stats_topic
+    from tests.polling import wait_until
+    from tools.monitor_view import ClusterView
+
+    ids, tokens, text = reference
+    members = client.wait_for(lambda ms: any(m.card.name == "int8" for m in ms), 60)
+    int8 = next(m for m in members if m.card.name == "int8")
+    assert int8.card.extras.get("grammar") is True
+    ngram = next((m for m in members if m.card.name == "ngram"), None)
+    assert ngram is None or "grammar" not in ngram.card.extras  # no tokenizer: drafts free
+    view = ClusterView()
+    client.node.register_gossip("stats", lambda topic, msg: view.on_stats(msg.sender,
+                                                                         msg["stats"]))
+    client.node.gossip.subscribe(stats_topic(cluster.cluster))
+
+    def constrained() -> int:
+        ns = view.stats(int8.node_id)
+        return 0 if ns is None else ns.latest.get("proposer", {}).get("constrained", 0)
+
+    assert wait_until(lambda: view.stats(int8.node_id) is not None, 30)
+    before = constrained()
+    result = client.generate(_request(ids, proposers=[int8.node_id], force_draft=True))
+    assert result.stats["token_ids"] == tokens and result.text == text
+    check(result.text)
+    drafts = result.stats["proposers"][int8.node_id]
+    assert drafts["drafted"] > 0
+    assert wait_until(lambda: constrained() > before, 30)  # its session took the grammar
