@@ -25,10 +25,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from nodes.engine import settle
 from nodes.engine.errors import BadRequestError
 from nodes.engine.grammar import Grammars, GrammarSource
 from nodes.engine.planner import DraftPlanner, Verified
@@ -38,7 +40,7 @@ from nodes.engine.sampling import (
     accept_tree_masked,
 )
 from nodes.engine.scheduler import BATCHED_PROMPT_ROWS, Fill, Scheduler, StepPlan
-from nodes.engine.settle import Settler, noise, row_rules
+from nodes.engine.settle import Settler, needs_full_mask, noise, row_rules
 from nodes.engine.sources import DraftSource, SourceOpener
 from nodes.engine.state import (
     Block,
@@ -297,12 +299,17 @@ class Engine:
             trees = [self._plan(seq, plan.sharing) for seq in decoding]
             if plan.together:
                 self.planner.fit_to_batch(decoding, trees, plan.prompt_rows, plan.new)
-            bases, logits, dt = self._forward(seqs, plan, trees)
+            ahead = self._masks_ahead(decoding)  # filled while the forward runs
+            try:
+                bases, logits, dt = self._forward(seqs, plan, trees)
+            finally:  # the matchers are the compute thread's again once their masks are in
+                root_bits = _masks(decoding, ahead)
             self.planner.observe_forward(trees, dt, together=plan.together,
                                          prompt_rows=plan.prompt_rows)
             for seq, i, tree, base, rows in zip(decoding, plan.decode, trees, bases,
                                                 logits[:len(trees)], strict=True):
-                blocks[i] = self._verified(seq, tree, base, rows, dt, alone=plan.solo)
+                blocks[i] = self._verified(seq, tree, base, rows, dt, alone=plan.solo,
+                                           root_bits=root_bits.get(id(seq)))
             for fill, rows in zip(plan.fills, logits[len(trees):], strict=True):
                 blocks[fill.index] = self._prefilled(seqs[fill.index], fill, rows[-1], dt)
         return [blocks[i] for i in range(len(seqs))]
@@ -369,16 +376,26 @@ class Engine:
         """The sequence's draft tree for this step (`DraftPlanner.plan`)."""
         return self.planner.plan(seq, sharing)
 
+    def _masks_ahead(self, decoding: Sequence[SequenceState]) -> Future | None:
+        """Start filling, on the grammar's mask thread, the root-row masks the step's accept
+        will need (`settle.needs_full_mask`), all in one call (`Grammars.fill_ahead`); None
+        when none does. The matchers are that thread's until the future is done."""
+        if not settle.BATCH_MASKS or self._grammars is None:
+            return None
+        need = [seq.grammar for seq in decoding if needs_full_mask(seq)]
+        return self._grammars.fill_ahead(need) if need else None
+
     def _verified(self, seq: SequenceState, tree: TokenTree, base: int, logits: np.ndarray,
-                  dt: float, *, alone: bool) -> Block:
+                  dt: float, *, alone: bool, root_bits: np.ndarray | None = None) -> Block:
         """Accept the deepest path of `tree` the verifier's `logits` prove, tell the planner
-        (before the tokens are committed) and settle. `alone`: the forward was this tree's."""
-        path, nxt, logits = self._accept(seq, tree, logits)
+        (before the tokens are committed) and settle. `alone`: the forward was this tree's;
+        `root_bits`: the root row's grammar mask, filled ahead (`_masks_ahead`)."""
+        path, nxt, logits = self._accept(seq, tree, logits, root_bits)
         self.planner.observe(seq, Verified(tree, path, dt, alone))
         return self.settler.verified(seq, tree, path, nxt, base, logits, dt)
 
-    def _accept(self, seq: SequenceState, tree: TokenTree, logits: np.ndarray
-                ) -> tuple[list[int], int, np.ndarray]:
+    def _accept(self, seq: SequenceState, tree: TokenTree, logits: np.ndarray,
+                root_bits: np.ndarray | None = None) -> tuple[list[int], int, np.ndarray]:
         """The deepest path of `tree` the verifier's `logits` prove (tree indices), the
         token after it (the correction, or a bonus) and the logits it was chosen from: greedy,
         or keyed by the sequence's noise (`sampling.accept_tree_keyed`: the text never depends
@@ -389,7 +406,7 @@ class Engine:
         at = len(seq.prompt) + len(seq.generated)  # the position node 0's row predicts
         vocab = self.backend.vocab_size
         noise_at = lambda depth: noise(seq, at + depth, vocab)  # noqa: E731
-        rules = row_rules(seq)  # logit controls and/or a grammar: row by row along the walk
+        rules = row_rules(seq, root_bits)  # logit controls, a grammar: row by row on the walk
         if rules is not None:
             if not logits.flags.writeable:
                 logits = logits.copy()
@@ -408,6 +425,15 @@ class Engine:
         if bad:
             raise BadRequestError(f"prompt token id {bad[0]} outside vocabulary")
         return prompt
+
+def _masks(decoding: Sequence[SequenceState], ahead: Future | None) -> dict[int, np.ndarray]:
+    """The root masks `Engine._masks_ahead` filled, by sequence (waited for)."""
+    if ahead is None:
+        return {}
+    bits = ahead.result()
+    need = [seq for seq in decoding if needs_full_mask(seq)]
+    return {id(seq): bits[i] for i, seq in enumerate(need)}
+
 
 def _check_batch(seqs: Sequence[SequenceState]) -> None:
     if any(seq.finish_reason is not None for seq in seqs):

@@ -161,6 +161,8 @@ class Grammars:
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
         self._running: dict[Constraint, Future] = {}  # compiles under way
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._masks: ThreadPoolExecutor | None = None  # `fill_ahead`'s thread, made at need
+        self._executor: Any = None
         #: (compiles, cache hits, seconds compiling): for the record
         self.compiles = 0
         self.hits = 0
@@ -239,6 +241,21 @@ class Grammars:
     def _too_slow(self, c: Constraint) -> BadRequestError:
         return BadRequestError(f"{c.kind} took longer than {self.timeout_s:g} s to compile",
                                "grammar")
+
+    def fill_ahead(self, matchers: Sequence[GrammarMatcher]) -> Future:
+        """Fill the next-token masks of `matchers` (their present states) on the mask thread,
+        all in one llguidance call (`fill_batch`, the GIL released), and return at once: a
+        future of the packed masks, one row each in order. The caller hands the matchers over
+        until the future is done (it reads nor moves none of them meanwhile: the verifier's
+        forward) and takes them back by waiting on it; the rows are a snapshot, its own."""
+        with self._lock:
+            if self._masks is None:
+                import llguidance as llg
+
+                self._executor = llg.LLExecutor(1)  # the verifier's one core: no fan-out
+                self._masks = ThreadPoolExecutor(max_workers=1,
+                                                 thread_name_prefix="grammar-masks")
+        return self._masks.submit(fill_batch, list(matchers), self._executor)
 
     def matcher(self, c: Constraint) -> GrammarMatcher:
         """A fresh per-sequence matcher for `c`, at the start of the generation."""
@@ -345,12 +362,16 @@ class GrammarMatcher:
         return bool(self.ll.is_stopped())
 
     # ---- questions -------------------------------------------------------------------------------
-    def allowed(self) -> np.ndarray:
+    def allowed(self, bits: np.ndarray | None = None) -> np.ndarray:
         """Bool row over the vocabulary: the tokens the grammar allows next (EOS where the
-        grammar is complete; every EOS id of the sequence counts as EOS)."""
+        grammar is complete; every EOS id of the sequence counts as EOS). `bits`: llguidance's
+        packed mask of the present state, filled already (`Grammars.fill_ahead`)."""
         t0 = time.perf_counter()
-        self.ll.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        row = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab]
+        if bits is None:
+            self.ll.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+            bits = self._bits
+        row = np.unpackbits(np.ascontiguousarray(bits).view(np.uint8),
+                            bitorder="little")[: self.vocab]
         row = row.astype(bool)
         if self.eos and (self.ll.is_accepting() or self.ll.is_stopped()):
             row[list(self.eos)] = True
@@ -360,7 +381,8 @@ class GrammarMatcher:
         self.seconds += time.perf_counter() - t0
         return row
 
-    def mask_logits(self, row: np.ndarray, *, argmax_only: bool = False) -> np.ndarray:
+    def mask_logits(self, row: np.ndarray, *, argmax_only: bool = False,
+                    bits: np.ndarray | None = None) -> np.ndarray:
         """`row` (one position's logits) with the tokens the grammar forbids at -inf, in place
         where it can be written.
 
@@ -371,8 +393,8 @@ class GrammarMatcher:
         where it is forbidden, the next largest (that one at -inf), up to `ARGMAX_TRIES` (the
         state's first question costs llguidance ~40 µs, the next ones ~1: the model's second
         or third favourite is usually what the grammar takes); the full mask only past
-        them."""
-        if argmax_only:
+        them. `bits`: the present state's packed mask, filled already (`allowed`)."""
+        if argmax_only and bits is None:
             t0 = time.perf_counter()
             for _ in range(ARGMAX_TRIES):
                 top = int(np.argmax(row))
@@ -383,7 +405,7 @@ class GrammarMatcher:
                     row = row.copy()
                 row[top] = -np.inf  # (forbidden: the masked row has it at -inf too)
             self.seconds += time.perf_counter() - t0
-        allowed = self.allowed()
+        allowed = self.allowed(bits)
         vocab = min(len(row), self.vocab)
         if not row.flags.writeable:
             row = row.copy()
@@ -465,6 +487,24 @@ class GrammarMatcher:
                 self._tail = (self.consumed + len(head), tail)
         self.seconds += time.perf_counter() - t0
         return [p[:limit] for p in paths]
+
+
+def fill_batch(matchers: Sequence[GrammarMatcher], executor: Any) -> np.ndarray:
+    """The packed next-token masks of `matchers` (one row each, llguidance's bitmask: bit t of
+    a row set where token t is allowed), filled in one call on `executor` (`LLExecutor`, Rust
+    threads, the GIL released): the bits `GrammarMatcher.allowed` fills one by one."""
+    import llguidance.numpy as lln
+
+    t0 = time.perf_counter()
+    words = (matchers[0].vocab + 31) // 32 if matchers else 1
+    bits = np.full((len(matchers), words), -1, dtype=np.int32)
+    if matchers:
+        lln.fill_next_token_bitmask_par(executor, [(m.ll, i) for i, m in enumerate(matchers)],
+                                        bits)
+    share = (time.perf_counter() - t0) / max(1, len(matchers))
+    for m in matchers:  # (for the record; the caller reads no matcher until this is done)
+        m.seconds += share
+    return bits
 
 
 #: the longest token (in bytes) a forced tail is split into; splits enumerated at most

@@ -44,10 +44,27 @@ def history(seq: SequenceState) -> History:
     return seq.history
 
 
-def row_rules(seq: SequenceState) -> tuple[Any, Any] | None:
+#: fill the root rows' full masks of a step's constrained sequences in one batched call while
+#: the forward runs (`Engine.step_batch`, `Grammars.fill_ahead`); off: each row its own fill
+#: after the forward (docs/engine/constraints.md, "Where the time goes in a constrained batch")
+BATCH_MASKS = True
+
+
+def needs_full_mask(seq: SequenceState) -> bool:
+    """Whether the step will fill `seq`'s full grammar mask at its root row (the committed
+    state, known before the forward): a constrained row that samples or reports log
+    probabilities; a greedy row without them checks its favourites first (`mask_logits`)."""
+    return (seq.grammar is not None
+            and not (seq.params.sampling.greedy and seq.params.logprobs is None))
+
+
+def row_rules(seq: SequenceState, root_bits: np.ndarray | None = None
+              ) -> tuple[Any, Any] | None:
     """(mask, advance) for a walk from the committed state: `mask(row)` is the row under the
     logit controls (`adjust_logits`, with the history along the walk so far) and the grammar,
-    `advance(token)` moves both on by the token chosen. None when neither applies."""
+    `advance(token)` moves both on by the token chosen. None when neither applies.
+    `root_bits`: the grammar's packed mask of the committed state, filled ahead
+    (`Grammars.fill_ahead`): the walk's first row (the root) takes it instead of a fill."""
     sp = seq.params.sampling
     adjusts, grammar = sp.adjusts_logits, seq.grammar
     if not adjusts and grammar is None:
@@ -56,12 +73,14 @@ def row_rules(seq: SequenceState) -> tuple[Any, Any] | None:
     # greedy without log probabilities reads only the row's argmax: the grammar checks that
     # one token and masks the whole row only when it is forbidden (`mask_logits`)
     argmax_only = sp.greedy and seq.params.logprobs is None
+    ahead = [root_bits] if root_bits is not None and grammar is not None else []
 
     def mask(row: np.ndarray) -> np.ndarray:
         if walk is not None:
             row = adjust_logits(row, sp, walk)
         if grammar is not None:
-            row = grammar.mask_logits(row, argmax_only=argmax_only)
+            bits = ahead.pop() if ahead else None  # the root's, then each row its own
+            row = grammar.mask_logits(row, argmax_only=argmax_only, bits=bits)
         return row
 
     def advance(token: int) -> None:
