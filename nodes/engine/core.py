@@ -32,7 +32,7 @@ import numpy as np
 
 from nodes.engine import settle
 from nodes.engine.errors import BadRequestError
-from nodes.engine.grammar import Grammars, GrammarSource
+from nodes.engine.grammar import GrammarMatcher, Grammars, GrammarSource
 from nodes.engine.planner import DraftPlanner, Verified
 from nodes.engine.sampling import (
     accept_tree_greedy,
@@ -199,40 +199,14 @@ class Engine:
         unless `draft` is False: plain decoding, no drafts at all (a request's `speculate:
         false`, the baseline speculation is measured against)."""
         prompt = self._check_prompt(prompt_ids)
-        params.validate()
-        if params.resumed >= len(prompt):
-            raise BadRequestError(f"resumed: {params.resumed} generated tokens leave no prompt "
-                                  f"of the {len(prompt)} given", "resumed")
-        vocab = self.backend.vocab_size
-        for t, _ in params.sampling.logit_bias or ():
-            if t >= vocab:
-                raise BadRequestError(f"logit_bias: token id {t} outside the vocabulary "
-                                      f"({vocab})", "logit_bias")
-        params = params.seeded()
+        params = self._checked(params, len(prompt))
         sp = params.sampling
         eos = (
             self.backend.tokenizer.eos_token_ids
             if params.eos_token_ids is None
             else frozenset(params.eos_token_ids)
         )
-        if sources is not None:
-            slots = [Slot(s, s.name, owned=False) for s in sources]
-        elif self.drafter is not None:
-            slots = [Slot(self.drafter.open_source(prompt, sp), self.drafter.name, owned=True)]
-        else:
-            slots = []
-        grammar = None
-        if params.constraint is not None:
-            grammar = self.grammars.matcher(params.constraint)
-            if params.resumed:  # a failover's resume: the grammar state after what it had
-                grammar.resume(prompt[len(prompt) - params.resumed:])
-            if self.grammar_drafts and draft:
-                slots.append(Slot(GrammarSource(grammar), GrammarSource.name, owned=True))
-            if sources is None and slots and not params.resumed and \
-                    getattr(self.drafter, "takes_grammar", False):
-                # the engine's own model drafter drafts under the grammar too (a copy: its
-                # state follows the commits, the sequence's follows acceptance)
-                slots[0].source.constrain(self.grammars.matcher(params.constraint))
+        slots, grammar = self._slots(prompt, params, sources, draft)
         seq = SequenceState(
             prompt=prompt,
             params=params,
@@ -246,6 +220,45 @@ class Engine:
         )
         self._capture_for(seq)
         return seq
+
+    def _checked(self, params: GenerationParams, prompt_len: int) -> GenerationParams:
+        """`params` validated against this engine (a `resumed` that leaves a prompt, biases
+        inside the vocabulary), seeded: the sequence's noise key."""
+        params.validate()
+        if params.resumed >= prompt_len:
+            raise BadRequestError(f"resumed: {params.resumed} generated tokens leave no prompt "
+                                  f"of the {prompt_len} given", "resumed")
+        vocab = self.backend.vocab_size
+        for t, _ in params.sampling.logit_bias or ():
+            if t >= vocab:
+                raise BadRequestError(f"logit_bias: token id {t} outside the vocabulary "
+                                      f"({vocab})", "logit_bias")
+        return params.seeded()
+
+    def _slots(self, prompt: list[int], params: GenerationParams,
+               sources: Sequence[DraftSource] | None, draft: bool
+               ) -> tuple[list[Slot], GrammarMatcher | None]:
+        """The sequence's draft sources (`start`) and, constrained, its grammar matcher."""
+        if sources is not None:
+            slots = [Slot(s, s.name, owned=False) for s in sources]
+        elif self.drafter is not None:
+            slots = [Slot(self.drafter.open_source(prompt, params.sampling), self.drafter.name,
+                          owned=True)]
+        else:
+            slots = []
+        if params.constraint is None:
+            return slots, None
+        grammar = self.grammars.matcher(params.constraint)
+        if params.resumed:  # a failover's resume: the grammar state after what it had
+            grammar.resume(prompt[len(prompt) - params.resumed:])
+        if self.grammar_drafts and draft:
+            slots.append(Slot(GrammarSource(grammar), GrammarSource.name, owned=True))
+        if sources is None and not params.resumed and \
+                getattr(self.drafter, "takes_grammar", False):  # (a Drafter's, not any opener's)
+            # the engine's own model drafter drafts under the grammar too (a copy: its state
+            # follows the commits, the sequence's follows acceptance)
+            slots[0].source.constrain(self.grammars.matcher(params.constraint))
+        return slots, grammar
 
     def release(self, seq: SequenceState, *, keep: bool = True) -> None:
         """The sequence is done (finished, cancelled or failed): close its sources and, with
