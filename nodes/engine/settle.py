@@ -45,9 +45,20 @@ def history(seq: SequenceState) -> History:
 
 
 #: fill the root rows' full masks of a step's constrained sequences in one batched call while
-#: the forward runs (`Engine.step_batch`, `Grammars.fill_ahead`); off: each row its own fill
-#: after the forward (docs/engine/constraints.md, "Where the time goes in a constrained batch")
-BATCH_MASKS = True
+#: the forward runs (`Engine.step_batch`, `Grammars.fill_ahead`); False: each row its own fill
+#: after the forward; None: only where the forward runs off the CPU (`batch_masks`). On a
+#: CPU verifier (one core, one torch thread) the fill would share the forward's core and it
+#: measured no gain (docs/engine/constraints.md, "Where the time goes in a constrained batch")
+BATCH_MASKS: bool | None = None
+
+
+def batch_masks(backend: Any) -> bool:
+    """Whether a step on `backend` fills its root masks ahead, beside the forward
+    (`BATCH_MASKS`; None: where the backend's forward runs on an accelerator, the CPU idle)."""
+    if BATCH_MASKS is not None:
+        return BATCH_MASKS
+    device = str(getattr(backend, "device", "cpu"))
+    return not device.startswith("cpu")
 
 
 def needs_full_mask(seq: SequenceState) -> bool:
