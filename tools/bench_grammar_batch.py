@@ -18,7 +18,7 @@ Each part of the step is timed by wrapping it:
 
 Decode steps only (a step feeding prompt rows is left out), per generated token and as a share
 of the step, the least disturbed of `--rounds`. `--batch-masks off|on` chooses the path
-(`nodes.engine.settle.BATCH_MASKS`; default: the engine's own choice), `--compare` runs both,
+(`nodes.engine.settle.BATCH_MASKS`; default: the engine's, off), `--compare` runs both,
 interleaved; every run's tokens must equal the first's (greedy and sampled apart), else exit 1.
 
     .venv/bin/python -m tools.bench_grammar_batch [--max-tokens 96] [--rounds 2] [--compare]
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     T.wrap(core_mod.Engine, "_accept", "accept")
     T.wrap(core_mod.Engine, "step_batch", "step")
     modes = ["off", "on"] if args.compare else [
-        args.batch_masks or ("on" if settle_mod.batch_masks(backend) else "off")]
+        args.batch_masks or ("on" if settle_mod.BATCH_MASKS else "off")]
     engines = {"plain": Engine(backend, None, grammar_drafts=False),
                "grammar+ngram": Engine(backend, NgramDrafter())}
 

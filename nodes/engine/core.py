@@ -393,7 +393,7 @@ class Engine:
         """Start filling, on the grammar's mask thread, the root-row masks the step's accept
         will need (`settle.needs_full_mask`), all in one call (`Grammars.fill_ahead`); None
         when none does. The matchers are that thread's until the future is done."""
-        if self._grammars is None or not settle.batch_masks(self.backend):
+        if not settle.BATCH_MASKS or self._grammars is None:
             return None
         need = [seq.grammar for seq in decoding if needs_full_mask(seq)]
         return self._grammars.fill_ahead(need) if need else None

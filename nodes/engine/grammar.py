@@ -244,7 +244,7 @@ class Grammars:
 
     def fill_ahead(self, matchers: Sequence[GrammarMatcher]) -> Future:
         """Fill the next-token masks of `matchers` (their present states) on the mask thread,
-        all in one llguidance call (`fill_batch`, the GIL released), and return at once: a
+        all in one llguidance call (`fill_batch`), and return at once: a
         future of the packed masks, one row each in order. The caller hands the matchers over
         until the future is done (it reads nor moves none of them meanwhile: the verifier's
         forward) and takes them back by waiting on it; the rows are a snapshot, its own."""
@@ -492,7 +492,7 @@ class GrammarMatcher:
 def fill_batch(matchers: Sequence[GrammarMatcher], executor: Any) -> np.ndarray:
     """The packed next-token masks of `matchers` (one row each, llguidance's bitmask: bit t of
     a row set where token t is allowed), filled in one call on `executor` (`LLExecutor`, Rust
-    threads, the GIL released): the bits `GrammarMatcher.allowed` fills one by one."""
+    threads): the bits `GrammarMatcher.allowed` fills one by one."""
     import llguidance.numpy as lln
 
     t0 = time.perf_counter()

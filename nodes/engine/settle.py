@@ -45,20 +45,11 @@ def history(seq: SequenceState) -> History:
 
 
 #: fill the root rows' full masks of a step's constrained sequences in one batched call while
-#: the forward runs (`Engine.step_batch`, `Grammars.fill_ahead`); False: each row its own fill
-#: after the forward; None: only where the forward runs off the CPU (`batch_masks`). On a
-#: CPU verifier (one core, one torch thread) the fill would share the forward's core and it
-#: measured no gain (docs/engine/constraints.md, "Where the time goes in a constrained batch")
-BATCH_MASKS: bool | None = None
-
-
-def batch_masks(backend: Any) -> bool:
-    """Whether a step on `backend` fills its root masks ahead, beside the forward
-    (`BATCH_MASKS`; None: where the backend's forward runs on an accelerator, the CPU idle)."""
-    if BATCH_MASKS is not None:
-        return BATCH_MASKS
-    device = str(getattr(backend, "device", "cpu"))
-    return not device.startswith("cpu")
+#: the forward runs (`Engine.step_batch`, `Grammars.fill_ahead`) instead of each row its own
+#: fill after it. Off: on this CPU verifier it measured no gain pinned to one core and a slower
+#: forward on two (docs/engine/constraints.md, "Where the time goes in a constrained batch");
+#: kept, tested, for a verifier whose forward leaves the CPU idle, where it is unmeasured
+BATCH_MASKS = False
 
 
 def needs_full_mask(seq: SequenceState) -> bool:
