@@ -22,6 +22,7 @@ of the step, the least disturbed of `--rounds`. `--batch-masks off|on` chooses t
 interleaved; every run's tokens must equal the first's (greedy and sampled apart), else exit 1.
 
     .venv/bin/python -m tools.bench_grammar_batch [--max-tokens 96] [--rounds 2] [--compare]
+    .venv/bin/python -m tools.bench_grammar_batch --cpus 0,1 --gil-probe
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-masks", choices=["off", "on"], default=None)
     ap.add_argument("--cpus", default="0",
                     help="cores the process may run on (the verifier's: one, core 0)")
+    ap.add_argument("--gil-probe", action="store_true",
+                    help="only: whether the batched fill releases the GIL, and its latency "
+                         "beside a busy Python thread")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -86,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     backend = TorchBackend.load(None, device="cpu", weights=args.weights)
     reqs = [r for r in _requests(backend.tokenizer, False, agent=False)][: args.batch]
+    if args.gil_probe:
+        return _gil_probe(backend, reqs)
     T = Timer()
     T.wrap(backend, "forward_batch", "forward")
     GM = grammar_mod.GrammarMatcher
@@ -187,6 +193,55 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 1 if results.get("mismatch") else 0
+
+
+def _gil_probe(backend: Any, reqs: list[dict[str, Any]]) -> int:
+    """A Python thread counting as fast as it can, alone, then beside one second of repeated
+    batched fills (`grammar.fill_batch`) and of per-row fills of the same matchers (their
+    start states: llguidance's cached masks after the first): the counter's rate says whether
+    the call holds the GIL, the calls a second their latency under that contention."""
+    import threading
+
+    import llguidance
+
+    from nodes.engine.grammar import Grammars, fill_batch
+
+    g = Grammars(backend.tokenizer, backend.vocab_size)
+    ms = [g.matcher(r["constraint"]) for r in reqs]
+    ex = llguidance.LLExecutor(1)
+    count, stop = [0], [False]
+
+    def spin() -> None:
+        while not stop[0]:
+            count[0] += 1
+
+    def rate(f) -> tuple[int, int]:
+        c0, t, n = count[0], time.perf_counter(), 0
+        while time.perf_counter() - t < 1.0:
+            f()
+            n += 1
+        return count[0] - c0, n
+
+    def per_row() -> None:
+        for m in ms:
+            m.ll.unsafe_compute_mask_ptr(m._bits.ctypes.data, m._bits.nbytes)
+
+    alone = [rate(lambda: fill_batch(ms, ex))[1], rate(per_row)[1]]
+    th = threading.Thread(target=spin, daemon=True)
+    th.start()
+    c0 = count[0]
+    time.sleep(1.0)
+    base = count[0] - c0
+    batch = rate(lambda: fill_batch(ms, ex))
+    rows = rate(per_row)
+    stop[0] = True
+    th.join()
+    print(f"alone: {1e3 / alone[0]:.3f} ms a batched fill of {len(ms)}, "
+          f"{1e3 / alone[1]:.3f} ms for {len(ms)} per-row fills")
+    print(f"beside a busy thread: counter {base}/s alone, {batch[0]}/s during batched fills "
+          f"({1e3 / batch[1]:.3f} ms each), {rows[0]}/s during per-row fills "
+          f"({1e3 / rows[1]:.3f} ms for {len(ms)}); load average {os.getloadavg()}")
+    return 0
 
 
 def _print(results: dict[str, Any]) -> None:
