@@ -324,12 +324,16 @@ class ProposerRole:
         from nodes.engine.errors import BadRequestError
         from nodes.engine.grammar import Constraint, Grammars
 
-        if self._grammars is None:
-            self._grammars = Grammars(self.drafter.grammar_tokenizer(), self.vocab_size)
         try:
+            if self._grammars is None:
+                self._grammars = Grammars(self.drafter.grammar_tokenizer(), self.vocab_size)
             draft.constrain(self._grammars.matcher(Constraint.from_wire(dict(grammar))))
         except BadRequestError as exc:
             log.warning("session %s drafts without its grammar: %s", sid, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - llguidance cannot take this tokenizer, say
+            log.warning("session %s drafts without its grammar: %s: %s", sid,
+                        type(exc).__name__, exc)
             return
         self.stats.constrained += 1
 
