@@ -190,11 +190,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-agent", action="store_true",
                         help="leave out the agent trace with its tool schema")
     parser.add_argument("--gateway", action="store_true",
-                        help="also through the gateway: a verifier, an ngram proposer and a "
-                             "gateway as processes, the openai client, plain vs speculative "
+                        help="also through the gateway: a verifier, proposers (--proposers) "
+                             "and a gateway as processes, the openai client, plain vs speculative "
                              "(tools/bench_structured_gateway.py)")
     parser.add_argument("--gateway-only", action="store_true",
                         help="only the gateway's figures (no in-process rows)")
+    parser.add_argument("--proposers", default="ngram", metavar="DRAFTER[,DRAFTER...]",
+                        help="--gateway: one proposer process per drafter (default: ngram; "
+                             "a model drafter such as int8 takes the grammar)")
     parser.add_argument("--compiles", type=int, default=20,
                         help="fresh compiles per constraint for the compile-time figures")
     parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
