@@ -262,8 +262,8 @@ def return_freed_memory() -> None:
 
 
 def _bound_kv(backend: Any, sink: int | None, window: int | None) -> None:
-    """Apply `--kv-sink/--kv-window` to a verifier's backend (a clear error where it has no
-    bounded mode: MLX today)."""
+    """Apply `--kv-sink/--kv-window` to a verifier's backend (a clear error from a backend
+    without a bounded mode; torch and MLX have one)."""
     if sink is None and window is None:
         return
     from nodes.engine.errors import BadRequestError

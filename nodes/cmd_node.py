@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-draft", type=int, default=16,
                         help="longest draft block a verifier asks for (default 16)")
     parser.add_argument("--kv-sink", type=int, default=None, metavar="S",
-                        help="a torch verifier's bounded K/V: every full-attention layer "
+                        help="a verifier's bounded K/V (torch or MLX): every full-attention layer "
                              "attends to the first S positions and the last --kv-window W, "
                              "and keeps only those (memory constant past S + W); both or "
                              "neither; speculation identical to plain decoding under the bound")
