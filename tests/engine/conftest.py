@@ -338,3 +338,39 @@ def greedy_agreement(verifier, drafters, prompts=AGREEMENT_PROMPTS, new_tokens: 
             total += len(sequence) - start
         shares.append(hits / total)
     return shares
+
+
+def kv_bytes_after(b, positions):
+    """(K/V bytes, cache) of a fresh cache of backend `b` after `positions` positions: the
+    prompt in chunks, then 8 decode steps each with a rejected draft (a verify of 3, a crop of
+    2), as a bounded cache meets them; the backend's last reported bytes agree."""
+    cache = b.new_cache()
+    rng = np.random.default_rng(0)
+    ids = rng.integers(100, 1000, positions).tolist()
+    for start in range(0, positions - 8, 256):
+        b.forward_last(cache, ids[start:min(start + 256, positions - 8)])
+    for t in ids[positions - 8:]:  # decode steps with a rejected draft each
+        b.forward(cache, [t, 5, 6])
+        b.crop(cache, b.cache_length(cache) - 2)
+    assert b.cache_length(cache) == positions and b.last_kv_bytes == b.kv_bytes(cache)
+    return b.kv_bytes(cache), cache
+
+
+def check_overlay_commits(b, freed) -> None:
+    """A bounded backend `b`'s resident K/V is sinks + window rows, and a verify's fed rows
+    live in a transient overlay the crop commits (accepted rows) and frees (`freed(cache)`:
+    the backend's own view of that); a rollback of one position is held, one past the band
+    refused."""
+    cache = b.new_cache()
+    b.forward_last(cache, list(range(100, 300)))
+    b.crop(cache, 200)
+    resident = b.kv_bytes(cache)
+    b.forward(cache, [7, 8, 9, 10])  # a verify of 4 rows: the overlay exists until the crop
+    assert b.cache_length(cache) == 204 and b.kv_bytes(cache) > resident
+    b.crop(cache, 202)  # two accepted
+    assert b.cache_length(cache) == 202 and b.kv_bytes(cache) == resident
+    assert freed(cache)
+    b.crop(cache, 201)  # one position back: its band is still held
+    assert b.cache_length(cache) == 201
+    with pytest.raises(ValueError, match="roll back"):
+        b.crop(cache, 190)

@@ -6,14 +6,19 @@ same bound; the K/V bytes are the same at 1,000 and 4,000 positions; bad bounds 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from nodes.backends.torch_backend import TorchBackend, check_kv_bound
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.errors import BadRequestError
-from tests.engine.conftest import DecoyTree, step_together, stream_checked
+from tests.engine.conftest import (
+    DecoyTree,
+    check_overlay_commits,
+    kv_bytes_after,
+    step_together,
+    stream_checked,
+)
 from tests.engine.test_hybrid_cache import EOS_NONE, build_family
 
 SINK, WINDOW = 4, 16
@@ -133,22 +138,9 @@ def test_resume_from_committed_tokens_equals_plain(bounded, prompts, plain):
     assert resumed == plain[0][cut:]
 
 
-def _bytes_after(b, positions):
-    cache = b.new_cache()
-    rng = np.random.default_rng(0)
-    ids = rng.integers(100, 1000, positions).tolist()
-    for start in range(0, positions - 8, 256):
-        b.forward_last(cache, ids[start:min(start + 256, positions - 8)])
-    for t in ids[positions - 8:]:  # decode steps with a rejected draft each
-        b.forward(cache, [t, 5, 6])
-        b.crop(cache, b.cache_length(cache) - 2)
-    assert b.cache_length(cache) == positions
-    return b.kv_bytes(cache)
-
-
 def test_kv_bytes_are_constant_past_the_bound(bounded):
     name, b = bounded
-    at_1k, at_4k = _bytes_after(b, 1000), _bytes_after(b, 4000)
+    at_1k, at_4k = kv_bytes_after(b, 1000)[0], kv_bytes_after(b, 4000)[0]
     assert at_1k == at_4k
     if name == "gemma3":  # two sliding layers (window 8) trimmed too, one full layer bounded
         per_layer = 2 * 2 * 16 * 4
@@ -181,26 +173,15 @@ def test_the_overlay_holds_only_a_forwards_rows_and_commits_what_stays(bounded):
     name, b = bounded
     if name == "gemma3":
         return  # the layer mix is covered by the bytes test above
-    cache = b.new_cache()
-    b.forward_last(cache, list(range(100, 300)))
-    b.crop(cache, 200)
-    resident = b.kv_bytes(cache)
-    b.forward(cache, [7, 8, 9, 10])  # a verify of 4 rows: the overlay exists until the crop
-    assert b.cache_length(cache) == 204 and b.kv_bytes(cache) > resident
-    b.crop(cache, 202)  # two accepted
-    assert b.cache_length(cache) == 202 and b.kv_bytes(cache) == resident
-    layer = cache.layers[0]
-    assert layer._work_k is None and layer.get_seq_length() == 202
-    b.crop(cache, 201)  # one position back: its band is still held
-    with pytest.raises(ValueError, match="roll back"):
-        b.crop(cache, 190)
+    check_overlay_commits(b, lambda cache: cache.layers[0]._work_k is None
+                          and cache.layers[0].get_seq_length() == 202)
 
 
 def test_kv_bytes_are_the_same_at_16k(bounded):
     name, b = bounded
     if name != "lean":
         return
-    assert _bytes_after(b, 16000) == _bytes_after(b, 1000)
+    assert kv_bytes_after(b, 16000)[0] == kv_bytes_after(b, 1000)[0]
 
 
 def test_a_next_turn_starts_from_the_last_ones_bounded_kv(bounded, prompts, plain):

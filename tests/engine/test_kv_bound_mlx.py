@@ -16,7 +16,7 @@ import pytest
 
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.errors import BadRequestError
-from tests.engine.conftest import stream_checked
+from tests.engine.conftest import check_overlay_commits, kv_bytes_after, stream_checked
 from tests.engine.test_hybrid_cache import EOS_NONE, build_family
 
 mx = pytest.importorskip("mlx.core")
@@ -164,22 +164,9 @@ def test_a_chunked_prefill_equals_plain(bounded, prompt, plain, monkeypatch):
     assert out == plain[:N // 2]
 
 
-def _bytes_after(b, positions):
-    cache = b.new_cache()
-    rng = np.random.default_rng(0)
-    ids = rng.integers(100, 1000, positions).tolist()
-    for start in range(0, positions - 8, 256):
-        b.forward_last(cache, ids[start:min(start + 256, positions - 8)])
-    for t in ids[positions - 8:]:  # decode steps with a rejected draft each
-        b.forward(cache, [t, 5, 6])
-        b.crop(cache, b.cache_length(cache) - 2)
-    assert b.cache_length(cache) == positions and b.last_kv_bytes == b.kv_bytes(cache)
-    return b.kv_bytes(cache), cache
-
-
 def test_kv_bytes_are_constant_past_the_bound(bounded):
     name, _, b = bounded
-    (short, cache), (long, _) = _bytes_after(b, 300), _bytes_after(b, 1000)
+    (short, cache), (long, _) = kv_bytes_after(b, 300), kv_bytes_after(b, 1000)
     assert short == long
     rows = [8, 8, SINK + WINDOW] if name == "gemma3" else [SINK + WINDOW] * len(cache)
     per_row = [2 * c.keys.shape[1] * c.keys.shape[3] * c.keys.itemsize for c in cache]
@@ -190,20 +177,8 @@ def test_kv_bytes_are_constant_past_the_bound(bounded):
 def test_the_overlay_holds_only_a_forwards_rows_and_commits_what_stays(bounded):
     """Resident K/V: sinks + window rows; a verify's fed rows live in a transient overlay that
     the crop commits (accepted rows) and frees; a rollback past the held band is refused."""
-    b = bounded[2]
-    cache = b.new_cache()
-    b.forward_last(cache, list(range(100, 300)))
-    b.crop(cache, 200)
-    resident = b.kv_bytes(cache)
-    b.forward(cache, [7, 8, 9, 10])  # a verify of 4 rows: the overlay exists until the crop
-    assert b.cache_length(cache) == 204 and b.kv_bytes(cache) > resident
-    b.crop(cache, 202)  # two accepted
-    assert b.cache_length(cache) == 202 and b.kv_bytes(cache) == resident
-    assert all(c.work_k is None and c.offset == 202 for c in cache)
-    b.crop(cache, 201)  # one position back: its band is still held
-    assert b.cache_length(cache) == 201
-    with pytest.raises(ValueError, match="roll back"):
-        b.crop(cache, 190)
+    check_overlay_commits(bounded[2], lambda cache: all(c.work_k is None and c.offset == 202
+                                                        for c in cache))
 
 
 def test_the_same_weights_decode_alike_on_torch(bounded, prompt, plain):
@@ -235,7 +210,7 @@ def test_the_entry_points_pass_the_bound(bounded, prompt):
     out = result_dict(engine, gen)
     assert out["kv_bound"] == [SINK, WINDOW] and out["backend"] == "mlx"
     assert len(prompt) + 8 > SINK + WINDOW
-    assert out["kv_bytes"] == _bytes_after(other, 300)[0]  # the band's bytes
+    assert out["kv_bytes"] == kv_bytes_after(other, 300)[0]  # the band's bytes
 
 
 @pytest.mark.parametrize("sink,window,why", [

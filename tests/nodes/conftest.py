@@ -66,3 +66,35 @@ def client_of(cluster, verifiers_s: float | None = None):
         if verifiers_s is not None:
             cc.verifiers(verifiers_s)
         yield cc
+
+
+def gossiped_stats(cluster, client, node_id: str, role: str):
+    """A function returning `role`'s figures in the latest stats gossip of `node_id` ({}
+    until one is heard), heard by `client`'s node on `cluster`'s stats topic."""
+    from nodes.telemetry import stats_topic
+    from tools.monitor_view import ClusterView
+
+    view = ClusterView()
+    client.node.register_gossip("stats", lambda topic, msg: view.on_stats(msg.sender,
+                                                                         msg["stats"]))
+    client.node.gossip.subscribe(stats_topic(cluster.cluster))
+
+    def latest() -> dict:
+        ns = view.stats(node_id)
+        return {} if ns is None else ns.latest.get(role, {})
+
+    return latest
+
+
+@pytest.fixture(scope="module")
+def cluster(model_cluster):
+    """The session's shared model cluster (tests/conftest.py); a module may add (and kill) its
+    own nodes on it, or define its own `cluster`."""
+    return model_cluster
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    """A cluster client of `cluster`, once a verifier is known (30 s at most)."""
+    with client_of(cluster, verifiers_s=30) as cc:
+        yield cc

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 
 from nodes.cluster_client import GenerateRequest
-from tests.nodes.conftest import client_of
+from tests.nodes.conftest import gossiped_stats
 from tests.polling import wait_until as poll
-from tools.monitor_view import ClusterView
 
 pytestmark = pytest.mark.slow
 
@@ -32,18 +31,6 @@ LONG_OPEN_ENDED = "Write a long story about a lighthouse keeper and the sea."
 # says so (well under a second on an idle machine) from one that waits out a forced draft's
 # 120 s. It is deliberately 15 s so a loaded CI machine never fails it.
 GAP_BOUND_S = 15.0
-
-
-@pytest.fixture(scope="module")
-def cluster(model_cluster):
-    """The session's shared model cluster; this module adds (and kills) its own proposers."""
-    return model_cluster
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    with client_of(cluster, verifiers_s=30) as cc:
-        yield cc
 
 
 @pytest.fixture(scope="module")
@@ -168,16 +155,7 @@ def test_sessions_of_a_killed_verifier_expire_on_the_proposer(cluster, client):
     v2 = cluster.start_node("v-doomed", "--role", "verifier", "--session-lease", "2",
                             seed=True)
     client.wait_for(lambda ms: any(m.node_id == v2.node_id for m in ms), 60)
-    view = ClusterView()
-    client.node.register_gossip("stats", lambda topic, msg: view.on_stats(msg.sender,
-                                                                         msg["stats"]))
-    from nodes.telemetry import stats_topic
-
-    client.node.gossip.subscribe(stats_topic(cluster.cluster))
-
-    def proposer_stats() -> dict:
-        ns = view.stats(p.node_id)
-        return {} if ns is None else ns.latest.get("proposer", {})
+    proposer_stats = gossiped_stats(cluster, client, p.node_id, "proposer")
 
     # v2 is ready, but the client may not have heard of it yet (a join takes a round trip)
     client.wait_for(lambda ms: any(m.node_id == v2.node_id for m in ms), 20)

@@ -20,7 +20,6 @@ import pytest
 from nodes.cluster_client import GenerateRequest
 from nodes.cluster_client.choice import Balancer
 from nodes.cluster_client.failover import Failover, Final, Resuming
-from tests.nodes.conftest import client_of
 
 SCHEMA = {"type": "object",
           "properties": {"city": {"type": "string", "maxLength": 24},
@@ -83,18 +82,7 @@ def test_a_verifier_lost_after_its_eos_is_not_resumed():
     assert out[-1].finish_reason == "eos" and out[-1].token_ids == (1, 2, 5)
 
 
-# ---- real processes ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cluster(model_cluster):
-    return model_cluster
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    with client_of(cluster, verifiers_s=30) as cc:
-        yield cc
-
-
+# ---- real processes (the shared model cluster: `cluster`, `client` in tests/nodes/conftest.py) --
 @pytest.fixture(scope="module")
 def reference():
     """(prompt ids, constrained plain decoding's tokens and text) in process, on the weights
@@ -185,9 +173,8 @@ def test_a_proposer_that_takes_the_grammar_drafts_inside_it(cluster, client, ref
     """The shared int8 proposer says on its card that it takes a grammar; a constrained
     request forced onto it sends the grammar with the session, the proposer drafts from its
     logits masked by it, and the output is still constrained plain decoding's."""
-    from nodes.telemetry import stats_topic
+    from tests.nodes.conftest import gossiped_stats
     from tests.polling import wait_until
-    from tools.monitor_view import ClusterView
 
     ids, tokens, text = reference
     members = client.wait_for(lambda ms: any(m.card.name == "int8" for m in ms), 60)
@@ -195,20 +182,13 @@ def test_a_proposer_that_takes_the_grammar_drafts_inside_it(cluster, client, ref
     assert int8.card.extras.get("grammar") is True
     ngram = next((m for m in members if m.card.name == "ngram"), None)
     assert ngram is None or "grammar" not in ngram.card.extras  # no tokenizer: drafts free
-    view = ClusterView()
-    client.node.register_gossip("stats", lambda topic, msg: view.on_stats(msg.sender,
-                                                                         msg["stats"]))
-    client.node.gossip.subscribe(stats_topic(cluster.cluster))
-
-    def constrained() -> int:
-        ns = view.stats(int8.node_id)
-        return 0 if ns is None else ns.latest.get("proposer", {}).get("constrained", 0)
-
-    assert wait_until(lambda: view.stats(int8.node_id) is not None, 30)
-    before = constrained()
+    stats = gossiped_stats(cluster, client, int8.node_id, "proposer")
+    assert wait_until(lambda: stats(), 30)
+    before = stats().get("constrained", 0)
     result = client.generate(_request(ids, proposers=[int8.node_id], force_draft=True))
     assert result.stats["token_ids"] == tokens and result.text == text
     check(result.text)
     drafts = result.stats["proposers"][int8.node_id]
     assert drafts["drafted"] > 0
-    assert wait_until(lambda: constrained() > before, 30)  # its session took the grammar
+    # its session took the grammar
+    assert wait_until(lambda: stats().get("constrained", 0) > before, 30)
