@@ -215,8 +215,8 @@ class DraftTree:
             return self
         if not len(self):
             return more
-        a, b, n, m = self.chain, more.chain, len(self), len(more)
-        alt_a, alt_b = n - a, m - b
+        a, b = self.chain, more.chain
+        alt_a = len(self) - a
 
         def own(i: int) -> int:  # a node of this tree in the joined layout
             return i if i < a else i + b
@@ -228,19 +228,13 @@ class DraftTree:
 
         tokens = np.concatenate([self.tokens[:a], more.tokens[:b], self.tokens[a:],
                                  more.tokens[b:]])
-        parents = np.asarray(
-            [*range(-1, a + b - 1)],
-            dtype=np.int64)
-        parents = np.concatenate([
-            parents,
-            np.asarray([-1 if p < 0 else own(p) for p in self.parents[a:].tolist()],
-                       dtype=np.int64),
-            np.asarray([new(p) for p in more.parents[b:].tolist()], dtype=np.int64)])
+        parents = np.asarray([*range(-1, a + b - 1),
+                              *(-1 if p < 0 else own(p) for p in self.parents[a:].tolist()),
+                              *(new(p) for p in more.parents[b:].tolist())], dtype=np.int64)
         conf = (None if self.conf is None or more.conf is None else np.concatenate(
             [self.conf[:a], more.conf[:b], self.conf[a:], more.conf[b:]]))
         classes = ((tuple(self.classes or ("",) * a) + tuple(more.classes or ("",) * b))
                    if self.classes or more.classes else ())
-        assert len(parents) == a + b + alt_a + alt_b
         return DraftTree(tokens, parents, a + b, conf, classes)
 
     def advanced(self, n: int) -> DraftTree:
@@ -249,7 +243,7 @@ class DraftTree:
         token now committed is moot)."""
         if n <= 0:
             return self
-        if n >= len(self) and n >= self.chain:
+        if n > self.chain or n >= len(self):  # past the chain: nothing drafted is left
             return EMPTY_TREE
         parents = self.parents.tolist()
         branch = {}  # each alternative node's branch point on the chain (-1: the tip)

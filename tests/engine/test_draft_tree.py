@@ -148,6 +148,7 @@ def test_join_advance_and_bound_keep_each_alternative_where_it_hangs():
     assert [on.tokens[p].tolist() for p in on.paths()] == [[3, 4], [8, 9]]
     assert on.classes == ("m1", "m2") and on.conf.tolist() == [0.6, 0.6, 0.3, 0.3]
     assert not len(on.advanced(2)) and not len(EMPTY_TREE.then(EMPTY_TREE))
+    assert not len(joined.advanced(9))  # commits past everything drafted: nothing is left
     # the wire's bound on alternatives: whole branches, nearest first
     assert [joined.bounded(2).tokens[p].tolist() for p in joined.bounded(2).paths()] == [
         [1, 2, 3, 4], [1, 7]]
