@@ -19,11 +19,85 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 #: positions of room reserved beyond a growth at least (a draft tree, a few steps)
 SLACK = 64
+
+
+def rope_inv_freq(config: Any, layer_type: str | None = None) -> torch.Tensor:
+    """The inverse frequencies [rotated dims / 2] float32 of the RoPE that `config`'s model
+    applies on layers of `layer_type` (Gemma 3: "full_attention" and "sliding_attention" have
+    different bases), from the config alone: `rope_parameters` (rope_theta, rope_type and its
+    scaling, partial_rotary_factor), as transformers' own rotary embeddings compute them. The
+    bound's re-indexed sinks are rotated forward with these (pure rotations: a type's
+    `attention_scaling` multiplies cos and sin at the rotary embedding, once, already in the
+    stored keys). Checked against the models' own rotary embeddings in
+    tests/engine/test_kv_bound.py."""
+    params = getattr(config, "rope_parameters", None) or {}
+    nested = layer_type is not None and isinstance(params.get(layer_type), dict)
+    p = params[layer_type] if nested else params
+    rope_type = p.get("rope_type", p.get("type", "default")) or "default"
+    if rope_type == "default":
+        base = p.get("rope_theta", getattr(config, "rope_theta", None))
+        if base is None:
+            raise ValueError(f"model type {getattr(config, 'model_type', '?')!r}: no RoPE base "
+                             "in its config; re-indexed sink positions need one")
+        head_dim = (getattr(config, "head_dim", None)
+                    or config.hidden_size // config.num_attention_heads)
+        factor = p.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        dim = int(head_dim * (factor or 1.0))
+        return 1.0 / (float(base) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    init = ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, _ = (init(config, None, layer_type=layer_type) if nested else init(config, None))
+    return inv_freq.float()
+
+
+def sink_plan(past: int, depth: np.ndarray, visible: np.ndarray, sink: int,
+              window: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Re-indexed sink positions (StreamingLLM's, docs/engine/cache-shapes.md): a query at
+    position q meets sink s at distance min(q, sink + window - 1) - s. For a forward of rows at
+    positions past + depth (tree visibility `visible`) after `past` committed positions: None
+    when no row is past sink + window - 1 (every distance is already the true one), else
+    (shift [n], src [n, sink]): row r's sink keys are the work buffer's rows src[r] (resident
+    [held sinks ; ...] then the fed rows) rotated forward by shift[r] (0: the row takes the
+    sinks as they are). `BoundedLayer.update` appends those n * sink keys after the fed rows;
+    `torch_batch._band_mask` lets row r see its own (and not the originals) where its shift
+    is positive. A function of the positions and the tree alone."""
+    n = len(depth)
+    if not sink or n == 0:
+        return None
+    q = past + np.asarray(depth, dtype=np.int64)
+    shift = np.maximum(q - (sink + window - 1), 0)
+    if not shift.any():
+        return None
+    held = min(sink, past)
+    src = np.zeros((n, sink), dtype=np.int64)
+    src[:, :held] = np.arange(held)
+    for s in range(held, sink):  # sinks fed in this forward (a prompt from the start)
+        match = np.asarray(visible, dtype=bool) & (q == s)[None, :]
+        src[:, s] = past + match.argmax(axis=1)
+    src[shift == 0] = 0  # masked out: any row will do
+    return shift, src
+
+
+def rotate_forward(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys x [..., rows, head dim] stored rotated at their positions, rotated further by
+    shift [rows] positions (RoPE composes: a key at p rotated by d is the key at p + d), in
+    the rotate-half layout; dims past 2 * len(inv_freq) (partial rotary) stay."""
+    rot = 2 * int(inv_freq.shape[0])
+    angle = shift.to(torch.float32)[:, None] * inv_freq[None, :].to(torch.float32)
+    emb = torch.cat((angle, angle), dim=-1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    head, tail = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    turned = torch.cat((-head[..., half:], head[..., :half]), dim=-1)
+    out = head * cos + turned * sin
+    return out if tail.shape[-1] == 0 else torch.cat((out, tail), dim=-1)
 
 
 class GrowingLayer(DynamicLayer):
@@ -180,6 +254,12 @@ class BoundedLayer(WindowLayer):
         self._work_k: torch.Tensor | None = None  # the overlay: [resident ; fed rows]
         self._work_v: torch.Tensor | None = None
         self._pend = 0  # rows of the overlay past the resident ones (uncommitted positions)
+        #: the RoPE inverse frequencies of this layer (`rope_inv_freq`): with sinks, the
+        #: re-indexed sink keys are rotated with them
+        self.inv_freq: torch.Tensor | None = None
+        #: the next forward's re-indexed sinks (`feed`): (shift, src) of `sink_plan`, or None
+        self._plan: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._plan_at = -1  # the committed length the plan was made for
         super().__init__(sink, window, **kwargs)
 
     # -- the rows a forward reads: the overlay while there is one ------------------------------
@@ -234,10 +314,43 @@ class BoundedLayer(WindowLayer):
             self._alloc(key_states, value_states, keep=0)
         if self._work_k is not None:  # a second forward without a crop: all accepted
             self.commit()
+        plan, self._plan = self._plan, None
+        if plan is not None and self._plan_at != self.committed():
+            raise RuntimeError(f"a bounded layer's sink plan was made at {self._plan_at} "
+                               f"positions, the forward runs at {self.committed()}")
         self._work_k = torch.cat([self._keys[..., :self._length, :], key_states], dim=-2)
         self._work_v = torch.cat([self._values[..., :self._length, :], value_states], dim=-2)
         self._pend = int(key_states.shape[-2])
-        return self.keys, self.values
+        if plan is None:
+            return self.keys, self.values
+        # re-indexed sinks: row r's own copies of the sink keys, rotated forward for it,
+        # after the fed rows (the overlay itself stays [resident ; fed])
+        shift, src = plan
+        sink_k = self._work_k.index_select(-2, src)
+        sink_v = self._work_v.index_select(-2, src)
+        sink_k = rotate_forward(sink_k, shift, self.inv_freq)
+        return (torch.cat([self.keys, sink_k], dim=-2), torch.cat([self.values, sink_v], dim=-2))
+
+    def feed(self, plan: tuple[np.ndarray, np.ndarray] | None,
+             memo: dict[Any, Any] | None = None) -> None:
+        """The next forward's `sink_plan` (None: no row needs re-indexing); `memo` shares the
+        tensors between the layers of one cache."""
+        if plan is None or not self.sink:
+            self._plan = None
+            return
+        if self.inv_freq is None:
+            raise RuntimeError("a bounded layer with sinks needs its RoPE frequencies "
+                               "(growing_cache.new_cache sets them)")
+        key = id(plan)
+        if memo is not None and key in memo:
+            self._plan = memo[key]
+        else:
+            shift, src = plan
+            self._plan = (torch.from_numpy(np.repeat(shift, self.sink)),
+                          torch.from_numpy(np.ascontiguousarray(src).reshape(-1)))
+            if memo is not None:
+                memo[key] = self._plan
+        self._plan_at = self.committed()
 
     def _alloc(self, like_k: torch.Tensor, like_v: torch.Tensor, keep: int) -> None:
         buffers = []
@@ -344,10 +457,24 @@ class BoundedLayer(WindowLayer):
         super().reset()
         self._work_k = self._work_v = None
         self._pend = 0
+        self._plan = None
 
 
 def band_layer(layer: Any) -> bool:
     return isinstance(layer, WindowLayer)
+
+
+def feed(cache: Any, past: int, depth: np.ndarray, visible: np.ndarray) -> None:
+    """Before a forward of rows at past + depth (tree `visible`): every bounded layer with
+    sinks told its re-indexed sink keys (`sink_plan`), one plan per (sink, window)."""
+    plans: dict[tuple[int, int], Any] = {}
+    memo: dict[Any, Any] = {}
+    for layer in getattr(cache, "layers", ()):
+        if isinstance(layer, BoundedLayer) and layer.sink:
+            geometry = (layer.sink, int(layer.window or 0))
+            if geometry not in plans:
+                plans[geometry] = sink_plan(past, depth, visible, *geometry)
+            layer.feed(plans[geometry], memo)
 
 
 def trim(cache: Any, exact: bool = False) -> None:
@@ -408,10 +535,16 @@ def new_cache(config: Any, bound: tuple[int, int] | None = None) -> DynamicCache
 
     cache = DynamicCache(config=config)
     layers = []
-    for layer in cache.layers:
+    kinds = getattr(config, "layer_types", None)
+    for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
-            layers.append(GrowingLayer() if bound is None
-                          else BoundedLayer(bound[0], bound[1]))
+            if bound is None:
+                layers.append(GrowingLayer())
+                continue
+            bounded = BoundedLayer(bound[0], bound[1])
+            kind = kinds[i] if kinds and i < len(kinds) else None
+            bounded.inv_freq = _inv_freq(config, kind)
+            layers.append(bounded)
         elif type(layer) is DynamicSlidingWindowLayer:
             # bounded (constant memory): its window trimmed too; else every position kept
             window = int(layer.sliding_window)
@@ -422,3 +555,16 @@ def new_cache(config: Any, bound: tuple[int, int] | None = None) -> DynamicCache
                                   "(full and sliding-window attention are)")
     cache.layers = layers
     return cache
+
+
+_FREQS: dict[tuple[int, str | None], tuple[Any, torch.Tensor]] = {}
+
+
+def _inv_freq(config: Any, kind: str | None) -> torch.Tensor:
+    """`rope_inv_freq`, once per config and layer type (a cache per sequence is made often)."""
+    key = (id(config), kind)
+    got = _FREQS.get(key)
+    if got is None or got[0] is not config:
+        got = (config, rope_inv_freq(config, kind))
+        _FREQS[key] = got
+    return got[1]

@@ -71,6 +71,7 @@ def forward(backend: Any, caches: Sequence[Any],
         ids[0, offs[b]:offs[b] + n] = torch.tensor(list(tokens), dtype=torch.long)
         pos[0, offs[b]:offs[b] + n] = torch.from_numpy(past + depth)
         seqmasks.append(SeqMask(past, depth, visible, device))
+        growing_cache.feed(caches[b], past, depth, visible)  # re-indexed sinks, if bounded
     capture = [getattr(c, "specbus_capture", None) for c in caches]
     union = tuple(sorted({i for layers in capture if layers for i in layers})) or None
     wanted = [[offs[b] + n - 1] if only else list(range(offs[b], offs[b] + n))
@@ -160,7 +161,10 @@ class SeqMask:
 def _band_mask(past: int, depth: np.ndarray, visible: np.ndarray,
                key: tuple[int, int, int, int], device: Any) -> Any:
     """The band mask for past key positions [0, a) + [b, past) then the fed rows (see
-    `SeqMask`); None or "causal" where those say the same."""
+    `SeqMask`); None or "causal" where those say the same. With sinks and a row past
+    sink + window - 1 (`growing_cache.sink_plan`: re-indexed sink positions), the keys go on
+    with each row's own sink copies (n * sink of them, `BoundedLayer.update`): a row whose
+    sinks are re-indexed sees its copies instead of the originals."""
     sink, window, a, b = key
     n = len(depth)
     q = torch.from_numpy(past + depth)
@@ -169,6 +173,14 @@ def _band_mask(past: int, depth: np.ndarray, visible: np.ndarray,
     mask[:, len(kp) - n:] = torch.from_numpy(np.ascontiguousarray(visible))
     if window:
         mask &= (kp[None, :] > q[:, None] - window) | (kp[None, :] < sink)
+    plan = growing_cache.sink_plan(past, depth, visible, sink, window) if window else None
+    if plan is not None:
+        moved = torch.from_numpy(plan[0] > 0)
+        mask[moved] &= ~(kp[None, :] < sink)
+        own = torch.zeros((n, n * sink), dtype=torch.bool)
+        for r in np.flatnonzero(plan[0]):
+            own[r, r * sink:(r + 1) * sink] = True
+        return torch.cat([mask, own], dim=1).to(device)
     if bool(mask.all()) and n == 1:
         return None
     if len(kp) == n and torch.equal(mask, torch.tril(torch.ones((n, n), dtype=torch.bool))):

@@ -1,8 +1,10 @@
 """Bounded K/V (`--kv-sink S --kv-window W`): every full-attention layer attends to the first S
-positions and the last W (a band over absolute positions, a function of the tokens alone) and
-keeps only those K/V. Plain decoding equals a from-scratch forward under the same band mask at
-every step; speculative decoding (chains, trees, a batch of 4) equals plain decoding under the
-same bound; the K/V bytes are the same at 1,000 and 4,000 positions; bad bounds are refused."""
+positions and the last W (a band, a function of the tokens alone) and keeps only those K/V; the
+sinks' positions are re-indexed as StreamingLLM's (a query at q meets sink s at distance
+min(q, S + W - 1) - s). Plain decoding equals a from-scratch eager forward under the same band
+and sink distances at every step; speculative decoding (chains, trees, a batch of 4) equals
+plain decoding under the same bound; the K/V bytes are the same at 1,000 and 4,000 positions;
+bad bounds are refused."""
 
 from __future__ import annotations
 
@@ -50,26 +52,77 @@ def prompts(bounded):
             b.tokenizer.encode("1, 2, 3, 4, 5, 6"), b.tokenizer.encode("def f(x):\n")]
 
 
-def _band_reference(b, prompt, n):
-    """Greedy decoding by a from-scratch forward of the whole sequence each step, full layers
-    under the sink + window band mask (sliding layers under their own window)."""
-    ids = list(prompt)
+def _reference_logits(b, ids, reindex=True):
+    """Logits [len(ids), vocab] of a from-scratch forward of `ids`, written independently of
+    the product: the model's own modules, an eager attention (`_ReferenceAttention`) over all
+    positions under the band mask (full layers: sinks + window; sliding layers: their own
+    window), the sinks scored, for a query at q >= S + W, with the query rotated back by
+    q - (S + W - 1) by the model's own rotary embedding (`reindex`; else absolute)."""
+    from transformers import AttentionInterface
+
     model = b.model
     kinds = getattr(model.config, "layer_types", None)
-    for _ in range(n):
-        L = len(ids)
-        q = torch.arange(L)[:, None]
-        k = torch.arange(L)[None, :]
-        band = (k <= q) & ((k > q - WINDOW) | (k < SINK))
-        masks = {"full_attention": band}
-        if kinds and "sliding_attention" in kinds:
-            masks["sliding_attention"] = (k <= q) & (k > q - model.config.sliding_window)
-        as_float = {name: torch.zeros(1, 1, L, L).masked_fill(~m, torch.finfo(torch.float32).min)
-                    for name, m in masks.items()}
-        mask = as_float if len(as_float) > 1 else as_float["full_attention"]
+    L = len(ids)
+    q = torch.arange(L)[:, None]
+    k = torch.arange(L)[None, :]
+    masks = {"full_attention": (k <= q) & ((k > q - WINDOW) | (k < SINK))}
+    if kinds and "sliding_attention" in kinds:
+        masks["sliding_attention"] = (k <= q) & (k > q - model.config.sliding_window)
+    back = torch.clamp(torch.arange(L) - (SINK + WINDOW - 1), min=0)
+    rotary = model.model.rotary_emb
+    x = torch.zeros(1, 1, dtype=torch.float32)
+    extra = {"layer_type": "full_attention"} if kinds else {}
+    cos, sin = rotary(x, back[None], **extra)
+    scale = getattr(rotary, "attention_scaling", None)
+    if scale is None:
+        scale = getattr(rotary, "full_attention_attention_scaling", 1.0)
+    cos, sin = cos / scale, sin / scale
+    ref = _ReferenceAttention(masks, kinds, cos, sin if reindex else None)
+    AttentionInterface.register("bound_reference", ref)
+    before = model.config._attn_implementation
+    model.config._attn_implementation = "bound_reference"
+    float_masks = {name: torch.zeros(1, 1, L, L) for name in masks}  # applied by ref itself
+    try:
         with torch.inference_mode():
-            logits = model(torch.tensor([ids]), attention_mask=mask).logits[0, -1]
-        ids.append(int(logits.argmax()))
+            out = model(torch.tensor([ids]), attention_mask=float_masks if kinds
+                        else float_masks["full_attention"]).logits[0]
+    finally:
+        model.config._attn_implementation = before
+    return out
+
+
+class _ReferenceAttention:
+    """Eager attention: scores q.k * scaling, the sinks' scores (full layers, rows past
+    S + W - 1) from the query rotated back, the band mask, softmax, then the values."""
+
+    def __init__(self, masks, kinds, cos, sin):
+        self.masks, self.kinds, self.cos, self.sin = masks, kinds, cos, sin
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                 **kwargs):
+        from transformers.models.llama.modeling_llama import rotate_half
+
+        kind = self.kinds[module.layer_idx] if self.kinds else "full_attention"
+        groups = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+        if kind == "full_attention" and self.sin is not None:
+            # rotate by -back: cos(-a) = cos(a), sin(-a) = -sin(a)
+            q_back = query * self.cos[:, None] + rotate_half(query) * -self.sin[:, None]
+            sink_scores = torch.matmul(q_back, key[..., :SINK, :].transpose(2, 3)) * scaling
+            scores[..., :SINK] = sink_scores
+        scores = scores.masked_fill(~self.masks[kind], torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def _band_reference(b, prompt, n):
+    """Greedy decoding by `_reference_logits` of the whole sequence each step."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(_reference_logits(b, ids)[-1].argmax()))
     return ids[len(prompt):]
 
 
@@ -84,6 +137,53 @@ def test_plain_bounded_decoding_is_the_band_model(bounded, prompts, plain):
     _, b = bounded
     assert len(prompts[0]) > SINK + WINDOW  # a prompt longer than the bound
     assert plain[0] == _band_reference(b, prompts[0], N)
+
+
+def test_sink_positions_are_reindexed_past_the_bound(bounded, prompts, plain):
+    """The product's logits of a whole sequence (a prefill) are the re-indexed reference's at
+    every position; the absolute reference's below S + W - 1 (where the two models agree), and
+    not past it (the re-indexing really applies)."""
+    _, b = bounded
+    ids = prompts[0] + plain[0]
+    got = torch.from_numpy(b.forward(b.new_cache(), ids))
+    reindexed, absolute = _reference_logits(b, ids), _reference_logits(b, ids, reindex=False)
+    edge = SINK + WINDOW - 1
+    torch.testing.assert_close(got, reindexed, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[:edge + 1], absolute[:edge + 1], rtol=1e-4, atol=1e-4)
+    assert (got[edge + 8:] - absolute[edge + 8:]).abs().amax(-1).min() > 1e-3
+
+
+def test_rope_frequencies_from_the_config_are_the_models(bounded):
+    """`rope_inv_freq` (from the config) rotates as the model's own rotary embedding does;
+    Gemma 3's global layers and its sliding ones have different bases."""
+    from nodes.backends.growing_cache import rope_inv_freq, rotate_forward
+
+    _, b = bounded
+    config, rotary = b.model.config, b.model.model.rotary_emb
+    kinds = sorted(set(getattr(config, "layer_types", None) or [None]), key=str)
+    pos = torch.tensor([[0, 1, 7, 300, 5000]])
+    x = torch.randn(1, 2, 5, b.lean.head_dim if b.lean else config.head_dim
+                    if getattr(config, "head_dim", None) else
+                    config.hidden_size // config.num_attention_heads)
+    freqs = {}
+    for kind in kinds:
+        extra = {"layer_type": kind} if kind else {}
+        cos, sin = rotary(x, pos, **extra)
+        inv = rope_inv_freq(config, kind)
+        freqs[kind] = inv
+        angle = pos[0, :, None].float() * inv[None]
+        torch.testing.assert_close(torch.cat([angle, angle], -1).cos(), cos[0], rtol=0,
+                                   atol=1e-6)
+        # a key rotated at 3 then forward by p is the key rotated at 3 + p
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        c3, s3 = rotary(x, torch.full_like(pos, 3), **extra)
+        at3, _ = apply_rotary_pos_emb(x, x, c3, s3)
+        c, s = rotary(x, pos + 3, **extra)
+        want, _ = apply_rotary_pos_emb(x, x, c, s)
+        torch.testing.assert_close(rotate_forward(at3, pos[0], inv), want, rtol=1e-4,
+                                   atol=1e-4)
+    if len(freqs) > 1:
+        assert not torch.equal(freqs["full_attention"], freqs["sliding_attention"])
 
 
 def test_the_bound_changes_the_output(bounded, prompts, plain):
