@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
+from nodes.backends.kv_bound import sink_plan
+
 #: positions of room reserved beyond a growth at least (a draft tree, a few steps)
 SLACK = 64
 
@@ -55,34 +57,6 @@ def rope_inv_freq(config: Any, layer_type: str | None = None) -> torch.Tensor:
     init = ROPE_INIT_FUNCTIONS[rope_type]
     inv_freq, _ = (init(config, None, layer_type=layer_type) if nested else init(config, None))
     return inv_freq.float()
-
-
-def sink_plan(past: int, depth: np.ndarray, visible: np.ndarray, sink: int,
-              window: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Re-indexed sink positions (StreamingLLM's, docs/engine/cache-shapes.md): a query at
-    position q meets sink s at distance min(q, sink + window - 1) - s. For a forward of rows at
-    positions past + depth (tree visibility `visible`) after `past` committed positions: None
-    when no row is past sink + window - 1 (every distance is already the true one), else
-    (shift [n], src [n, sink]): row r's sink keys are the work buffer's rows src[r] (resident
-    [held sinks ; ...] then the fed rows) rotated forward by shift[r] (0: the row takes the
-    sinks as they are). `BoundedLayer.update` appends those n * sink keys after the fed rows;
-    `torch_batch._band_mask` lets row r see its own (and not the originals) where its shift
-    is positive. A function of the positions and the tree alone."""
-    n = len(depth)
-    if not sink or n == 0:
-        return None
-    q = past + np.asarray(depth, dtype=np.int64)
-    shift = np.maximum(q - (sink + window - 1), 0)
-    if not shift.any():
-        return None
-    held = min(sink, past)
-    src = np.zeros((n, sink), dtype=np.int64)
-    src[:, :held] = np.arange(held)
-    for s in range(held, sink):  # sinks fed in this forward (a prompt from the start)
-        match = np.asarray(visible, dtype=bool) & (q == s)[None, :]
-        src[:, s] = past + match.argmax(axis=1)
-    src[shift == 0] = 0  # masked out: any row will do
-    return shift, src
 
 
 def rotate_forward(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

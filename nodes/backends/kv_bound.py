@@ -1,10 +1,13 @@
 """`--kv-sink S --kv-window W`: the bound's validation, light enough for a CLI to call before
-it loads a model (the bound itself: on torch `growing_cache.BoundedLayer`, masks in
-`torch_batch`; on MLX `mlx_bound.BoundedKVCache`, which makes its own mask)."""
+it loads a model, and its re-indexed sink positions (`sink_plan`, shared by both backends).
+The bound itself: on torch `growing_cache.BoundedLayer`, masks in `torch_batch`; on MLX
+`mlx_bound.BoundedKVCache`, which makes its own mask."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from nodes.engine.errors import BadRequestError
 
@@ -34,3 +37,31 @@ def check_kv_bound(sink: int | None, window: int | None,
         raise BadRequestError(f"--kv-sink {sink} + --kv-window {window} exceed the model's "
                               f"{limit}-position context: the bound would never apply")
     return int(sink), int(window)
+
+
+def sink_plan(past: int, depth: np.ndarray, visible: np.ndarray, sink: int,
+              window: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Re-indexed sink positions (StreamingLLM's, docs/engine/cache-shapes.md): a query at
+    position q meets sink s at distance min(q, sink + window - 1) - s. For a forward of rows at
+    positions past + depth (tree visibility `visible`) after `past` committed positions: None
+    when no row is past sink + window - 1 (every distance is already the true one), else
+    (shift [n], src [n, sink]): row r's sink keys are the work buffer's rows src[r] (resident
+    [held sinks ; ...] then the fed rows) rotated forward by shift[r] (0: the row takes the
+    sinks as they are). `BoundedLayer.update` appends those n * sink keys after the fed rows;
+    `torch_batch._band_mask` lets row r see its own (and not the originals) where its shift
+    is positive. A function of the positions and the tree alone."""
+    n = len(depth)
+    if not sink or n == 0:
+        return None
+    q = past + np.asarray(depth, dtype=np.int64)
+    shift = np.maximum(q - (sink + window - 1), 0)
+    if not shift.any():
+        return None
+    held = min(sink, past)
+    src = np.zeros((n, sink), dtype=np.int64)
+    src[:, :held] = np.arange(held)
+    for s in range(held, sink):  # sinks fed in this forward (a prompt from the start)
+        match = np.asarray(visible, dtype=bool) & (q == s)[None, :]
+        src[:, s] = past + match.argmax(axis=1)
+    src[shift == 0] = 0  # masked out: any row will do
+    return shift, src

@@ -18,6 +18,9 @@ from nodes.engine.errors import ModelNotFoundError
 log = logging.getLogger(__name__)
 
 PREFILL_STEP = 2048  # mlx_lm.generate_step's default prefill_step_size
+#: under a bound, the prompt's chunks: each row past the bound brings its own sink copies
+#: (re-indexed sink positions, `mlx_bound`), so a chunk's attention grows with its square
+BOUNDED_PREFILL_STEP = 256
 
 
 def _window_cache(window: int) -> Any:
@@ -83,7 +86,7 @@ class MlxBackend(Backend):
         if self.kv_bound is not None:
             from nodes.backends.mlx_bound import bounded_cache
 
-            bounded = bounded_cache(cache, self.kv_bound)
+            bounded = bounded_cache(cache, self.kv_bound, self.model)
             for layer, b in zip(cache, bounded, strict=True):
                 if b is None:
                     raise ModelNotFoundError(
@@ -106,8 +109,8 @@ class MlxBackend(Backend):
     def bound_kv(self, sink: int | None, window: int | None) -> None:
         """Bound every full-attention layer's K/V to the first `sink` positions and the last
         `window` (`--kv-sink/--kv-window`; both or neither), as the torch backend does: a band
-        over absolute positions, the rest dropped (`mlx_bound.BoundedKVCache`); sliding-window
-        layers keep their own window and no more."""
+        with re-indexed sink positions, the rest dropped (`mlx_bound.BoundedKVCache`);
+        sliding-window layers keep their own window and no more."""
         args = getattr(self.model, "args", None)
         self.kv_bound = check_kv_bound(sink, window, args)
         if self.kv_bound is not None:
@@ -131,8 +134,9 @@ class MlxBackend(Backend):
     def prefill(self, cache: Any, token_ids: Sequence[int]) -> np.ndarray:
         # like mlx_lm.generate_step: all but the last token in chunks, then the last one alone
         ids = list(token_ids)
-        for start in range(0, len(ids) - 1, PREFILL_STEP):
-            chunk = ids[start : min(start + PREFILL_STEP, len(ids) - 1)]
+        step = PREFILL_STEP if self.kv_bound is None else min(PREFILL_STEP, BOUNDED_PREFILL_STEP)
+        for start in range(0, len(ids) - 1, step):
+            chunk = ids[start : min(start + step, len(ids) - 1)]
             self.model(mx.array([chunk]), cache=cache)
             mx.eval([c.state for c in cache])
         return self.forward_last(cache, ids[-1:])

@@ -22,7 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import _BaseCache
+
+from nodes.backends.kv_bound import sink_plan
 
 
 class BoundedKVCache(_BaseCache):
@@ -43,6 +47,9 @@ class BoundedKVCache(_BaseCache):
         self.pend = 0  # overlay rows past the resident ones (positions not yet committed)
         self.drop = 0  # positions dropped between the sinks and the kept tail
         self.offset = 0  # positions held, committed and pending
+        #: the layer's own rotary embedding (mlx-lm's `self_attn.rope`, `reindex`): with
+        #: sinks, re-indexed sink keys are rotated forward with it
+        self.rope: Any = None
 
     # -- what mlx-lm asks of a cache ------------------------------------------------------------
     def rows(self) -> int:
@@ -54,6 +61,7 @@ class BoundedKVCache(_BaseCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.commit()  # a second forward without a crop: the last one's rows were all accepted
+        past = self.offset
         if self.keys is None:
             self.work_k, self.work_v = keys, values
         else:
@@ -61,7 +69,32 @@ class BoundedKVCache(_BaseCache):
             self.work_v = mx.concatenate([self.values, values], axis=2)
         self.pend = int(keys.shape[2])
         self.offset += self.pend
-        return self.work_k, self.work_v
+        if self._plan(past, self.pend) is None:
+            return self.work_k, self.work_v
+        # re-indexed sinks: row r's own copies of the sink keys, after the fed rows, rotated
+        # forward by past + r - (sink + window - 1) (rows not past the edge: masked out).
+        # A chain: positions 0..sink-1 are the work rows 0..sink-1.
+        n, sink = self.pend, self.sink
+        b, heads, _, dim = self.work_k.shape
+        sink_k, sink_v = self.work_k[:, :, :sink], self.work_v[:, :, :sink]
+        spread = mx.broadcast_to(sink_k[:, :, :, None], (b, heads, sink, n, dim))
+        turned = self.rope(spread.reshape(b, heads * sink, n, dim),
+                           offset=past - (sink + self.window - 1))
+        copies_k = turned.reshape(b, heads, sink, n, dim).transpose(0, 1, 3, 2, 4)
+        copies_v = mx.broadcast_to(sink_v[:, :, None], (b, heads, n, sink, dim))
+        return (mx.concatenate([self.work_k, copies_k.reshape(b, heads, n * sink, dim)], axis=2),
+                mx.concatenate([self.work_v, copies_v.reshape(b, heads, n * sink, dim)], axis=2))
+
+    def _plan(self, past: int, n: int) -> Any:
+        """`kv_bound.sink_plan` of a chain of `n` rows after `past` positions (None: no row
+        past sink + window - 1, or no sinks)."""
+        if not self.sink or past + n - 1 <= self.sink + self.window - 1:
+            return None
+        if self.rope is None:
+            raise RuntimeError("a bounded MLX cache with sinks needs its layer's rotary "
+                               "embedding (`reindex`)")
+        depth = np.arange(n)
+        return sink_plan(past, depth, np.tri(n, dtype=bool), self.sink, self.window)
 
     def positions(self) -> mx.array:
         """The absolute position of each resident row."""
@@ -80,7 +113,29 @@ class BoundedKVCache(_BaseCache):
         fed = mx.arange(start, start + N)
         keys = mx.concatenate([self.positions(), fed]) if self.rows() else fed
         q, k = fed[:, None], keys[None]
-        return (k <= q) & ((k < self.sink) | (k > q - self.window))
+        mask = (k <= q) & ((k < self.sink) | (k > q - self.window))
+        plan = self._plan(start, N)
+        if plan is None:
+            return mask
+        # re-indexed rows see their own sink copies (`update_and_fetch`), not the originals
+        moved = mx.array(plan[0] > 0)[:, None]
+        mask = mask & ~(moved & (k < self.sink))
+        own = np.zeros((N, N * self.sink), dtype=bool)
+        for r in np.flatnonzero(plan[0]):
+            own[r, r * self.sink:(r + 1) * self.sink] = True
+        return mx.concatenate([mask, mx.array(own)], axis=1)
+
+    def reindex(self, rope: Any) -> None:
+        """Re-indexed sink positions (StreamingLLM's; `kv_bound.sink_plan`): a query at q
+        meets sink s at distance min(q, sink + window - 1) - s, its sink keys rotated forward
+        with `rope`, the layer's own rotary embedding (a pure rotation: mlx-lm's `nn.RoPE`
+        or `Llama3RoPE`; anything that also scales or depends on the length is refused)."""
+        from mlx_lm.models.rope_utils import Llama3RoPE
+
+        if type(rope) not in (nn.RoPE, Llama3RoPE):
+            raise ValueError(f"re-indexed sink positions need a pure rotary embedding; this "
+                             f"layer's is {type(rope).__name__}")
+        self.rope = rope
 
     @property
     def state(self) -> tuple[mx.array, ...]:
@@ -182,16 +237,21 @@ class BoundedKVCache(_BaseCache):
         self.offset = target
 
 
-def bounded_cache(layers: list[Any], bound: tuple[int, int]) -> list[Any]:
+def bounded_cache(layers: list[Any], bound: tuple[int, int],
+                  model: Any = None) -> list[Any]:
     """mlx-lm's cache for a model (`make_prompt_cache`), bounded: a plain `KVCache` (a
-    full-attention layer) becomes `BoundedKVCache(sink, window)`, a sliding-window
+    full-attention layer) becomes `BoundedKVCache(sink, window)` with re-indexed sink
+    positions (its rotary embedding taken from `model`'s layer), a sliding-window
     `RotatingKVCache` a `BoundedKVCache(0, its window)`; None for a layer of another kind."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     out = []
-    for layer in layers:
+    for i, layer in enumerate(layers):
         if type(layer) is KVCache:
-            out.append(BoundedKVCache(*bound))
+            bounded = BoundedKVCache(*bound)
+            if model is not None:
+                bounded.reindex(model.layers[i].self_attn.rope)
+            out.append(bounded)
         elif type(layer) is RotatingKVCache and not layer.keep:
             out.append(BoundedKVCache(0, int(layer.max_size)))
         else:

@@ -56,12 +56,15 @@ def forward(backend: Any, caches: Sequence[Any],
     `last_only[b]` says so; see the module docstring). On a backend with a lean forward
     (`torch_lean`) that forward runs instead of the model's, with the same layout and values."""
     device = backend.device
+    last = (list(last_only) if last_only is not None
+            else [bool(getattr(f, "last_only", False)) for f in feeds])
+    if any(len(ids) > BOUNDED_CHUNK and _reindexed(c) for (ids, _), c in zip(feeds, caches,
+                                                                               strict=True)):
+        return _in_chunks(backend, caches, feeds, last)
     for cache in caches:
         growing_cache.trim(cache)  # bounded layers: drop what no query from here on sees
     sizes = [len(ids) for ids, _ in feeds]
     pasts = [backend.cache_length(c) for c in caches]
-    last = (list(last_only) if last_only is not None
-            else [bool(getattr(f, "last_only", False)) for f in feeds])
     offs = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
     ids = torch.empty((1, int(offs[-1])), dtype=torch.long)
     pos = torch.empty_like(ids)
@@ -96,6 +99,46 @@ def forward(backend: Any, caches: Sequence[Any],
         got.append(logits[start:start + len(rows)])
         start += len(rows)
     return got
+
+
+#: under a bound with sinks, the most rows of one sequence a forward feeds at once: each row
+#: past the bound brings its own sink copies (re-indexed positions, `growing_cache.sink_plan`),
+#: so a feed's attention grows with its square; a longer chain (a prompt) goes in chunks
+BOUNDED_CHUNK = 256
+
+
+def _reindexed(cache: Any) -> bool:
+    return any(isinstance(layer, growing_cache.BoundedLayer) and layer.sink
+               for layer in getattr(cache, "layers", ()))
+
+
+def _in_chunks(backend: Any, caches: Sequence[Any],
+               feeds: Sequence[tuple[Sequence[int], Sequence[int]]],
+               last: list[bool]) -> list[np.ndarray]:
+    """`forward` with each bounded sequence's long chain fed `BOUNDED_CHUNK` rows at a time
+    first (the same model: it is a function of the tokens), then every feed's rest together;
+    each sequence's logits as one call would return them."""
+    head: list[list[np.ndarray]] = [[] for _ in feeds]
+    rest = []
+    for b, ((ids, parents), cache) in enumerate(zip(feeds, caches, strict=True)):
+        ids, parents = list(ids), list(parents)
+        chain = parents == list(range(-1, len(ids) - 1))
+        if len(ids) > BOUNDED_CHUNK and chain and _reindexed(cache):
+            cut = len(ids) - BOUNDED_CHUNK
+            for start in range(0, cut, BOUNDED_CHUNK):
+                part = ids[start:min(start + BOUNDED_CHUNK, cut)]
+                got = forward(backend, [cache], [(part, list(range(-1, len(part) - 1)))],
+                              last_only=[last[b]])[0]
+                if not last[b]:
+                    head[b].append(got)
+            ids = ids[cut:]
+            parents = list(range(-1, len(ids) - 1))
+        elif len(ids) > BOUNDED_CHUNK and _reindexed(cache):
+            raise ValueError(f"a draft tree of {len(ids)} nodes under a bound: at most "
+                             f"{BOUNDED_CHUNK}")
+        rest.append((ids, parents))
+    tail = forward(backend, caches, rest, last_only=last)
+    return [np.concatenate([*h, t]) if h else t for h, t in zip(head, tail, strict=True)]
 
 
 def _model_call(backend: Any, caches: Sequence[Any], offs: np.ndarray, ids: torch.Tensor,

@@ -153,6 +153,20 @@ def test_sink_positions_are_reindexed_past_the_bound(bounded, prompts, plain):
     assert (got[edge + 8:] - absolute[edge + 8:]).abs().amax(-1).min() > 1e-3
 
 
+def test_a_long_chain_goes_in_chunks_as_the_same_model(bounded, prompts, plain, monkeypatch):
+    """A chain longer than `BOUNDED_CHUNK` (a prompt) is fed in chunks, each row's sink
+    copies staying few: its logits are still the re-indexed reference's."""
+    from nodes.backends import torch_batch
+
+    _, b = bounded
+    monkeypatch.setattr(torch_batch, "BOUNDED_CHUNK", 13)
+    ids = prompts[0] + plain[0]
+    got = torch.from_numpy(b.forward(b.new_cache(), ids))
+    assert got.shape[0] == len(ids)
+    # (chunks of 13 rows take the few-row kernel: float noise, not a model difference)
+    torch.testing.assert_close(got, _reference_logits(b, ids), rtol=1e-3, atol=1e-3)
+
+
 def test_rope_frequencies_from_the_config_are_the_models(bounded):
     """`rope_inv_freq` (from the config) rotates as the model's own rotary embedding does;
     Gemma 3's global layers and its sliding ones have different bases."""

@@ -1,13 +1,14 @@
 """Bounded K/V on MLX (`--kv-sink S --kv-window W`, `mlx_bound.BoundedKVCache`): every
-full-attention layer attends to the first S positions and the last W (a band over absolute
-positions, a function of the tokens alone) and keeps only those K/V; a tiny Gemma 3's sliding
-layers keep their own window and no more. On a tiny random Llama and a tiny random Gemma 3 (no
+full-attention layer attends to the first S positions and the last W (a band, a function of the
+tokens alone) with re-indexed sink positions (a query at q meets sink s at distance
+min(q, S + W - 1) - s, as on torch) and keeps only those K/V; a tiny Gemma 3's sliding layers
+keep their own window and no more. On a tiny random Llama and a tiny random Gemma 3 (no
 download), with S + W = 20 so every test crosses the bound: plain decoding equals a
-from-scratch band-masked forward at every step; speculative decoding (scripted drafts with
-rejections, ngram drafts) equals plain decoding under the same bound; a resume and a chunked
-prefill do too; the resident K/V bytes are the same at 300 and 1,000 positions; the same
-weights under the same bound decode alike on torch; bad bounds are refused. (The MLX backend
-verifies chains only: no trees.)"""
+from-scratch eager forward under the band and the re-indexed sink distances at every step;
+speculative decoding (scripted drafts with rejections, ngram drafts) equals plain decoding
+under the same bound; a resume and a chunked prefill do too; the resident K/V bytes are the
+same at 300 and 1,000 positions; the same weights under the same bound decode alike on torch;
+bad bounds are refused. (The MLX backend verifies chains only: no trees.)"""
 
 from __future__ import annotations
 
@@ -80,10 +81,11 @@ def test_the_caches_are_bounded(bounded):
 
 class _BandReference:
     """A cache layer keeping every position, with the band mask written out here (not
-    `BoundedKVCache`'s): the bounded model computed from scratch."""
+    `BoundedKVCache`'s); with `rope` (a full layer's), `_eager_attention` scores its sinks at
+    re-indexed distances: the bounded model computed from scratch."""
 
-    def __init__(self, sink, window):
-        self.sink, self.window, self.offset = sink, window, 0
+    def __init__(self, sink, window, rope=None):
+        self.sink, self.window, self.offset, self.rope = sink, window, 0, rope
         self.keys = self.values = None
 
     def update_and_fetch(self, keys, values):
@@ -99,18 +101,75 @@ class _BandReference:
         return mx.array((k <= q) & ((k < self.sink) | (k > q - self.window)))
 
 
-def test_plain_bounded_decoding_is_the_band_model(bounded, prompt, plain):
-    """Prompt + output in one forward over the band mask written out (nothing dropped; on
-    Gemma each sliding layer under its own window of 8): each row's greedy choice is the next
-    token plain decoding, which dropped K/V on the way, committed."""
-    name, _, b = bounded
-    assert len(prompt) > SINK + WINDOW  # a prompt longer than the bound
+def _eager_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    """Eager attention over all positions: scores, then (a `_BandReference` with a rope, row q
+    past S + W - 1) each sink key rotated forward by q - (S + W - 1) alone for row q's sink
+    scores, the band mask, softmax, values."""
+    groups = queries.shape[1] // keys.shape[1]
+    keys, values = mx.repeat(keys, groups, axis=1), mx.repeat(values, groups, axis=1)
+    scores = (queries * scale) @ keys.transpose(0, 1, 3, 2)
+    rope = getattr(cache, "rope", None)
+    if rope is not None:
+        _, heads, length, dim = keys.shape
+        edge = SINK + WINDOW - 1
+        sink_keys = keys[:, :, :SINK].reshape(1, heads * SINK, 1, dim)  # one position each
+        for r in range(edge + 1, length):
+            moved = rope(sink_keys, offset=r - edge).reshape(1, heads, SINK, dim)
+            scores[:, :, r:r + 1, :SINK] = (queries[:, :, r:r + 1] * scale) @ moved.transpose(
+                0, 1, 3, 2)
+    scores = mx.where(mask, scores, -mx.inf)
+    return mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype) @ values
+
+
+def _reference_logits(name, b, ids, monkeypatch, reindex=True):
+    """Logits of one from-scratch forward of `ids` under the bounded model written out here
+    (nothing dropped; on Gemma each sliding layer under its own window of 8)."""
+    from mlx_lm.models import gemma3_text, llama
+
+    for module in (llama, gemma3_text):
+        monkeypatch.setattr(module, "scaled_dot_product_attention", _eager_attention)
     layers = len(b.new_cache())
     bands = ([(0, 8), (0, 8), (SINK, WINDOW)] if name == "gemma3"
              else [(SINK, WINDOW)] * layers)
-    cache = [_BandReference(*band) for band in bands]
-    logits = b.model(mx.array([prompt + plain[:-1]]), cache=cache)[0].astype(mx.float32)
-    assert [int(t) for t in np.array(logits)[len(prompt) - 1:].argmax(-1)] == plain
+    cache = [_BandReference(*band, rope=b.model.layers[i].self_attn.rope
+                            if band[0] and reindex else None)
+             for i, band in enumerate(bands)]
+    out = np.array(b.model(mx.array([ids]), cache=cache)[0].astype(mx.float32))
+    monkeypatch.undo()
+    return out
+
+
+def test_plain_bounded_decoding_is_the_band_model(bounded, prompt, plain, monkeypatch):
+    """Prompt + output in one forward of the bounded model written out: each row's greedy
+    choice is the next token plain decoding, which dropped K/V on the way, committed."""
+    name, _, b = bounded
+    assert len(prompt) > SINK + WINDOW  # a prompt longer than the bound
+    logits = _reference_logits(name, b, prompt + plain[:-1], monkeypatch)
+    assert [int(t) for t in logits[len(prompt) - 1:].argmax(-1)] == plain
+
+
+def test_sink_positions_are_reindexed_past_the_bound(bounded, prompt, plain, monkeypatch):
+    """The product's logits of a whole sequence (one forward from an empty cache) are the
+    re-indexed reference's at every position; the absolute reference's below S + W - 1, and
+    not past it (the re-indexing really applies)."""
+    name, _, b = bounded
+    ids = prompt + plain
+    got = b.forward(b.new_cache(), ids)
+    reindexed = _reference_logits(name, b, ids, monkeypatch)
+    absolute = _reference_logits(name, b, ids, monkeypatch, reindex=False)
+    edge = SINK + WINDOW - 1
+    np.testing.assert_allclose(got, reindexed, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got[:edge + 1], absolute[:edge + 1], rtol=1e-4, atol=1e-4)
+    assert np.abs(got[edge + 8:] - absolute[edge + 8:]).max(-1).min() > 1e-3
+
+
+def test_a_pure_rotation_is_required(bounded):
+    """Re-indexing rotates the stored sink keys further; a rotary embedding that also scales
+    (or depends on the length) is refused rather than served as another model."""
+    from nodes.backends.mlx_bound import BoundedKVCache
+
+    with pytest.raises(ValueError, match="pure rotary"):
+        BoundedKVCache(SINK, WINDOW).reindex(object())
 
 
 def test_the_bound_changes_the_output(bounded, prompt, plain):
