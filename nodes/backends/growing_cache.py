@@ -29,6 +29,11 @@ from nodes.backends.kv_bound import sink_plan
 SLACK = 64
 
 
+#: RoPE types whose frequencies change with the sequence length (transformers'
+#: `dynamic_rope_update`): a stored key's rotation could not be continued exactly
+_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+
 def rope_inv_freq(config: Any, layer_type: str | None = None) -> torch.Tensor:
     """The inverse frequencies [rotated dims / 2] float32 of the RoPE that `config`'s model
     applies on layers of `layer_type` (Gemma 3: "full_attention" and "sliding_attention" have
@@ -52,6 +57,9 @@ def rope_inv_freq(config: Any, layer_type: str | None = None) -> torch.Tensor:
         factor = p.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
         dim = int(head_dim * (factor or 1.0))
         return 1.0 / (float(base) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope_type in _LENGTH_DEPENDENT_ROPE:
+        raise ValueError(f"re-indexed sink positions need a RoPE whose frequencies do not "
+                         f"change with the length; this model's is {rope_type!r}")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     init = ROPE_INIT_FUNCTIONS[rope_type]

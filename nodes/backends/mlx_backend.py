@@ -13,7 +13,7 @@ from nodes import models
 from nodes.backends.base import Backend
 from nodes.backends.kv_bound import check_kv_bound
 from nodes.backends.tokenizer import Tokenizer
-from nodes.engine.errors import ModelNotFoundError
+from nodes.engine.errors import BadRequestError, ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +114,13 @@ class MlxBackend(Backend):
         args = getattr(self.model, "args", None)
         self.kv_bound = check_kv_bound(sink, window, args)
         if self.kv_bound is not None:
-            log.info("kv: bounded to %d sink + %d window positions per full-attention layer",
-                     *self.kv_bound)
+            try:  # each bounded layer takes its rotary embedding: one it cannot is refused
+                self.new_cache()
+            except ValueError as exc:
+                self.kv_bound = None
+                raise BadRequestError(f"--kv-sink/--kv-window: {exc}") from None
+            log.info("kv: bounded to %d sink + %d window positions per full-attention layer "
+                     "(re-indexed sink positions)", *self.kv_bound)
 
     def kv_bytes(self, cache: Any) -> int:
         """Bytes of the K/V buffers `cache` holds (room ahead included)."""

@@ -143,8 +143,10 @@ class TorchBackend(Backend):
 
     def bound_kv(self, sink: int | None, window: int | None) -> None:
         """Bound every full-attention layer's K/V to the first `sink` positions and the last
-        `window` (`--kv-sink/--kv-window`; both or neither): a band mask over absolute
-        positions, the rest dropped (growing_cache.WindowLayer). Its prefix cache hands over
+        `window` (`--kv-sink/--kv-window`; both or neither): a band mask, the sinks at
+        re-indexed positions (StreamingLLM's: at most S + W - 1 from the query, rotated with the
+        model's RoPE, `growing_cache.rope_inv_freq`), the rest dropped
+        (growing_cache.BoundedLayer). Its prefix cache hands over
         only prefixes whose window is still held (`prefix_floor`): a chat's next turn, the
         whole of the last one."""
         bound = check_kv_bound(sink, window, self.model.config)
@@ -153,10 +155,15 @@ class TorchBackend(Backend):
             raise BadRequestError(f"--kv-sink/--kv-window: the quantized forward (weights "
                                   f"{self.weights}) does not serve bounded K/V; add "
                                   "--weights fp32")
+        if bound is not None:
+            try:  # the layers' RoPE frequencies, once: a model they cannot be had for is refused
+                growing_cache.new_cache(self.model.config, bound)
+            except (ValueError, KeyError) as exc:
+                raise BadRequestError(f"--kv-sink/--kv-window: {exc}") from None
         self.kv_bound = bound
         if self.kv_bound is not None:
-            log.info("kv: bounded to %d sink + %d window positions per full-attention layer",
-                     *self.kv_bound)
+            log.info("kv: bounded to %d sink + %d window positions per full-attention layer "
+                     "(re-indexed sink positions)", *self.kv_bound)
 
     def kv_bytes(self, cache: Any) -> int:
         """Bytes of the K/V buffers `cache` holds (room ahead included)."""

@@ -319,3 +319,19 @@ def test_a_next_turn_starts_from_the_last_ones_bounded_kv(bounded, prompts, plai
     got, stats = stream_checked(engine, short, params)
     assert stats.reused == 0  # its window was dropped from the kept cache
     assert got == stream_checked(Engine(b, None), short, params)[0]
+
+
+def test_a_length_dependent_rope_is_refused_under_a_bound():
+    """Dynamic NTK RoPE changes its frequencies with the length: a stored sink key's rotation
+    could not be continued exactly, so such a model takes no bound (a clear error)."""
+    from transformers import LlamaConfig
+
+    from nodes.backends import growing_cache
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=1, intermediate_size=64,
+                      rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                       "factor": 2.0})
+    with pytest.raises(ValueError, match="change with the length"):
+        growing_cache.new_cache(cfg, (SINK, WINDOW))
+    assert growing_cache.new_cache(cfg) is not None  # unbounded: served as before
