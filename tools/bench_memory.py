@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--fill tiled, 32 steps, 64 speculated tokens, 2 rounds")
     parser.add_argument("--quality", type=int, metavar="TOKENS", default=0,
                         help="instead: perplexity and greedy agreement over TOKENS of the text, "
-                             "full vs bounded with absolute and re-indexed positions")
+                             "full vs bounded with absolute and re-indexed positions (eager), "
+                             "and the bounded product's own forward")
     parser.add_argument("--no-full", action="store_true",
                         help="with --quality: skip full attention (long texts)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
@@ -391,8 +392,10 @@ def _band_attention(state: dict[str, Any]):
 
 def quality(tokens: int, sink: int, window: int, full: bool = True) -> dict[str, Any]:
     """Teacher-forced over the first `tokens` of the long text: perplexity with full attention
-    (when `full`), bounded with absolute positions and bounded re-indexed; the share of
-    positions where each bounded mode's greedy choice equals full attention's."""
+    (when `full`), bounded with absolute positions and bounded re-indexed (eager forms here),
+    and the bounded product's own forward (`product`: re-indexed, chunks of 256 through the
+    backend); the share of positions where each bounded mode's greedy choice equals full
+    attention's."""
     import torch
     from transformers import AttentionInterface
 
@@ -450,6 +453,25 @@ def quality(tokens: int, sink: int, window: int, full: bool = True) -> dict[str,
             out[f"ppl_{name}_past_{trained}"] = round(tails.pop("specbus_band_quality"), 3)
         if full_picks is not None:
             out[f"agree_{name}"] = round(float((picks == full_picks).float().mean()), 4)
+    # the product itself: the bounded backend's own forward (re-indexed sink positions),
+    # teacher-forced a chunk at a time (its overlay committed by the next forward)
+    b.bound_kv(sink, window)
+    t = time.perf_counter()
+    cache, losses, picks = b.new_cache(), [], []
+    with torch.inference_mode():
+        for a in range(0, n - 1, 256):
+            logits = torch.from_numpy(b.forward(cache, ids[0, a:min(a + 256, n - 1)].tolist()))
+            target = ids[0, a + 1:a + 1 + logits.shape[0]]
+            losses.append(torch.nn.functional.cross_entropy(logits, target, reduction="none"))
+            picks.append(logits.argmax(-1))
+    b.bound_kv(None, None)
+    loss = torch.cat(losses)
+    out["ppl_product"] = round(float(np.exp(float(loss.mean()))), 3)
+    out["product_s"] = round(time.perf_counter() - t, 1)
+    if n - 1 > trained:
+        out[f"ppl_product_past_{trained}"] = round(float(np.exp(float(loss[trained:].mean()))), 3)
+    if full_picks is not None:
+        out["agree_product"] = round(float((torch.cat(picks) == full_picks).float().mean()), 4)
     if full:
         out["ppl_full"] = round(out["ppl_full"], 3)
         if "full" in tails:

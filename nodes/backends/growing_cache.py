@@ -67,19 +67,29 @@ def rope_inv_freq(config: Any, layer_type: str | None = None) -> torch.Tensor:
     return inv_freq.float()
 
 
-def rotate_forward(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rotation(shift: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [rows, rotated dims] of a rotation by shift [rows] positions, in
+    the rotate-half layout (`rotate_forward`: x * cos + roll(x, half) * signed sin)."""
+    angle = shift.to(torch.float32)[:, None] * inv_freq[None, :].to(torch.float32)
+    sin = angle.sin()
+    return torch.cat((angle, angle), dim=-1).cos(), torch.cat((-sin, sin), dim=-1)
+
+
+def rotate_forward(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor,
+                   turn: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Keys x [..., rows, head dim] stored rotated at their positions, rotated further by
     shift [rows] positions (RoPE composes: a key at p rotated by d is the key at p + d), in
-    the rotate-half layout; dims past 2 * len(inv_freq) (partial rotary) stay."""
+    the rotate-half layout; dims past 2 * len(inv_freq) (partial rotary) stay. `turn`: the
+    `rotation(shift, inv_freq)` already made."""
     rot = 2 * int(inv_freq.shape[0])
-    angle = shift.to(torch.float32)[:, None] * inv_freq[None, :].to(torch.float32)
-    emb = torch.cat((angle, angle), dim=-1)
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    head, tail = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    turned = torch.cat((-head[..., half:], head[..., :half]), dim=-1)
-    out = head * cos + turned * sin
-    return out if tail.shape[-1] == 0 else torch.cat((out, tail), dim=-1)
+    cos, sin = turn if turn is not None else rotation(shift, inv_freq)
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if rot == x.shape[-1]:
+        return torch.addcmul(x * cos, x.roll(rot // 2, dims=-1), sin)
+    head = x[..., :rot]
+    out = torch.addcmul(head * cos, head.roll(rot // 2, dims=-1), sin)
+    return torch.cat((out, x[..., rot:]), dim=-1)
 
 
 class GrowingLayer(DynamicLayer):
@@ -239,8 +249,9 @@ class BoundedLayer(WindowLayer):
         #: the RoPE inverse frequencies of this layer (`rope_inv_freq`): with sinks, the
         #: re-indexed sink keys are rotated with them
         self.inv_freq: torch.Tensor | None = None
-        #: the next forward's re-indexed sinks (`feed`): (shift, src) of `sink_plan`, or None
-        self._plan: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: the next forward's re-indexed sinks (`feed`): shift and src of `sink_plan` per copy,
+        #: and their rotation's (cos, sin); or None
+        self._plan: tuple[torch.Tensor, torch.Tensor, Any] | None = None
         self._plan_at = -1  # the committed length the plan was made for
         super().__init__(sink, window, **kwargs)
 
@@ -307,10 +318,13 @@ class BoundedLayer(WindowLayer):
             return self.keys, self.values
         # re-indexed sinks: row r's own copies of the sink keys, rotated forward for it,
         # after the fed rows (the overlay itself stays [resident ; fed])
-        shift, src = plan
-        sink_k = self._work_k.index_select(-2, src)
-        sink_v = self._work_v.index_select(-2, src)
-        sink_k = rotate_forward(sink_k, shift, self.inv_freq)
+        shift, src, turn = plan
+        if src.shape[0] == self.sink and self._length >= self.sink:  # one row: a view
+            sink_k, sink_v = self._work_k[..., :self.sink, :], self._work_v[..., :self.sink, :]
+        else:
+            sink_k = self._work_k.index_select(-2, src)
+            sink_v = self._work_v.index_select(-2, src)
+        sink_k = rotate_forward(sink_k, shift, self.inv_freq, turn)
         return (torch.cat([self.keys, sink_k], dim=-2), torch.cat([self.values, sink_v], dim=-2))
 
     def feed(self, plan: tuple[np.ndarray, np.ndarray] | None,
@@ -323,13 +337,14 @@ class BoundedLayer(WindowLayer):
         if self.inv_freq is None:
             raise RuntimeError("a bounded layer with sinks needs its RoPE frequencies "
                                "(growing_cache.new_cache sets them)")
-        key = id(plan)
+        key = (id(plan), id(self.inv_freq))
         if memo is not None and key in memo:
             self._plan = memo[key]
         else:
             shift, src = plan
-            self._plan = (torch.from_numpy(np.repeat(shift, self.sink)),
-                          torch.from_numpy(np.ascontiguousarray(src).reshape(-1)))
+            shift_t = torch.from_numpy(np.repeat(shift, self.sink))
+            self._plan = (shift_t, torch.from_numpy(np.ascontiguousarray(src).reshape(-1)),
+                          rotation(shift_t, self.inv_freq))
             if memo is not None:
                 memo[key] = self._plan
         self._plan_at = self.committed()
