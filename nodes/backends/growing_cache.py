@@ -236,7 +236,11 @@ class BoundedLayer(WindowLayer):
     whose drafts were all accepted is never cropped). Committing copies the sinks and the last
     `window` rows of the work buffer into the resident buffer and frees the overlay. A
     rollback into committed positions is exact only while the next query's band is still held
-    (to at least off + window - 1); deeper ones are refused, never served with missing K/V."""
+    (to at least off + window - 1); deeper ones are refused, never served with missing K/V.
+
+    With sinks, their positions are re-indexed (`sink_plan`): `update` returns, after the
+    overlay, each fed row's own sink keys rotated forward (`feed` says how, before the
+    forward), which the band mask lets that row see instead of the originals."""
 
     trim_rows = True
 

@@ -5,8 +5,12 @@ band (docs/engine/cache-shapes.md, "The bounded model"; the torch twin is
 The bounded model is a function of the tokens alone: a query at absolute position q sees key p
 when p < S (the sinks) or q - W < p <= q (the window); RoPE rotates every token at its own
 absolute position (mlx-lm's attention rotates at `cache.offset`, which stays the absolute
-length). Between steps the resident K/V holds exactly the sinks and the last W committed
-positions (one more than the next query reads, so a rollback of one position stays exact).
+length), and the sinks' positions are re-indexed as on torch (a query at q meets sink s at
+distance min(q, S + W - 1) - s): each fed row past S + W - 1 gets its own copies of the sink
+keys, rotated forward by the layer's own rope, after the fed rows, and the mask lets it see
+those instead of the originals (queries never reach an MLX cache: the cache and the mask are
+where this can live). Between steps the resident K/V holds exactly the sinks and the last W
+committed positions (one more than the next query reads, so a rollback of one position stays exact).
 A forward's fed rows go into a transient overlay, [resident ; fed], which `crop` (the
 engine's word on what was accepted, after every step) cuts and commits; a forward with no crop
 after it is committed at the start of the next. The mask (`make_mask`, which mlx-lm's models
