@@ -119,6 +119,7 @@ def _in_chunks(backend: Any, caches: Sequence[Any],
     first (the same model: it is a function of the tokens), then every feed's rest together;
     each sequence's logits as one call would return them."""
     head: list[list[np.ndarray]] = [[] for _ in feeds]
+    hidden: list[list[Any]] = [[] for _ in feeds]  # captured layer inputs (EAGLE-3), per chunk
     rest = []
     for b, ((ids, parents), cache) in enumerate(zip(feeds, caches, strict=True)):
         ids, parents = list(ids), list(parents)
@@ -131,6 +132,8 @@ def _in_chunks(backend: Any, caches: Sequence[Any],
                               last_only=[last[b]])[0]
                 if not last[b]:
                     head[b].append(got)
+                if getattr(cache, "specbus_capture", None):
+                    hidden[b].append(cache.specbus_hidden)
             ids = ids[cut:]
             parents = list(range(-1, len(ids) - 1))
         elif len(ids) > BOUNDED_CHUNK and _reindexed(cache):
@@ -138,6 +141,9 @@ def _in_chunks(backend: Any, caches: Sequence[Any],
                              f"{BOUNDED_CHUNK}")
         rest.append((ids, parents))
     tail = forward(backend, caches, rest, last_only=last)
+    for cache, parts in zip(caches, hidden, strict=True):
+        if parts:
+            cache.specbus_hidden = torch.cat([*parts, cache.specbus_hidden])
     return [np.concatenate([*h, t]) if h else t for h, t in zip(head, tail, strict=True)]
 
 
