@@ -153,6 +153,27 @@ def test_sink_positions_are_reindexed_past_the_bound(bounded, prompts, plain):
     assert (got[edge + 8:] - absolute[edge + 8:]).abs().amax(-1).min() > 1e-3
 
 
+def test_a_tree_holding_its_own_sinks_is_the_reference_model(bounded, prompts):
+    """A draft tree fed after 2 positions, two branches from its root, both deeper than
+    S + W: the sinks at positions 2 and 3 are the tree's own nodes (each branch its own
+    position 3), found through the tree's visibility; every node's logits are the reference
+    model's for its path."""
+    _, b = bounded
+    prefix, pool = prompts[0][:2], prompts[0][2:] + prompts[1] + prompts[3]
+    parents = [-1] + list(range(0, 22)) + [0] + list(range(23, 44))  # 23 + 22 nodes
+    tokens = [pool[i % len(pool)] for i in range(len(parents))]
+    cache = b.new_cache()
+    b.forward(cache, prefix)
+    got = torch.from_numpy(b.forward_tree(cache, tokens, parents))
+    for node in range(len(parents)):
+        path, at = [], node
+        while at >= 0:
+            path.append(tokens[at])
+            at = parents[at]
+        want = _reference_logits(b, prefix + path[::-1])[-1]
+        torch.testing.assert_close(got[node], want, rtol=1e-3, atol=5e-4)
+
+
 def test_a_long_chain_goes_in_chunks_as_the_same_model(bounded, prompts, plain, monkeypatch):
     """A chain longer than `BOUNDED_CHUNK` (a prompt) is fed in chunks, each row's sink
     copies staying few: its logits are still the re-indexed reference's."""
