@@ -356,3 +356,31 @@ def test_a_length_dependent_rope_is_refused_under_a_bound():
     with pytest.raises(ValueError, match="change with the length"):
         growing_cache.new_cache(cfg, (SINK, WINDOW))
     assert growing_cache.new_cache(cfg) is not None  # unbounded: served as before
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 8.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+     "original_max_position_embeddings": 2048},
+], ids=lambda r: r["rope_type"])
+def test_rope_frequencies_of_each_scaling_type(rope):
+    """`rope_inv_freq` against transformers' own Llama rotary embedding for the static RoPE
+    types (yarn's attention scaling multiplies cos and sin there, once; a re-indexed sink's
+    further rotation is a pure one)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from nodes.backends.growing_cache import rope_inv_freq
+
+    cfg = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                      num_hidden_layers=1, intermediate_size=64, rope_parameters=dict(rope),
+                      max_position_embeddings=16384)
+    rotary = LlamaRotaryEmbedding(cfg)
+    pos = torch.tensor([[0, 1, 9, 2047, 9000]])
+    cos, _ = rotary(torch.zeros(1), pos)
+    angle = pos[0, :, None].float() * rope_inv_freq(cfg)[None]
+    torch.testing.assert_close(torch.cat([angle, angle], -1).cos(),
+                               cos[0] / rotary.attention_scaling, rtol=0, atol=2e-6)
