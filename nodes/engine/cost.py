@@ -120,6 +120,9 @@ class _SourceEstimate:
     plain_streak: int = 0
     #: steps in a row it was asked for drafts and had none in the verified tree
     unheard: int = 0
+    #: its drafts came too late to be verified `probe_interval` asks in a row: asked only in
+    #: probes (like a source not worth asking) until one of its drafts is verified
+    late: bool = False
     probing: bool = False
 
     @property
@@ -153,6 +156,10 @@ class CostModel:
     _draft: dict[str, float] = field(default_factory=dict)
     #: source -> draft tokens it brought after a wait for it (EMA); shared by forks like _draft
     _delivered: dict[str, float] = field(default_factory=dict)
+    #: sources late when last judged (`_SourceEstimate.late`): a new generation starts them
+    #: late, so a proposer whose drafts never arrive in time is not asked for (its commits
+    #: pushed, its answers read) the first steps of every request; shared by forks
+    _late: set[str] = field(default_factory=set)
     #: source -> this generation's acceptance and probing state
     _sources: dict[str, _SourceEstimate] = field(default_factory=dict)
     #: source -> [accepted, trials] over every generation (decayed): a new generation's
@@ -181,6 +188,7 @@ class CostModel:
         other._batch = self._batch
         other._draft = self._draft
         other._delivered = self._delivered
+        other._late = self._late
         other._longrun = self._longrun
         return other
 
@@ -191,7 +199,8 @@ class CostModel:
             # the seed is decayed like any observation, so evidence soon outweighs it
             start = self._seed(name)
             est = _SourceEstimate(start * self.prior_weight, self.prior_weight,
-                                  self.probe_every, seed=start, seed_weight=self.prior_weight)
+                                  self.probe_every, seed=start, seed_weight=self.prior_weight,
+                                  late=name in self._late)
             self._sources[name] = est
         return est
 
@@ -338,6 +347,8 @@ class CostModel:
         if est.probing:  # the last probe brought nothing to judge: as good as a failed one
             est.probing = False
             est.probe_interval = min(2 * est.probe_interval, self.max_probe_every)
+        if est.late:  # nothing to weigh until a probe is heard
+            return self._not_asked(est)
         gains, draft = self._gains(name, self.max_k), self.draft_cost(name)
 
         def rate(k: int) -> float:  # committed tokens per second of a block of k drafts
@@ -346,19 +357,27 @@ class CostModel:
         best_k = max(range(self.min_k, self.max_k + 1), key=rate)
         # demand a margin: costs are noisy, and a wrong "yes" costs more than a wrong "no"
         if rate(best_k) > self.margin * rate(0):
-            est.plain_streak = 0
-            if est.unheard >= est.probe_interval:
-                # asked, but never in a verified tree (a remote proposer whose drafts always
-                # come a moment late): its estimate cannot move unless this one is a probe
-                est.unheard = 0
-                est.probing = True
-            return best_k
+            if est.unheard < est.probe_interval:
+                est.plain_streak = 0
+                return best_k
+            # asked, but never in a verified tree: its drafts come too late (a remote
+            # proposer no faster than this verifier, or far away, on text it cannot guess
+            # far ahead). Asking is not free: every commit is pushed to it and its answers
+            # read on this core, 7-9 % of a quantized step for nothing (open-ended text, an
+            # int8 or ngram proposer 50 ms away). So it is asked no more but in probes, like
+            # a source not worth asking, until one of its drafts is verified
+            est.unheard, est.late, est.plain_streak = 0, True, 0
+            self._late.add(name)
+        return self._not_asked(est)
+
+    def _not_asked(self, est: _SourceEstimate) -> int:
+        """choose_k for a source not worth asking (or late): 0, or a probe every
+        `probe_interval` such steps."""
         est.plain_streak += 1
         if est.plain_streak >= est.probe_interval:
             est.plain_streak = 0
             est.probing = True
             return self.probe_length()
-        est.probing = False
         return 0
 
     def fit_draft_to_batch(self, k: int, name: str, sequences: int,
@@ -541,7 +560,8 @@ class CostModel:
         if drafted <= 0:
             return
         est = self._source(name)
-        est.unheard = 0
+        est.unheard, est.late = 0, False
+        self._late.discard(name)
         if est.probing:  # failed probes back off exponentially, a hit resets the interval
             est.probing = False
             backoff = min(2 * est.probe_interval, self.max_probe_every)

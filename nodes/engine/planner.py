@@ -237,7 +237,11 @@ class DraftPlanner:
         it, so without a wait its drafts never arrive in time to be judged and its estimate
         (the prior, at first) never moves. Probes back off while they fail, and a probe's wait
         is capped at its share of the verifier's time (`CostModel.probe_wait`), so a useless
-        or slow source costs at most that share."""
+        or slow source costs at most that share. A source whose drafts are announced later
+        than that cap is not waited for at all: a wait shorter than the announcement brought
+        nothing (an int8 proposer beside a quantized verifier, or 50 ms away: 2-3 % of the
+        verifier's time in empty waits) and it is judged on the drafts that arrive in time on
+        their own."""
         ranked = sorted(seq.slots, key=lambda s: -seq.cost.acceptance_of(s.key))
         for slot in ranked:
             k = min(slot.budget, cap)
@@ -245,10 +249,13 @@ class DraftPlanner:
             if wait is None:
                 continue
             if not seq.cost.wait_pays(slot.key, k, wait):
-                if not seq.cost.probing(slot.key):
+                share = seq.cost.probe_wait(slot.key)
+                if not seq.cost.probing(slot.key) or wait > share:
+                    # not a probe, or its drafts are not due within what a probe may spend:
+                    # a shorter wait brings nothing and costs all of itself
                     continue
                 # a probe: bounded by its share of the verifier's time, not the announcement
-                wait = min(wait, max(0.0, (seq.cost.probe_wait(slot.key) - 0.001) / 2))
+                wait = min(wait, max(0.0, (share - 0.001) / 2))
             return self._wait_then_propose(seq, slot, committed, k, wait) or []
         return []
 

@@ -532,3 +532,57 @@ def test_a_class_not_drafted_yet_follows_the_generation_s_phase():
     c.record_acceptance(4, 4, class_key("s", "m1"))  # m1, m2, m3, m3 right: not m5
     assert c.acceptance_of(five) == pytest.approx(c.acceptance_of("s"))
     assert c.acceptance_of(five) > phase
+
+
+# ---- a source whose drafts come too late --------------------------------------------------------
+def late_model():
+    c = CostModel(max_k=16)
+    for n in range(1, 18):
+        c.record_verify(n, 0.058 + 0.0046 * (n - 1))  # long blocks pay at the prior
+    return c
+
+
+def ask_unheard(c, name, steps):
+    """`steps` plans in which `name`'s drafts were never in the verified tree; the budgets."""
+    ks = []
+    for _ in range(steps):
+        k = c.choose_k(name)
+        ks.append(k)
+        if k:
+            c.record_unheard(name)
+    return ks
+
+
+def test_a_source_never_heard_is_asked_only_in_probes_until_one_is_heard():
+    """A remote proposer whose drafts never arrive in time is asked `probe_every` times, then
+    only in probes (every 8, 16, 32 steps), however good its drafts would be; a probe whose
+    draft is verified makes it a source like any other again."""
+    c = late_model()
+    ks = ask_unheard(c, "remote", 200)
+    best = ks[0]
+    assert best > 0 and ks[:c.probe_every] == [best] * c.probe_every  # while it might be in time
+    asked = [i for i, k in enumerate(ks) if k]
+    later = asked[c.probe_every:]
+    assert 0 < len(later) <= 9 and all(ks[i] == c.probe_length() for i in later)
+    gaps = [b - a for a, b in zip(later, later[1:], strict=False)]
+    assert gaps[-2:] == [c.max_probe_every] * 2  # probes back off while unheard
+    while not c.choose_k("remote"):  # the next probe
+        pass
+    c.record_acceptance(c.probe_length(), c.probe_length(), "remote")  # heard, and right
+    assert c.choose_k("remote") >= best
+
+
+def test_a_late_source_starts_the_next_generation_late_until_it_is_heard():
+    """Lateness belongs to the proposer and the network, not to a prompt: the next generation
+    (and every fork of the engine's model) does not ask it for its first steps; being heard
+    clears that for later generations too."""
+    c = late_model()
+    f = c.fork()
+    ask_unheard(f, "remote", 2 * c.probe_every)
+    c.start_generation()
+    g = c.fork()
+    first = [g.choose_k("remote") for _ in range(c.probe_every)]
+    assert first == [0] * (c.probe_every - 1) + [c.probe_length()]  # a probe, not an ask
+    g.record_acceptance(c.probe_length(), 1, "remote")
+    assert c.fork().choose_k("remote") > 0
+    assert c.fork().choose_k("other") > 0  # other sources were never late

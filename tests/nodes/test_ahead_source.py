@@ -30,6 +30,7 @@ class ScriptedProposer:
         self.host = host
         self.streams: queue.Queue = queue.Queue()
         self.commits: queue.Queue = queue.Queue()
+        self.extends: list = []  # every session_extend message, in order
         host.register_request("session_open", self.streams.put)
         host.register_request("session_extend", self._commit)
         host.register_request("session_close",
@@ -37,6 +38,7 @@ class ScriptedProposer:
 
     def _commit(self, req):
         self.commits.put((req.message["committed"], req.message.tensors[0].tolist()))
+        self.extends.append(req.message)
         req.reply(make("done", finish_reason="extended"))
 
     def chunk(self, req, base, tokens, session=None):
@@ -180,7 +182,8 @@ def test_commits_are_pushed_with_their_delta_and_never_waited_for(make_source, s
 def test_an_idle_source_holds_its_commits_until_asked_or_every_n_steps(make_source, scripted):
     """Not asked for drafts `idle_after` steps in a row (budget 0), a source pushes its commits
     together: when asked again (with the whole delta, so the proposer catches up) or after
-    `idle_push_every` steps' worth of tokens, whichever comes first."""
+    `idle_push_every` steps' worth of tokens, whichever comes first. It pushes every commit
+    again once asked with something to offer."""
     src, req = make_source(DraftPolicy(idle_after=2, idle_push_every=4))
     tokens = list(PROMPT)
 
@@ -201,8 +204,49 @@ def test_an_idle_source_holds_its_commits_until_asked_or_every_n_steps(make_sour
     assert scripted.commits.empty()
     src.propose(tokens, 8)  # asked again: what was held goes at once
     assert scripted.commits.get(timeout=10) == (10, [19])
-    step(8)
-    assert scripted.commits.get(timeout=10) == (11, [20])  # busy again: every commit
+    step(8)  # asked, with nothing to offer (a probe of a late source): it stays quiet
+    assert scripted.commits.empty()
+    scripted.chunk(req, 11, [30, 31])
+    read_until(src, lambda: src.link.chunks == 1)
+    step(8)  # asked and heard: the held commit goes at once, and every commit after it
+    assert scripted.commits.get(timeout=10) == (11, [20])
+    assert scripted.commits.get(timeout=10) == (12, [21])
+
+
+def test_an_idle_eagle_source_holds_its_hidden_states_with_its_commits(host, scripted):
+    """A source reading the verifier's hidden states (an EAGLE-3 head) holds them with its
+    commits while idle and sends them with the commits, every row in order (its head needs
+    the features of every cached position)."""
+    import torch
+
+    from codec.structs import SessionExtend
+
+    policy = DraftPolicy(idle_after=1, idle_push_every=3)
+    link = ProposerLink("p1", host.server.endpoint, "scripted", hidden_layers=(1, 2))
+    src = ProposerSource(link, link.direct(host.factory, "verifier", policy.max_queued), PROMPT,
+                         SamplingParams(), session_id="s1", vocab_size=VOCAB, fingerprint="fp",
+                         max_draft=8, policy=policy)
+    try:
+        scripted.streams.get(timeout=10)
+        tokens, sent = list(PROMPT), []
+        for i in range(7):  # never asked: idle from the second step
+            src.propose(tokens, 0)
+            rows = torch.full((2, 2, 3), float(i)) + torch.arange(2.0).view(2, 1, 1) / 4
+            sent.append(rows)
+            tokens += [50 + 2 * i, 51 + 2 * i]
+            src.feedback(Feedback(committed=tuple(tokens[-2:]), committed_len=len(tokens),
+                                  offered=0, accepted=0, hidden=rows))
+        src.propose(tokens, 8)  # asked: what is held goes at once
+        read_until(src, lambda: len(scripted.extends) == scripted.commits.qsize() and
+                   sum(len(m.tensors[0]) for m in scripted.extends) == 14)
+        pushes = [SessionExtend.from_message(m) for m in scripted.extends]
+        assert 1 < len(pushes) < 7  # held: fewer pushes than steps
+        assert np.concatenate([p.tokens for p in pushes]).tolist() == tokens[len(PROMPT):]
+        assert all(len(p.hidden_rows) == len(p.tokens) for p in pushes)
+        rows = np.concatenate([p.hidden_rows for p in pushes])
+        assert np.array_equal(rows, torch.cat(sent).reshape(14, 6).numpy().astype(np.float16))
+    finally:
+        link.close()
 
 
 def test_a_flooding_proposer_is_dropped_and_counted(make_source, scripted):
