@@ -262,6 +262,11 @@ class CostModel:
         """The single (unnamed) source's estimate."""
         return self.acceptance_of(POOLED)
 
+    def is_late(self, name: str) -> bool:
+        """Whether `name`'s drafts came too late to be verified when it was last judged (the
+        record new generations start from: `_SourceEstimate.late`)."""
+        return name in self._late
+
     def probing(self, name: str = POOLED) -> bool:
         """Whether `name`'s current proposal is a probe (kept in the tree whatever it is worth)."""
         est = self._sources.get(name)

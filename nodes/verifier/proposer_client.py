@@ -62,6 +62,8 @@ RTT_WINDOW = 16
 #: distinct draft classes taken from one proposer (ProposerLink.label): the engine's cost model
 #: keeps an estimate per class, so a proposer inventing labels must not grow it without bound
 MAX_CLASSES = 16
+#: generations in a row a late proposer reading hidden states sits out (ProposerLink.sits_out)
+SIT_OUT = 4
 #: error codes after which a proposer cannot help this session any more
 _FATAL_CODES = frozenset(
     {UnknownSessionError.code, OutOfSyncError.code, TokenizerMismatchError.code})
@@ -131,6 +133,8 @@ class ProposerLink:
     takes_grammar: bool = False
     #: the draft classes this proposer named so far (at most MAX_CLASSES are taken)
     classes: set[str] = field(default_factory=set, repr=False)
+    #: generations in a row this proposer sat out (`sits_out`)
+    sat_out: int = 0
     _rtts: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW),
                                      repr=False)
 
@@ -170,6 +174,25 @@ class ProposerLink:
                 return None
             self.classes.add(name)
         return name
+
+    @property
+    def source_name(self) -> str:
+        """The name its `ProposerSource`s have (the cost model's key for its drafts)."""
+        return f"remote:{self.name or self.node_id}"
+
+    def sits_out(self, late: bool, every: int = SIT_OUT) -> bool:
+        """Whether a generation starts without this proposer: one reading the verifier's
+        hidden states (an EAGLE head) whose drafts came too late to be verified (`late`, the
+        engine's record) sits out up to `every` generations in a row, then drafts in one (a
+        probe generation, where the engine probes it as usual). Why: a session with such a
+        proposer costs the verifier every step whether or not it is asked: each step's hidden
+        states captured in the forward and kept for it (2-5 % of a 7 ms quantized step, an
+        EAGLE head behind +50 ms on open-ended text, where none of its drafts was in time)."""
+        if not (late and self.hidden_layers) or self.sat_out >= every:
+            self.sat_out = 0
+            return False
+        self.sat_out += 1
+        return True
 
     def observe_fresh(self, took: float) -> None:
         """A commit's answer came `took` after the push (read by a waiting poll)."""
@@ -217,7 +240,7 @@ class ProposerSource(DraftSource):
         self.client = client
         #: replies to this source's calls read by another source of the link (or by this one)
         self.inbox: collections.deque = collections.deque()
-        self.name = f"remote:{link.name or link.node_id}"
+        self.name = link.source_name
         #: the engine captures these layers' hidden states; they go with each commit push
         self.hidden_layers = link.hidden_layers
         self.sid = session_id

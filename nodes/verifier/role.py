@@ -530,6 +530,9 @@ class VerifierRole:
             if missing:
                 raise NoProposerError(f"proposers: {missing} not alive or not compatible "
                                       "with this verifier (draft='force')")
+        else:
+            links = [link for link in links
+                     if not link.sits_out(engine.cost.is_late(link.source_name))]
         if links:
             node = self._node
             sid = f"{node.node_id}-{secrets.token_hex(8)}"  # unguessable

@@ -433,3 +433,16 @@ def test_a_chunks_classes_name_the_draft_past_the_prefix_and_are_bounded(
     seen = [src.draft_class(PROMPT + list(range(10, 10 + i))) for i in range(len(labels))]
     assert len({s for s in seen if s is not None} | {"m1", "m5"}) == MAX_CLASSES
     assert seen[-1] is None and len(src.link.classes) == MAX_CLASSES
+
+
+def test_a_late_eagle_proposer_sits_out_generations_then_drafts_in_one():
+    """A proposer reading hidden states whose drafts came too late sits out `every`
+    generations in a row, then drafts in one (where the engine probes it); one reading none,
+    or not late, never sits out."""
+    eagle = ProposerLink("e", "tcp://127.0.0.1:1", "eagle", hidden_layers=(1, 2))
+    assert [eagle.sits_out(True, every=3) for _ in range(8)] == [
+        True, True, True, False, True, True, True, False]
+    assert not eagle.sits_out(False, every=3) and eagle.sat_out == 0
+    ngram = ProposerLink("n", "tcp://127.0.0.1:2", "ngram")
+    assert not any(ngram.sits_out(True) for _ in range(8))
+    assert eagle.source_name == "remote:eagle" and ProposerLink("x", "").source_name == "remote:x"
