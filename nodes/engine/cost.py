@@ -120,8 +120,10 @@ class _SourceEstimate:
     plain_streak: int = 0
     #: steps in a row it was asked for drafts and had none in the verified tree
     unheard: int = 0
-    #: its drafts came too late to be verified `probe_interval` asks in a row: asked only in
-    #: probes (like a source not worth asking) until one of its drafts is verified
+    #: it streams its drafts (`DraftSource.streams`: a remote proposer), so unheard may mean late
+    streams: bool = False
+    #: it streams, and its drafts came too late to be verified `probe_interval` asks in a row:
+    #: asked only in probes (like a source not worth asking) until one of its drafts is verified
     late: bool = False
     probing: bool = False
 
@@ -362,8 +364,14 @@ class CostModel:
         best_k = max(range(self.min_k, self.max_k + 1), key=rate)
         # demand a margin: costs are noisy, and a wrong "yes" costs more than a wrong "no"
         if rate(best_k) > self.margin * rate(0):
+            est.plain_streak = 0
             if est.unheard < est.probe_interval:
-                est.plain_streak = 0
+                return best_k
+            est.unheard = 0
+            if not est.streams:
+                # asked, never in a verified tree (a grammar with nothing forced, a lookup
+                # with no match): its estimate cannot move unless this one is a probe
+                est.probing = True
                 return best_k
             # asked, but never in a verified tree: its drafts come too late (a remote
             # proposer no faster than this verifier, or far away, on text it cannot guess
@@ -371,7 +379,7 @@ class CostModel:
             # read on this core, 7-9 % of a quantized step for nothing (open-ended text, an
             # int8 or ngram proposer 50 ms away). So it is asked no more but in probes, like
             # a source not worth asking, until one of its drafts is verified
-            est.unheard, est.late, est.plain_streak = 0, True, 0
+            est.late = True
             self._late.add(name)
         return self._not_asked(est)
 
@@ -555,9 +563,13 @@ class CostModel:
             return
         self._delivered[name] = ema(old, tokens)
 
-    def record_unheard(self, name: str = POOLED) -> None:
-        """`name` was asked for drafts and none of its tokens is in this step's tree."""
-        self._source(name).unheard += 1
+    def record_unheard(self, name: str = POOLED, streams: bool = False) -> None:
+        """`name` was asked for drafts and none of its tokens is in this step's tree;
+        `streams`: its drafts arrive when they arrive (`DraftSource.streams`), so it may have
+        been too late (`choose_k`: late) rather than empty-handed."""
+        est = self._source(name)
+        est.unheard += 1
+        est.streams = est.streams or streams
 
     def record_acceptance(self, drafted: int, accepted: int, name: str = POOLED) -> None:
         """`name`'s deepest offered chain was `drafted` long; its first `accepted` tokens were

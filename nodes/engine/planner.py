@@ -185,7 +185,7 @@ class DraftPlanner:
             slot.offered = tree.offered_by(slot.tag)
             if self.adaptive and slot.budget > 0 and not slot.offered and \
                     slot.refused_at is None:
-                seq.cost.record_unheard(slot.key)
+                seq.cost.record_unheard(slot.key, streams=slot.source.streams)
         if tree.drafted or found:
             seq.stats.k_hist[tree.drafted] = seq.stats.k_hist.get(tree.drafted, 0) + 1
 

@@ -90,6 +90,10 @@ class DraftSource(ABC):
     #: verifier layers whose hidden states this source reads (EAGLE-3 heads); the engine then
     #: captures them in the verify forwards and hands the committed ones over in `Feedback`
     hidden_layers: tuple[int, ...] | None = None
+    #: its drafts are made elsewhere and arrive when they arrive (a remote proposer): asked
+    #: and absent from the verified tree, it may have been too late rather than empty-handed
+    #: (`CostModel.record_unheard`); an in-process source has what it proposes at once
+    streams: bool = False
 
     @abstractmethod
     def propose(self, committed: Sequence[int], budget: int) -> DraftTree:

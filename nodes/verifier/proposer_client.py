@@ -219,6 +219,8 @@ class ProposerLink:
 class ProposerSource(DraftSource):
     """One proposer's streamed drafts for one generation; `propose` never blocks (but forced)."""
 
+    streams = True
+
     def __init__(
         self,
         link: ProposerLink,

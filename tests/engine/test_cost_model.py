@@ -542,14 +542,14 @@ def late_model():
     return c
 
 
-def ask_unheard(c, name, steps):
+def ask_unheard(c, name, steps, streams=True):
     """`steps` plans in which `name`'s drafts were never in the verified tree; the budgets."""
     ks = []
     for _ in range(steps):
         k = c.choose_k(name)
         ks.append(k)
         if k:
-            c.record_unheard(name)
+            c.record_unheard(name, streams=streams)
     return ks
 
 
@@ -586,3 +586,12 @@ def test_a_late_source_starts_the_next_generation_late_until_it_is_heard():
     g.record_acceptance(c.probe_length(), 1, "remote")
     assert c.fork().choose_k("remote") > 0
     assert c.fork().choose_k("other") > 0  # other sources were never late
+
+
+def test_an_in_process_source_with_nothing_to_offer_is_never_late():
+    """A source that does not stream (the grammar's forced tokens, an in-process lookup) and
+    had nothing to offer was empty-handed, not late: it is still asked every step, so a
+    forced token or a match is taken the step it appears."""
+    c = late_model()
+    ks = ask_unheard(c, "grammar", 100, streams=False)
+    assert all(k > 0 for k in ks) and not c.is_late("grammar")

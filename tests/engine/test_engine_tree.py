@@ -362,6 +362,8 @@ class Late(Chain):
     """A remote-like source: its drafts for a commit arrive only after `wait` (no clock: the
     arrival is the call), and it announces them as due in a millisecond."""
 
+    streams = True
+
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.arrived, self.waits = False, 0
