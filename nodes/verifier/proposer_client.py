@@ -237,6 +237,7 @@ class ProposerSource(DraftSource):
         is_alive: Callable[[str], bool] = lambda node_id: True,
         forced: bool = False,
         grammar: Mapping[str, str] | None = None,
+        late: bool = False,
     ) -> None:
         self.link = link
         self.client = client
@@ -267,8 +268,10 @@ class ProposerSource(DraftSource):
         self._last_fb: float | None = None
         #: the last commit pushed (committed length, sent at) until a chunk based on it arrives
         self.awaiting: tuple[int, float] | None = None
-        #: proposes in a row with no budget, and commits held back meanwhile (`policy.idle_*`)
-        self.idle = 0
+        #: proposes in a row with no budget, and commits held back meanwhile (`policy.idle_*`);
+        #: a proposer the engine holds late (its drafts came too late: `CostModel.is_late`)
+        #: starts quiet, as it will not be asked but in probes
+        self.idle = self.policy.idle_after if late else 0
         self.held: list[int] = []
         #: the hidden states of the held commits (a source with `hidden_layers`), in order:
         #: the engine's tensors (its own copies), converted once when pushed
