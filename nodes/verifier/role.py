@@ -530,7 +530,7 @@ class VerifierRole:
             if missing:
                 raise NoProposerError(f"proposers: {missing} not alive or not compatible "
                                       "with this verifier (draft='force')")
-        else:
+        elif only is None:  # proposers a request names draft with it, late or not
             links = [link for link in links
                      if not link.sits_out(engine.cost.is_late(link.source_name))]
         if links:
