@@ -158,9 +158,11 @@ class CostModel:
     _draft: dict[str, float] = field(default_factory=dict)
     #: source -> draft tokens it brought after a wait for it (EMA); shared by forks like _draft
     _delivered: dict[str, float] = field(default_factory=dict)
-    #: sources late when last judged (`_SourceEstimate.late`): a new generation starts them
-    #: late, so a proposer whose drafts never arrive in time is not asked for (its commits
-    #: pushed, its answers read) the first steps of every request; shared by forks
+    #: sources late when last judged (`_SourceEstimate.late`), shared by forks: what the
+    #: verifier reads to let a late proposer reading hidden states sit out whole generations
+    #: (`ProposerLink.sits_out`). A new generation does not start them late: whether drafts
+    #: are in time depends on the text (a far ngram proposer is late on open-ended answers and
+    #: in time on ones that copy their prompt: started late, it lost 1.3-1.8x -> ~1.0x there)
     _late: set[str] = field(default_factory=set)
     #: source -> this generation's acceptance and probing state
     _sources: dict[str, _SourceEstimate] = field(default_factory=dict)
@@ -201,8 +203,7 @@ class CostModel:
             # the seed is decayed like any observation, so evidence soon outweighs it
             start = self._seed(name)
             est = _SourceEstimate(start * self.prior_weight, self.prior_weight,
-                                  self.probe_every, seed=start, seed_weight=self.prior_weight,
-                                  late=name in self._late)
+                                  self.probe_every, seed=start, seed_weight=self.prior_weight)
             self._sources[name] = est
         return est
 

@@ -237,7 +237,6 @@ class ProposerSource(DraftSource):
         is_alive: Callable[[str], bool] = lambda node_id: True,
         forced: bool = False,
         grammar: Mapping[str, str] | None = None,
-        late: bool = False,
     ) -> None:
         self.link = link
         self.client = client
@@ -268,16 +267,13 @@ class ProposerSource(DraftSource):
         self._last_fb: float | None = None
         #: the last commit pushed (committed length, sent at) until a chunk based on it arrives
         self.awaiting: tuple[int, float] | None = None
-        #: proposes in a row with no budget, and commits held back meanwhile (`policy.idle_*`);
-        #: a proposer the engine holds late (its drafts came too late: `CostModel.is_late`)
-        #: starts quiet, as it will not be asked but in probes
-        self.idle = self.policy.idle_after if late else 0
+        #: proposes in a row with no budget, and commits held back meanwhile (`policy.idle_*`)
+        self.idle = 0
         self.held: list[int] = []
         #: the hidden states of the held commits (a source with `hidden_layers`), in order:
         #: the engine's tensors (its own copies), converted once when pushed
         self.held_rows: list = []
-        # one the engine holds late drafts the shortest horizon until a probe asks it (`_push`)
-        self.horizon = self.policy.min_horizon if late else self._horizon()
+        self.horizon = self._horizon()
         # the grammar goes only to a proposer that takes it (the others draft free and are
         # pruned here): it then drafts what the grammar allows
         opening = SessionOpen(session_id, np.asarray(self.tokens, dtype=np.int32), lease_s,
@@ -349,10 +345,10 @@ class ProposerSource(DraftSource):
         self.held.extend(int(t) for t in fb.committed)
         if self.hidden_layers and fb.hidden is not None and len(fb.hidden):
             self.held_rows.append(fb.hidden)  # held with their commits, sent with them
-        quiet = self._quiet()
-        if quiet and len(self.held) < self.policy.idle_push_every * max(self.per_step, 1.0):
+        if self._quiet() and len(self.held) < self.policy.idle_push_every * max(self.per_step,
+                                                                                  1.0):
             return
-        self._push(now, short=quiet)
+        self._push(now)
 
     def _quiet(self) -> bool:
         """Not asked for drafts lately (`policy.idle_after` steps): its commits are held and
@@ -362,18 +358,17 @@ class ProposerSource(DraftSource):
         quantized step for a proposer the engine had stopped asking."""
         return self.idle >= self.policy.idle_after and not self.forced
 
-    def _push(self, now: float, short: bool = False) -> None:
+    def _push(self, now: float) -> None:
         """Send the commits held so far, with their hidden states (if any), having read what
-        arrived meanwhile. `short`: a quiet source's periodic push, with the shortest horizon
-        (`policy.min_horizon`): a proposer the engine is not asking need not draft far ahead
-        for it (an int8 copy drafting its full horizon after every such push was busy all the
-        time, for drafts nobody read, and on this 2-core VM its memory traffic slowed the
-        verifier's core); a probe's push (`propose`) asks for the whole horizon again."""
+        arrived meanwhile. A quiet source's pushes keep the whole horizon: a probe reads the
+        chunk answering the last push, which can still extend the prefix 16 steps on only if
+        it drafted that far (tried: the shortest horizon made a far ngram proposer's probes
+        fail on prompts it could copy)."""
         if self._quiet():
             self._drain()
             if self.dropped:
                 return
-        self.horizon = self.policy.min_horizon if short else self._horizon()
+        self.horizon = self._horizon()
         rows = _hidden_rows(self.held_rows)
         push = SessionExtend(self.sid, np.asarray(self.held, dtype=np.int32),
                              len(self.tokens), self.horizon,

@@ -545,7 +545,6 @@ class VerifierRole:
                 is_alive=self._is_alive, forced=parsed.force_draft,
                 # a resumed generation's grammar state starts inside its prompt: free drafts
                 grammar=parsed.grammar if not parsed.resumed else None,
-                late=engine.cost.is_late(link.source_name),
             ) for i, link in enumerate(links)]
         return []
 

@@ -572,20 +572,19 @@ def test_a_source_never_heard_is_asked_only_in_probes_until_one_is_heard():
     assert c.choose_k("remote") >= best
 
 
-def test_a_late_source_starts_the_next_generation_late_until_it_is_heard():
-    """Lateness belongs to the proposer and the network, not to a prompt: the next generation
-    (and every fork of the engine's model) does not ask it for its first steps; being heard
-    clears that for later generations too."""
+def test_lateness_is_recorded_but_a_new_generation_asks_the_source_again():
+    """Whether a proposer's drafts are in time depends on the text (a far ngram proposer is
+    late on open-ended answers, in time on ones that copy their prompt), so the next
+    generation asks a late source from its first step; the engine's record still says it was
+    late (what lets a late EAGLE head sit out generations) until one of its drafts is heard."""
     c = late_model()
-    f = c.fork()
-    ask_unheard(f, "remote", 2 * c.probe_every)
+    ask_unheard(c.fork(), "remote", 2 * c.probe_every)
+    assert c.is_late("remote")
     c.start_generation()
     g = c.fork()
-    first = [g.choose_k("remote") for _ in range(c.probe_every)]
-    assert first == [0] * (c.probe_every - 1) + [c.probe_length()]  # a probe, not an ask
-    g.record_acceptance(c.probe_length(), 1, "remote")
-    assert c.fork().choose_k("remote") > 0
-    assert c.fork().choose_k("other") > 0  # other sources were never late
+    assert g.choose_k("remote") > 0
+    g.record_acceptance(3, 1, "remote")
+    assert not c.is_late("remote") and not c.is_late("other")
 
 
 def test_an_in_process_source_with_nothing_to_offer_is_never_late():

@@ -58,13 +58,13 @@ def scripted(host):
 def make_source(host, scripted):
     made = []
 
-    def make_(policy=None, alive=lambda node_id: True, forced=False, late=False):
+    def make_(policy=None, alive=lambda node_id: True, forced=False):
         policy = policy or DraftPolicy()
         link = ProposerLink("p1", host.server.endpoint, "scripted")
         client = link.direct(host.factory, "verifier", policy.max_queued)
         src = ProposerSource(link, client, PROMPT, SamplingParams(), session_id="s1",
                              vocab_size=VOCAB, fingerprint="fp", max_draft=8, policy=policy,
-                             is_alive=alive, forced=forced, late=late)
+                             is_alive=alive, forced=forced)
         req = scripted.streams.get(timeout=10)
         made.append(link)
         return src, req
@@ -211,20 +211,6 @@ def test_an_idle_source_holds_its_commits_until_asked_or_every_n_steps(make_sour
     step(8)  # asked and heard: the held commit goes at once, and every commit after it
     assert scripted.commits.get(timeout=10) == (11, [20])
     assert scripted.commits.get(timeout=10) == (12, [21])
-
-
-def test_a_source_the_engine_holds_late_starts_quiet(make_source, scripted):
-    """Opened for a proposer whose drafts came too late last time (the engine will ask it only
-    in probes), a source holds its commits from the first step."""
-    src, req = make_source(DraftPolicy(idle_after=4, idle_push_every=3), late=True)
-    tokens = list(PROMPT)
-    for i in range(3):
-        src.propose(tokens, 0)
-        tokens.append(20 + i)
-        src.feedback(Feedback(committed=(tokens[-1],), committed_len=len(tokens), offered=0,
-                              accepted=0))
-    assert scripted.commits.get(timeout=10) == (7, [20, 21, 22])  # one push for three steps
-    assert scripted.commits.empty()
 
 
 def test_an_idle_eagle_source_holds_its_hidden_states_with_its_commits(host, scripted):
