@@ -266,8 +266,8 @@ class CostModel:
         return self.acceptance_of(POOLED)
 
     def is_late(self, name: str) -> bool:
-        """Whether `name`'s drafts came too late to be verified when it was last judged (the
-        record new generations start from: `_SourceEstimate.late`)."""
+        """Whether `name`'s drafts came too late to be verified when it was last judged
+        (`_SourceEstimate.late`; a record only: a new generation asks it again)."""
         return name in self._late
 
     def probing(self, name: str = POOLED) -> bool:

@@ -249,11 +249,11 @@ class DraftPlanner:
             if wait is None:
                 continue
             if not seq.cost.wait_pays(slot.key, k, wait):
-                share = seq.cost.probe_wait(slot.key)
-                if not seq.cost.probing(slot.key) or wait > share:
-                    # not a probe, or its drafts are not due within what a probe may spend:
-                    # a shorter wait brings nothing and costs all of itself
+                if not seq.cost.probing(slot.key):
                     continue
+                share = seq.cost.probe_wait(slot.key)
+                if wait > share:  # not due within what a probe may spend: a shorter wait
+                    continue  # brings nothing and costs all of itself
                 # a probe: bounded by its share of the verifier's time, not the announcement
                 wait = min(wait, max(0.0, (share - 0.001) / 2))
             return self._wait_then_propose(seq, slot, committed, k, wait) or []

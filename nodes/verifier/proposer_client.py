@@ -345,9 +345,12 @@ class ProposerSource(DraftSource):
         self.held.extend(int(t) for t in fb.committed)
         if self.hidden_layers and fb.hidden is not None and len(fb.hidden):
             self.held_rows.append(fb.hidden)  # held with their commits, sent with them
-        if self._quiet() and len(self.held) < self.policy.idle_push_every * max(self.per_step,
-                                                                                  1.0):
-            return
+        if self._quiet():
+            if len(self.held) < self.policy.idle_push_every * max(self.per_step, 1.0):
+                return
+            self._drain()  # what it sent since it was last read, before the push
+            if self.dropped:
+                return
         self._push(now)
 
     def _quiet(self) -> bool:
@@ -359,15 +362,10 @@ class ProposerSource(DraftSource):
         return self.idle >= self.policy.idle_after and not self.forced
 
     def _push(self, now: float) -> None:
-        """Send the commits held so far, with their hidden states (if any), having read what
-        arrived meanwhile. A quiet source's pushes keep the whole horizon: a probe reads the
-        chunk answering the last push, which can still extend the prefix 16 steps on only if
-        it drafted that far (tried: the shortest horizon made a far ngram proposer's probes
-        fail on prompts it could copy)."""
-        if self._quiet():
-            self._drain()
-            if self.dropped:
-                return
+        """Send the commits held so far, with their hidden states (if any). A quiet source's
+        pushes keep the whole horizon: a probe reads the chunk answering the last push, which
+        can still extend the prefix 16 steps on only if it drafted that far (tried: the
+        shortest horizon made a far ngram proposer's probes fail on prompts it could copy)."""
         self.horizon = self._horizon()
         rows = _hidden_rows(self.held_rows)
         push = SessionExtend(self.sid, np.asarray(self.held, dtype=np.int32),
