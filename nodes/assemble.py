@@ -201,7 +201,9 @@ def assemble(spec: RoleSpec) -> Roles:
             max_batch=spec.max_batch, per_client=roles.verifier.slots.per_peer,
             weights=getattr(backend, "weights", "fp32").split(" ", 1)[0])
         if getattr(backend, "kv_bound", None):  # --kv-sink/--kv-window: [sink, window]
-            roles.card["extras"]["kv_bound"] = list(backend.kv_bound)
+            from nodes.backends.kv_bound import POSITIONS
+
+            roles.card["extras"].update(kv_bound=list(backend.kv_bound), kv_positions=POSITIONS)
         if spec.share != "off":
             from nodes.node_common.suffix_share import Publisher
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nodes.backends.kv_bound import POSITIONS
 from nodes.engine.core import Engine, GenerationResult
 from nodes.engine.errors import BadRequestError
 
@@ -70,4 +71,6 @@ def result_dict(engine: Engine, gen: GenerationResult) -> dict:
         #: the verifier's K/V buffers at the end (bytes; None where the backend says not)
         "kv_bytes": getattr(engine.backend, "last_kv_bytes", None),
         "kv_bound": list(getattr(engine.backend, "kv_bound", None) or []) or None,
+        #: where the bound puts its sinks (`kv_bound.POSITIONS`); None without a bound
+        "kv_positions": POSITIONS if getattr(engine.backend, "kv_bound", None) else None,
     }

@@ -167,11 +167,15 @@ def member_fields(m: Member) -> dict[str, Any]:
 
 def card_kv_bound(card) -> str:
     """A verifier's bounded K/V as its card says it (`extras.kv_bound`, [sink, window]:
-    `--kv-sink/--kv-window`), e.g. "kv 4+64", or "" for full attention."""
-    got = card.extras.get("kv_bound") if isinstance(card.extras, dict) else None
+    `--kv-sink/--kv-window`, and `extras.kv_positions`, where the sinks sit), e.g.
+    "kv 4+64 reindexed", or "" for full attention."""
+    extras = card.extras if isinstance(card.extras, dict) else {}
+    got = extras.get("kv_bound")
     if (isinstance(got, list | tuple) and len(got) == 2
             and all(isinstance(x, int) and not isinstance(x, bool) for x in got)):
-        return f"kv {got[0]}+{got[1]}"
+        mode = extras.get("kv_positions")
+        mode = f" {printable(mode, 16)}" if isinstance(mode, str) and mode else ""
+        return f"kv {got[0]}+{got[1]}{mode}"
     return ""
 
 

@@ -13,6 +13,10 @@ from nodes.engine.errors import BadRequestError
 
 #: the largest sink or window `--kv-sink/--kv-window` takes (positions)
 MAX_KV_BOUND = 1 << 20
+#: how a bound places its sinks, as the card (`extras.kv_positions`), `generate --json` and
+#: the monitor say it: re-indexed within the cache (`sink_plan`), the one mode computed
+#: (absolute sink positions were measured and left: docs/engine/cache-shapes.md)
+POSITIONS = "reindexed"
 
 
 def check_kv_bound(sink: int | None, window: int | None,

@@ -268,6 +268,7 @@ def test_the_entry_points_pass_the_bound(bounded, prompt):
     gen = engine.generate(prompt, GenerationParams(max_tokens=8, eos_token_ids=EOS_NONE))
     out = result_dict(engine, gen)
     assert out["kv_bound"] == [SINK, WINDOW] and out["backend"] == "mlx"
+    assert out["kv_positions"] == "reindexed"
     assert len(prompt) + 8 > SINK + WINDOW
     assert out["kv_bytes"] == kv_bytes_after(other, 300)[0]  # the band's bytes
 

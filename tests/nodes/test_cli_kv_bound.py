@@ -50,5 +50,5 @@ def test_a_bounded_local_run_reports_its_kv_bytes(tiny_folder):
                   "--json")
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
-    assert got["kv_bound"] == [4, 16]
+    assert got["kv_bound"] == [4, 16] and got["kv_positions"] == "reindexed"
     assert got["kv_bytes"] == 2 * 2 * 2 * 16 * 4 * (4 + 16)  # layers, K+V, heads, dim

@@ -33,6 +33,7 @@ def test_a_bounded_verifier_is_lossless_and_says_its_bound(bounded_cluster):
     with client_of(bounded_cluster) as client:
         v = client.verifiers(60)[0]
         assert v.card.extras.get("kv_bound") == [SINK, WINDOW]
+        assert v.card.extras.get("kv_positions") == "reindexed"
         plain = client.generate(GenerateRequest(PROMPT, max_tokens=MAX, speculate=False), v)
         spec = client.generate(GenerateRequest(PROMPT, max_tokens=MAX), v)
     assert spec.stats["token_ids"] == plain.stats["token_ids"]
