@@ -155,21 +155,23 @@ def accept_tree_masked(
     tree: TokenTree,
     params: SamplingParams,
     noise_at: Callable[[int], np.ndarray],
-    mask: Callable[[np.ndarray], np.ndarray],
+    mask: Callable[[np.ndarray], tuple[np.ndarray, int | None]],
     advance: Callable[[int], None],
 ) -> tuple[list[int], int]:
     """`accept_tree_greedy` / `accept_tree_keyed` under a constraint: at each node walked, the
     row is masked first (`mask(row)`: the forbidden tokens at -inf, from the constraint's state
-    after the path so far), the verifier's token is chosen from the masked row (greedy: its
-    argmax; sampling: the keyed draw from the masked, renormalised distribution), and the
+    after the path so far, and the greedy pick where the mask found it already), the
+    verifier's token is chosen from the masked row (greedy: its argmax; sampling: the keyed
+    draw from the masked, renormalised distribution), and the
     constraint advances by it (`advance`). The same token a plain constrained run picks at that
     position, so the text never depends on the drafts here either."""
     node, path = 0, []
     while True:
-        row = mask(logits[node])
+        row, token = mask(logits[node])
         logits[node] = row
-        depth = tree.depths[node]
-        token = choose(row, params, lambda d=depth: noise_at(d))
+        if token is None:
+            depth = tree.depths[node]
+            token = choose(row, params, lambda d=depth: noise_at(d))
         advance(token)
         child = tree.children[node].get(token)
         if child is None:

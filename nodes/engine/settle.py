@@ -64,6 +64,7 @@ def row_rules(seq: SequenceState, root_bits: np.ndarray | None = None
               ) -> tuple[Any, Any] | None:
     """(mask, advance) for a walk from the committed state: `mask(row)` is the row under the
     logit controls (`adjust_logits`, with the history along the walk so far) and the grammar,
+    with the greedy token where the grammar's check already found it (else None),
     `advance(token)` moves both on by the token chosen. None when neither applies.
     `root_bits`: the grammar's packed mask of the committed state, filled ahead
     (`Grammars.fill_ahead`): the walk's first row (the root) takes it instead of a fill."""
@@ -77,13 +78,13 @@ def row_rules(seq: SequenceState, root_bits: np.ndarray | None = None
     argmax_only = sp.greedy and seq.params.logprobs is None
     ahead = [root_bits] if root_bits is not None and grammar is not None else []
 
-    def mask(row: np.ndarray) -> np.ndarray:
+    def mask(row: np.ndarray) -> tuple[np.ndarray, int | None]:
         if walk is not None:
             row = adjust_logits(row, sp, walk)
         if grammar is not None:
             bits = ahead.pop() if ahead else None  # the root's, then each row its own
-            row = grammar.mask_logits(row, argmax_only=argmax_only, bits=bits)
-        return row
+            return grammar.mask_and_pick(row, argmax_only=argmax_only, bits=bits)
+        return row, None
 
     def advance(token: int) -> None:
         if walk is not None:
@@ -115,9 +116,11 @@ class Settler:
             return self.nothing(seq, fed)
         sp = seq.params.sampling
         rules = row_rules(seq)
+        first = None
         if rules is not None:  # the first token too comes from the adjusted, masked row
-            row = rules[0](np.array(row, copy=True))
-        first = choose(row, sp, lambda: noise(seq, len(prompt), self.backend.vocab_size))
+            row, first = rules[0](np.array(row, copy=True))
+        if first is None:
+            first = choose(row, sp, lambda: noise(seq, len(prompt), self.backend.vocab_size))
         if rules is not None:
             rules[1](first)
         return replace(self._commit(seq, [first], drafted=0, accepted=0, base=0,

@@ -281,8 +281,9 @@ def test_one_token_check_agrees_with_the_mask(grammars, tiny_torch):
             row = np.random.default_rng(at).standard_normal(tiny_torch.vocab_size)
             row[np.flatnonzero(~allowed)[:n]] = [99.0, 98.0, 98.0, 97.0, 96.0, 95.0][:n]
             full = m.mask_logits(row.copy())
-            lazy = m.mask_logits(row.copy(), argmax_only=True)
+            lazy, pick = m.mask_and_pick(row.copy(), argmax_only=True)
             assert int(np.argmax(lazy)) == int(np.argmax(full)), (at, n)
+            assert pick is None or pick == int(np.argmax(full)), (at, n)
     # and along random walks through the other kinds (a regex, Lark, any JSON object)
     rng = np.random.default_rng(0)
     for c in (REGEX, LARK, Constraint("json_object")):
@@ -362,3 +363,50 @@ def test_drafts_the_grammar_refuses_count_as_misses(tiny_torch, prompt_ids):
     assert seq.stats.drafted == 0  # nothing of it ever cost a row
     assert seq.cost.acceptance_of("ungrammatical") < 0.2
     assert source.asked < len(tokens) // 2  # asked less and less: it has been wrong
+
+
+TOOL_LIKE = Constraint.json_schema({"anyOf": [
+    {"type": "object", "properties": {
+        "tool": {"const": name},
+        "arguments": {"type": "object", "properties": {k: {"type": "string", "maxLength": 5}
+                                                       for k in keys},
+                      "required": list(keys), "additionalProperties": False}},
+     "required": ["tool", "arguments"], "additionalProperties": False}
+    for name, keys in (("get_weather", ("city", "date")), ("get_time", ("city",)))]})
+
+
+def test_recalled_forced_tokens_answer_as_the_mask(grammars, tiny_torch):
+    """A state's check of a token against forced text uses the fast-forward tokens of an
+    earlier state with the same last token and forced bytes (`GrammarMatcher.forced_memo`,
+    shared by a grammar's sequences): the answers must stay the mask's, token by token, on
+    random walks through grammars whose forced runs recur (keys, tool names), with the memo
+    warmed by the walks before; what the recall rests on must hold in every state recalled
+    (llguidance's own tokens and the recalled agree where both have them); and the recall
+    must be used."""
+    rng = np.random.default_rng(7)
+    vocab = tiny_torch.vocab_size
+    recalled = 0
+    for c in (TOOL_LIKE, JSON_SCHEMA, Constraint("json_object")):
+        for walk in range(4):
+            m = grammars.matcher(c)
+            assert m.forced_memo is not None
+            for _ in range(40):
+                if m.done:
+                    break
+                allowed = m.allowed()
+                text = m._forced_bytes()
+                known = m._recalled(text)
+                recalled += bool(known)
+                if known is not None:  # what the recall rests on: one tokenization, cut
+                    real = list(m.ll.compute_ff_tokens())
+                    n = min(len(real), len(known))
+                    assert real[:n] == known[:n], (c.kind, walk, real, known)
+                # every allowed token, the recalled first token, and a sample of the rest
+                ids = set(np.flatnonzero(allowed)[:300].tolist())
+                ids |= set(rng.integers(0, vocab, 200).tolist())
+                if known:
+                    ids.add(known[0])
+                for t in sorted(ids):
+                    assert m.allows(t) == bool(allowed[t]), (c.kind, walk, t)
+                m.advance(int(rng.choice(np.flatnonzero(allowed))))
+    assert recalled > 0
