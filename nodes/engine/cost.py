@@ -57,6 +57,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 from nodes.engine.sources import class_at, names_match
 
@@ -66,6 +67,9 @@ _LONG_DECAY = 0.9
 _EMA = 0.3
 #: the source key of callers that do not name one (a single drafter)
 POOLED = ""
+#: sources (and their draft classes) a verifier's records keep (`_keep`): it meets proposers
+#: for as long as it runs, each restart under a new name; the least recently updated go first
+MAX_RECORDS = 4096
 #: joins a source's name and a draft class (`class_key`)
 _CLASS_SEP = "#"
 
@@ -163,7 +167,7 @@ class CostModel:
     #: (`ProposerLink.sits_out`). A new generation does not start them late: whether drafts
     #: are in time depends on the text (a far ngram proposer is late on open-ended answers and
     #: in time on ones that copy their prompt: started late, it lost 1.3-1.8x -> ~1.0x there)
-    _late: set[str] = field(default_factory=set)
+    _late: dict[str, bool] = field(default_factory=dict)
     #: source -> this generation's acceptance and probing state
     _sources: dict[str, _SourceEstimate] = field(default_factory=dict)
     #: source -> [accepted, trials] over every generation (decayed): a new generation's
@@ -381,7 +385,7 @@ class CostModel:
             # int8 or ngram proposer 50 ms away). So it is asked no more but in probes, like
             # a source not worth asking, until one of its drafts is verified
             est.late = True
-            self._late.add(name)
+            _keep(self._late, name, True)
         return self._not_asked(est)
 
     def _not_asked(self, est: _SourceEstimate) -> int:
@@ -553,7 +557,7 @@ class CostModel:
         """`name` spent `seconds` of the verifier's time drafting `drafted` tokens."""
         if drafted <= 0:
             return
-        self._draft[name] = ema(self._draft.get(name), seconds / drafted)
+        _keep(self._draft, name, ema(self._draft.get(name), seconds / drafted))
 
     def record_delivered(self, name: str, tokens: int, asked: int) -> None:
         """After a wait for `name`, asked for `asked`, it offered `tokens` (its longest
@@ -562,7 +566,7 @@ class CostModel:
         old = self._delivered.get(name)
         if old is not None and tokens >= asked and old > tokens:
             return
-        self._delivered[name] = ema(old, tokens)
+        _keep(self._delivered, name, ema(old, tokens))
 
     def record_unheard(self, name: str = POOLED, streams: bool = False) -> None:
         """`name` was asked for drafts and none of its tokens is in this step's tree;
@@ -579,7 +583,7 @@ class CostModel:
             return
         est = self._source(name)
         est.unheard, est.late = 0, False
-        self._late.discard(name)
+        self._late.pop(name, None)
         if est.probing:  # failed probes back off exponentially, a hit resets the interval
             est.probing = False
             backoff = min(2 * est.probe_interval, self.max_probe_every)
@@ -594,12 +598,22 @@ class CostModel:
             c[1] += 1
         for key, (ok, n) in counts.items():
             _observe(self._source(key), ok, n)
-            rec = self._longrun.setdefault(key, [0.0, 0.0])
+            rec = self._longrun.get(key) or [0.0, 0.0]
             rec[0] = _LONG_DECAY * rec[0] + ok
             rec[1] = _LONG_DECAY * rec[1] + n
+            _keep(self._longrun, key, rec)
         source = _source_of(name)
         if source is not None:  # a class's drafts count for its source's phase too
             _observe(self._source(source), accepted, trials)
+
+
+def _keep(record: dict, key: str, value: Any) -> None:
+    """`record[key] = value` as its newest entry; past `MAX_RECORDS` the least recently kept
+    dropped (records shared by a verifier's sequences for its whole life)."""
+    record.pop(key, None)
+    record[key] = value
+    while len(record) > MAX_RECORDS:
+        del record[next(iter(record))]
 
 
 def _observe(est: _SourceEstimate, accepted: float, trials: float) -> None:

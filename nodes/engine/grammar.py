@@ -66,6 +66,9 @@ FORCED_WAYS = 3
 ARGMAX_TRIES = 4
 #: (last token, forced bytes) keys remembered per grammar (`GrammarMatcher.forced_memo`)
 FORCED_MEMO_KEPT = 4096
+#: forced tails whose first token a verifier remembers across sequences (`Grammars.habits`),
+#: the least recently learnt dropped first
+HABITS_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -357,7 +360,12 @@ class GrammarMatcher:
         """The model wrote a forced tail starting with `token`: draft that way next time."""
         piece = self.pieces.bytes[token] if self.pieces is not None else b""
         if piece and (tail.startswith(piece) or piece.startswith(tail)):
-            self.habits[tail] = self.shared_habits[tail] = token
+            self.habits[tail] = token
+            shared = self.shared_habits  # (the verifier's, for its whole life: bounded)
+            shared.pop(tail, None)
+            shared[tail] = token
+            while len(shared) > HABITS_KEPT:
+                del shared[next(iter(shared))]
 
     def sync(self, generated: int) -> None:
         """Roll back to `generated` tokens consumed (a stop rule cut the block)."""

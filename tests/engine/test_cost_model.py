@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nodes.engine import cost as cost_mod
 from nodes.engine.cost import CostModel
 from nodes.engine.tree import DraftTree, TokenTree
 
@@ -594,3 +595,23 @@ def test_an_in_process_source_with_nothing_to_offer_is_never_late():
     c = late_model()
     ks = ask_unheard(c, "grammar", 100, streams=False)
     assert all(k > 0 for k in ks) and not c.is_late("grammar")
+
+
+def test_the_records_of_sources_stay_bounded_as_proposers_come_and_go(monkeypatch):
+    """A verifier meets proposers for as long as it runs, each restart under a new name: its
+    shared records (acceptance over generations, draft costs, deliveries, lateness) keep the
+    `MAX_RECORDS` most recently updated keys, and a kept source's record is what it learnt."""
+    monkeypatch.setattr(cost_mod, "MAX_RECORDS", 50)
+    c = late_model()
+    for i in range(200):
+        g = c.fork()
+        late, heard = f"far-{i}", f"near-{i}"
+        ask_unheard(g, late, 2 * c.probe_every)  # late: its drafts never came in time
+        g.record_acceptance(4, 2, heard)
+        g.record_draft(4, 0.001, heard)
+        g.record_delivered(heard, 4, 4)
+    for record in (c._longrun, c._draft, c._delivered, c._late):
+        assert 0 < len(record) <= 50
+    assert c.is_late("far-199") and not c.is_late("far-0")  # (forgotten: asked again)
+    assert "near-0" not in c._draft and "near-199" in c._draft
+    assert c._longrun["near-199"][1] > 0  # the newest is kept, with what it learnt

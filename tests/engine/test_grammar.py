@@ -410,3 +410,19 @@ def test_recalled_forced_tokens_answer_as_the_mask(grammars, tiny_torch):
                     assert m.allows(t) == bool(allowed[t]), (c.kind, walk, t)
                 m.advance(int(rng.choice(np.flatnonzero(allowed))))
     assert recalled > 0
+
+
+def test_the_shared_habits_stay_bounded(grammars, monkeypatch):
+    """How the model wrote a forced tail is remembered across a verifier's sequences for its
+    whole life (`Grammars.habits`): at most `HABITS_KEPT` tails, the least recently learnt
+    dropped first."""
+    from nodes.engine import grammar as grammar_mod
+
+    monkeypatch.setattr(grammar_mod, "HABITS_KEPT", 2)
+    shared: dict[bytes, int] = {}
+    m = grammars.matcher(JSON_SCHEMA)
+    m.shared_habits = shared
+    a = m.pieces.bytes.index(b"a")
+    for tail in (b"ax", b"ay", b"az"):
+        m._learn(tail, a)
+    assert list(shared) == [b"ay", b"az"] and m.habits[b"ax"] == a
