@@ -214,27 +214,30 @@ def _speculate(b: Any, ids: list[int], tokens: int, rounds: int,
             got = self.truth[at:at + min(budget, 8)]
             return DraftTree.of_chain(got if budget else [])
 
-    def generate(name: str, truth: list[int] | None) -> tuple[list[int], float]:
+    def generate(name: str, truth: list[int] | None) -> tuple[list[int], float, Stats]:
         drafter = make_drafter("ngram", b) if name == "ngram" else None
         kw = {"sources": [Oracle(truth)]} if name == "oracle" else {}
         params = GenerationParams(max_tokens=tokens, eos_token_ids=())
-        out, first, n0 = [], None, 0
-        for block in Engine(b, drafter).stream(prompt, params, stats=Stats(), **kw):
+        out, first, n0, stats = [], None, 0, Stats()
+        for block in Engine(b, drafter).stream(prompt, params, stats=stats, **kw):
             if first is None:
                 first, n0 = time.perf_counter(), len(block.token_ids)
             out.extend(block.token_ids)
-        return out, (len(out) - n0) / (time.perf_counter() - first)
+        return out, (len(out) - n0) / (time.perf_counter() - first), stats
 
     modes = {"full": None, "bounded": tuple(bound)}
     speeds: dict[tuple[str, str], list[float]] = {}
     outs: dict[tuple[str, str], list[int]] = {}
+    drafted: dict[str, tuple[int, int, int]] = {}  # mode -> ngram's (drafted, accepted, blocks)
     for _ in range(rounds):  # modes and drafters in turn: load falls on all alike
         for mode, kv in modes.items():
             b.kv_bound = kv
             for name in ("plain", "ngram", "oracle"):
-                out, tok_s = generate(name, outs.get((mode, "plain")))
+                out, tok_s, st = generate(name, outs.get((mode, "plain")))
                 speeds.setdefault((mode, name), []).append(tok_s)
                 outs.setdefault((mode, name), out)
+                if name == "ngram":  # (the same every round: greedy, the same text)
+                    drafted[mode] = (st.drafted, st.accepted, st.blocks)
     result = []
     for mode in modes:  # speedups: the median of each round's ratio (runs taken together)
         med = {n: statistics.median(speeds[mode, n]) for n in ("plain", "ngram", "oracle")}
@@ -246,6 +249,12 @@ def _speculate(b: Any, ids: list[int], tokens: int, rounds: int,
                        "ngram_speedup": round(ratio["ngram"], 3),
                        "oracle_tok_s": round(med["oracle"], 2),
                        "oracle_speedup": round(ratio["oracle"], 3),
+                       # what the bound does to the drafter: how much of its drafts the
+                       # mode's own text takes (the oracle's is 1 in both modes)
+                       "ngram_acceptance": round(drafted[mode][1] / max(1, drafted[mode][0]),
+                                                 3),
+                       "ngram_tokens_per_block": round(len(outs[mode, "ngram"])
+                                                       / max(1, drafted[mode][2]), 2),
                        "identical": outs[mode, "plain"] == outs[mode, "ngram"]
                        == outs[mode, "oracle"]})
     return {"speculation": result}
@@ -342,7 +351,9 @@ def _print(rep: dict[str, Any]) -> None:
               f"{r['solo_tok_s']:7.2f}")
     for r in rep["speculation"]:
         print(f"speculation ({r['mode']}): plain {r['plain_tok_s']} tok/s; ngram "
-              f"{r['ngram_tok_s']} tok/s, {r['ngram_speedup']}x; oracle 8 deep "
+              f"{r['ngram_tok_s']} tok/s, {r['ngram_speedup']}x (acceptance "
+              f"{r['ngram_acceptance']}, {r['ngram_tokens_per_block']} tokens a block); "
+              f"oracle 8 deep "
               f"{r['oracle_tok_s']} tok/s, {r['oracle_speedup']}x; identical {r['identical']}")
     print("summary: " + ", ".join(f"{k} {v}" for k, v in rep["summary"].items()))
 
