@@ -326,8 +326,8 @@ class GrammarMatcher:
         #: tokens consumed since the start of the generation
         self.consumed = 0
         self._bits = np.full((1, (vocab_size + 31) // 32), -1, dtype=np.int32)
-        #: changes with every move of `ll` (advance, rollback, resume): what `_forced_now`
-        #: computed is for the state it was computed in
+        #: changes with every move of `ll` (advance, rollback, resume): what `_forced_bytes`
+        #: and `_forced_tokens` computed (`_ff`) is for the state it was computed in
         self._state = 0
         self._ff: tuple[int, bytes, list[int] | None] | None = None
         #: the tokens `ll` has consumed (the last one is part of how llguidance tokenizes
