@@ -67,7 +67,7 @@ _LONG_DECAY = 0.9
 _EMA = 0.3
 #: the source key of callers that do not name one (a single drafter)
 POOLED = ""
-#: sources (and their draft classes) a verifier's records keep (`_keep`): it meets proposers
+#: sources (and their draft classes) a verifier's records keep (`keep_newest`): it meets proposers
 #: for as long as it runs, each restart under a new name; the least recently updated go first
 MAX_RECORDS = 4096
 #: joins a source's name and a draft class (`class_key`)
@@ -385,7 +385,7 @@ class CostModel:
             # int8 or ngram proposer 50 ms away). So it is asked no more but in probes, like
             # a source not worth asking, until one of its drafts is verified
             est.late = True
-            _keep(self._late, name, True)
+            keep_newest(self._late, name, True, MAX_RECORDS)
         return self._not_asked(est)
 
     def _not_asked(self, est: _SourceEstimate) -> int:
@@ -557,7 +557,7 @@ class CostModel:
         """`name` spent `seconds` of the verifier's time drafting `drafted` tokens."""
         if drafted <= 0:
             return
-        _keep(self._draft, name, ema(self._draft.get(name), seconds / drafted))
+        keep_newest(self._draft, name, ema(self._draft.get(name), seconds / drafted), MAX_RECORDS)
 
     def record_delivered(self, name: str, tokens: int, asked: int) -> None:
         """After a wait for `name`, asked for `asked`, it offered `tokens` (its longest
@@ -566,7 +566,7 @@ class CostModel:
         old = self._delivered.get(name)
         if old is not None and tokens >= asked and old > tokens:
             return
-        _keep(self._delivered, name, ema(old, tokens))
+        keep_newest(self._delivered, name, ema(old, tokens), MAX_RECORDS)
 
     def record_unheard(self, name: str = POOLED, streams: bool = False) -> None:
         """`name` was asked for drafts and none of its tokens is in this step's tree;
@@ -601,18 +601,19 @@ class CostModel:
             rec = self._longrun.get(key) or [0.0, 0.0]
             rec[0] = _LONG_DECAY * rec[0] + ok
             rec[1] = _LONG_DECAY * rec[1] + n
-            _keep(self._longrun, key, rec)
+            keep_newest(self._longrun, key, rec, MAX_RECORDS)
         source = _source_of(name)
         if source is not None:  # a class's drafts count for its source's phase too
             _observe(self._source(source), accepted, trials)
 
 
-def _keep(record: dict, key: str, value: Any) -> None:
-    """`record[key] = value` as its newest entry; past `MAX_RECORDS` the least recently kept
-    dropped (records shared by a verifier's sequences for its whole life)."""
+def keep_newest(record: dict, key: Any, value: Any, limit: int) -> None:
+    """`record[key] = value` as its newest entry; past `limit` entries the least recently
+    kept dropped. For the records a verifier's sequences share for its whole life (these
+    sources', the grammar's), keyed by what peers and requests bring."""
     record.pop(key, None)
     record[key] = value
-    while len(record) > MAX_RECORDS:
+    while len(record) > limit:
         del record[next(iter(record))]
 
 

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from codec.structs import GRAMMAR_KINDS, MAX_GRAMMAR_BYTES
+from nodes.engine.cost import keep_newest
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import DraftTree, TokenTree
@@ -361,11 +362,8 @@ class GrammarMatcher:
         piece = self.pieces.bytes[token] if self.pieces is not None else b""
         if piece and (tail.startswith(piece) or piece.startswith(tail)):
             self.habits[tail] = token
-            shared = self.shared_habits  # (the verifier's, for its whole life: bounded)
-            shared.pop(tail, None)
-            shared[tail] = token
-            while len(shared) > HABITS_KEPT:
-                del shared[next(iter(shared))]
+            # (the verifier's, for its whole life: bounded)
+            keep_newest(self.shared_habits, tail, token, HABITS_KEPT)
 
     def sync(self, generated: int) -> None:
         """Roll back to `generated` tokens consumed (a stop rule cut the block)."""
@@ -412,9 +410,8 @@ class GrammarMatcher:
         if self._ff[2] is None:
             self._ff = (self._state, text, list(self.ll.compute_ff_tokens()) if text else [])
             if text and self.forced_memo is not None:
-                if len(self.forced_memo) >= FORCED_MEMO_KEPT:
-                    self.forced_memo.clear()
-                self.forced_memo[(self._last(), text)] = self._ff[2]
+                keep_newest(self.forced_memo, (self._last(), text), self._ff[2],
+                            FORCED_MEMO_KEPT)
         return self._ff[2]
 
     def _recalled(self, text: bytes) -> list[int] | None:
