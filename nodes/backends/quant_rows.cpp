@@ -379,35 +379,75 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #endif
 
 #if defined(__x86_64__)
-// Attention scores q . k_j for positions [0, n) of one head, into out[j] (times `scale`), 4
-// positions at a time. Each score is computed by the same steps wherever it falls (8 lanes over
-// the head width in order, then one fixed tree over the lanes), so a position's score does not
-// depend on its neighbours, its index or how many rows share the call: the last 1-3 positions
-// go through the same code from a zero-padded copy. The head width: a multiple of 8.
-inline void scores4(const float* q, const float* k, int64_t D, float scale, float* out) {
-  __m256 acc[4];
-  for (int p = 0; p < 4; p++) acc[p] = _mm256_setzero_ps();
+// Attention scores q . k_j for positions [0, n) of G heads of one kv group (G <= 3), into
+// out[h][j] (times `scale`), 4 positions at a time. Each score is computed by the same steps
+// wherever it falls (8 lanes over the head width in order, then one fixed tree over the lanes),
+// so a position's score depends on neither its neighbours, its index, the other heads of the
+// tile nor how many rows share the call: the last 1-3 positions go through the same code from a
+// zero-padded copy. Each key is loaded once for the G heads, and the 4 G running sums hide the
+// multiply-add latency (one head's 4 sums left it waiting). The head width: a multiple of 8.
+template <int G>
+inline void scores_tile(const float* const* q, const float* k, int64_t D, float scale,
+                        float* const* out, int64_t j) {
+  __m256 acc[G][4];
+  for (int h = 0; h < G; h++)
+    for (int p = 0; p < 4; p++) acc[h][p] = _mm256_setzero_ps();
   for (int64_t c = 0; c < D; c += 8) {
-    const __m256 qc = _mm256_loadu_ps(q + c);
-    for (int p = 0; p < 4; p++) acc[p] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + p * D + c), acc[p]);
+    __m256 qc[G];
+    for (int h = 0; h < G; h++) qc[h] = _mm256_loadu_ps(q[h] + c);
+    for (int p = 0; p < 4; p++) {
+      const __m256 kc = _mm256_loadu_ps(k + p * D + c);
+      for (int h = 0; h < G; h++) acc[h][p] = _mm256_fmadd_ps(qc[h], kc, acc[h][p]);
+    }
   }
-  // lanes (0+1)+(2+3) in each 128-bit half for the 4 positions, then the halves added
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  _mm_storeu_ps(out, _mm_mul_ps(s, _mm_set1_ps(scale)));
+  for (int h = 0; h < G; h++) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[h][0], acc[h][1]),
+                                    _mm256_hadd_ps(acc[h][2], acc[h][3]));
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    _mm_storeu_ps(out[h] + j, _mm_mul_ps(s, _mm_set1_ps(scale)));
+  }
 }
 
-void scores(const float* q, const float* k, int64_t n, int64_t D, float scale, float* out,
-            float* pad /* 4 x D */) {
+template <int G>
+void scores_heads(const float* const* q, const float* k, int64_t n, int64_t D, float scale,
+                  float* const* out, float* pad /* 4 x D */) {
   int64_t j = 0;
-  for (; j + 4 <= n; j += 4) scores4(q, k + j * D, D, scale, out + j);
+  for (; j + 4 <= n; j += 4) scores_tile<G>(q, k + j * D, D, scale, out, j);
   if (j < n) {
     std::fill(pad, pad + 4 * D, 0.f);
     std::copy(k + j * D, k + n * D, pad);
-    alignas(16) float tail[4];
-    scores4(q, pad, D, scale, tail);
-    for (int64_t i = j; i < n; i++) out[i] = tail[i - j];
+    alignas(16) float tail[G][4];
+    float* tails[G];
+    for (int h = 0; h < G; h++) tails[h] = tail[h];
+    scores_tile<G>(q, pad, D, scale, tails, 0);
+    for (int h = 0; h < G; h++)
+      for (int64_t i = j; i < n; i++) out[h][i] = tail[h][i - j];
   }
+}
+
+// Scores of a kv group's G heads (any number), 3 at a time.
+void scores_group(const float* const* q, const float* k, int64_t n, int64_t D, float scale,
+                  float* const* out, int64_t G, float* pad) {
+  for (int64_t h = 0; h < G; h += 3) {
+    switch (std::min<int64_t>(3, G - h)) {
+      case 3: scores_heads<3>(q + h, k, n, D, scale, out + h, pad); break;
+      case 2: scores_heads<2>(q + h, k, n, D, scale, out + h, pad); break;
+      default: scores_heads<1>(q + h, k, n, D, scale, out + h, pad);
+    }
+  }
+}
+
+// The largest of x[0, n) (exact, so the order of comparisons does not matter).
+inline float max_of(const float* x, int64_t n) {
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float mx = -INFINITY;
+  for (int i = 0; i < 8; i++) mx = std::max(mx, lanes[i]);
+  for (; j < n; j++) mx = std::max(mx, x[j]);
+  return mx;
 }
 #endif
 
@@ -663,11 +703,28 @@ struct Model {
     int64_t max_ctx = 0;
     for (int64_t b = 0; b < B; b++) max_ctx = std::max(max_ctx, pasts[b] + offs[b + 1] - offs[b]);
     const int64_t stride = (max_ctx + 7) / 8 * 8;
-    std::vector<float> score(stride), prob(stride * group), sums(group);
-    std::vector<const float*> probs_of(group);
-    std::vector<float*> outs(group);
-    std::vector<char> vis(max_ctx);
+    std::vector<float> prob(stride * group), sums(group);
+    std::vector<const float*> probs_of(group), qs(group);
+    std::vector<float*> outs(group), pes(group);
     std::vector<float> pad(4 * D);
+    // each row's visible positions (the same in every layer): its mask row, or causal; `prefix`
+    // when they are exactly [0, last), so the largest score needs no per-position test
+    std::vector<char> vis_of(T * max_ctx), prefix(T);
+    std::vector<int64_t> last_of(T);
+    for (int64_t t = 0; t < T; t++) {
+      const int64_t b = seq_of[t], i = t - offs[b], past = pasts[b];
+      const int64_t ctx = past + (offs[b + 1] - offs[b]);
+      const bool* mrow = nullptr;
+      if (masks[b].has_value() && masks[b]->defined()) mrow = masks[b]->data_ptr<bool>() + i * ctx;
+      char* vis = vis_of.data() + t * max_ctx;
+      int64_t last = 0, seen = 0;
+      for (int64_t j = 0; j < ctx; j++) {
+        vis[j] = mrow ? mrow[j] : (j <= past + i);
+        if (vis[j]) last = j + 1, seen++;
+      }
+      last_of[t] = last;
+      prefix[t] = seen == last;
+    }
 
     PhaseClock clock;
     clock.lap(0);
@@ -699,55 +756,54 @@ struct Model {
         }
       }
       clock.lap(3);
-      // attention, per row and head, over the row's visible positions in order
+      // attention, per row and kv group, over the row's visible positions in order
       for (int64_t t = 0; t < T; t++) {
-        const int64_t b = seq_of[t], i = t - offs[b], past = pasts[b];
-        const int64_t ctx = past + (offs[b + 1] - offs[b]);
-        const bool* mrow = nullptr;
-        if (masks[b].has_value() && masks[b]->defined()) mrow = masks[b]->data_ptr<bool>() + i * ctx;
-        int64_t last = 0;
-        for (int64_t j = 0; j < ctx; j++) {
-          vis[j] = mrow ? mrow[j] : (j <= past + i);
-          if (vis[j]) last = j + 1;
-        }
+        const int64_t b = seq_of[t], last = last_of[t];
+        const char* vis = vis_of.data() + t * max_ctx;
         const float* kbuf = keys[b * L + l].data_ptr<float>();
         const float* vbuf = values[b * L + l].data_ptr<float>();
         const int64_t cap = keys[b * L + l].size(2);
         const int64_t padded = (last + 7) / 8 * 8;
         for (int64_t g = 0; g < kv_heads; g++) {
-          std::vector<const float*>& ph = probs_of;
           for (int64_t e = 0; e < group; e++) {
             const int64_t hh = g * group + e;
-            const float* q = qkv.data() + t * W + hh * D;
-            float mx = -INFINITY;
-            if (D % 8 == 0) {
-              scores(q, kbuf + g * cap * D, last, D, attn_scale, score.data(), pad.data());
-              for (int64_t j = 0; j < last; j++)
-                if (vis[j]) mx = std::max(mx, score[j]);
-            } else {
-              for (int64_t j = 0; j < last; j++) {
-                if (!vis[j]) continue;
-                const float s = dot(q, kbuf + (g * cap + j) * D, D) * attn_scale;
-                score[j] = s;
-                mx = std::max(mx, s);
-              }
-            }
-            for (int64_t j = 0; j < padded; j++) if (j >= last || !vis[j]) score[j] = mx;
-            const __m256 mxv = _mm256_set1_ps(mx);
-            float* pe = prob.data() + e * stride;
-            for (int64_t j = 0; j < padded; j += 8)
-              _mm256_storeu_ps(pe + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(score.data() + j), mxv)));
-            ph[e] = pe;
+            qs[e] = qkv.data() + t * W + hh * D;
+            pes[e] = prob.data() + e * stride;
             outs[e] = att.data() + t * qd + hh * D;
+          }
+          if (D % 8 == 0) {
+            scores_group(qs.data(), kbuf + g * cap * D, last, D, attn_scale, pes.data(), group,
+                         pad.data());
+          } else {
+            for (int64_t e = 0; e < group; e++)
+              for (int64_t j = 0; j < last; j++)
+                if (vis[j]) pes[e][j] = dot(qs[e], kbuf + (g * cap + j) * D, D) * attn_scale;
+          }
+          for (int64_t e = 0; e < group; e++) {
+            float* pe = pes[e];
+            float mx = -INFINITY;
+            if (prefix[t]) {
+              mx = max_of(pe, last);
+            } else {
+              for (int64_t j = 0; j < last; j++)
+                if (vis[j]) mx = std::max(mx, pe[j]);
+            }
+            // hidden and padding positions get e^0 and are skipped when the values are weighed
+            for (int64_t j = prefix[t] ? last : 0; j < padded; j++)
+              if (j >= last || !vis[j]) pe[j] = mx;
+            const __m256 mxv = _mm256_set1_ps(mx);
+            for (int64_t j = 0; j < padded; j += 8)
+              _mm256_storeu_ps(pe + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(pe + j), mxv)));
+            probs_of[e] = pe;
           }
           const float* vg = vbuf + g * cap * D;
           if (D % 32 == 0) {
-            weigh_group(ph.data(), vis.data(), last, vg, D, group, outs.data(), sums.data());
+            weigh_group(probs_of.data(), vis, last, vg, D, group, outs.data(), sums.data());
           } else {
             for (int64_t e = 0; e < group; e++) {
               switch (D) {  // the head widths models use keep their sums in registers
-                case 16: sums[e] = weigh_values<16>(ph[e], vis.data(), last, vg, outs[e]); break;
-                default: sums[e] = weigh_values_any(ph[e], vis.data(), last, vg, D, outs[e]);
+                case 16: sums[e] = weigh_values<16>(probs_of[e], vis, last, vg, outs[e]); break;
+                default: sums[e] = weigh_values_any(probs_of[e], vis, last, vg, D, outs[e]);
               }
             }
           }

@@ -53,18 +53,19 @@ def _tokenizer_files(src, dst) -> None:
             shutil.copy(os.path.join(src, name), dst)
 
 
-def build_tiny(folder, tokenizer_src, seed: int = 0, layers: int = 2) -> None:
+def build_tiny(folder, tokenizer_src, seed: int = 0, layers: int = 2, hidden: int = 64,
+               heads: int = 4, kv_heads: int = 2) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=49152,
-        hidden_size=64,
+        hidden_size=hidden,
         intermediate_size=128,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         initializer_range=0.5,  # peaked logits: varied greedy output, no near-ties

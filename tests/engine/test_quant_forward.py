@@ -16,7 +16,13 @@ from hypothesis import strategies as st
 from nodes.backends import quant_forward as qf
 from nodes.engine import Engine, GenerationParams
 from nodes.engine.errors import BadRequestError
-from tests.engine.conftest import ScriptedDrafter, needs_kernel, primed_caches, step_live
+from tests.engine.conftest import (
+    ScriptedDrafter,
+    build_tiny,
+    needs_kernel,
+    primed_caches,
+    step_live,
+)
 
 pytestmark = needs_kernel
 
@@ -150,6 +156,28 @@ def test_a_batch_gives_each_sequence_its_solo_logits(tiny_quant, prompt_ids):
     batched = tiny_quant.forward_batch(primed_caches(tiny_quant, prompts), feeds)
     for got, want in zip(batched, solo, strict=True):
         assert np.array_equal(got, want)
+
+
+# heads a kv group: 4 (the kernel's tiles take 3, then 1), 1; head widths 32 and 12 (not a
+# multiple of 8: the scalar path)
+@pytest.mark.parametrize("heads,kv_heads,hidden", [(4, 1, 128), (3, 3, 96), (8, 4, 96)])
+def test_every_attention_shape_gives_each_row_its_one_row_logits(tmp_path, smollm2_folder,
+                                                                 prompt_ids, heads, kv_heads,
+                                                                 hidden):
+    from nodes.backends.torch_backend import TorchBackend
+
+    build_tiny(tmp_path, smollm2_folder, seed=3, hidden=hidden, heads=heads, kv_heads=kv_heads)
+    backend = TorchBackend.load(str(tmp_path), device="cpu", weights="q8")
+    assert isinstance(backend.lean, qf.QuantForward)
+    past, chain = prompt_ids[:-1], [prompt_ids[-1], 11, 12, 13, 14, 15, 16, 17]
+    cache = backend.new_cache()
+    backend.forward(cache, past)
+    assert np.array_equal(backend.forward(cache, chain), _solo_chain(backend, past, chain))
+    backend.crop(cache, len(past))
+    tokens, parents = [prompt_ids[-1], 5, 6, 7, 8], [-1, 0, 0, 1, 2]
+    tree = backend.forward_tree(cache, tokens, parents)
+    for node, want in ((3, [tokens[0], 5, 7]), (4, [tokens[0], 6, 8]), (2, [tokens[0], 6])):
+        assert np.array_equal(tree[node], _solo_chain(backend, past, want)[-1])
 
 
 PARAMS = GenerationParams(max_tokens=24, eos_token_ids=frozenset())
