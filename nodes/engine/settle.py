@@ -175,6 +175,7 @@ class Settler:
         rows: Any = None,
     ) -> Block:
         """`rows[i]`: the verifier's logits `new[i]` was chosen from."""
+        new = self._grammar_end(seq, new)
         new, finish, text = self._finish(seq.generated, new, seq.params, seq.eos)
         top = seq.params.logprobs
         logprobs = None if top is None or not new else token_logprobs(
@@ -213,6 +214,24 @@ class Settler:
             text=text,
             logprobs=logprobs,
         )
+
+    @staticmethod
+    def _grammar_end(seq: SequenceState, new: list[int]) -> list[int]:
+        """`new` and, where it completes the grammar (which then allows nothing but EOS) and
+        the sequence has one EOS id, that EOS: the next token whatever the logits say, greedy
+        or sampled (a masked distribution of one token), so it is committed now instead of
+        costing a forward of its own, one step less for every constrained answer (a JSON
+        object's closing brace, then its EOS). Not where log probabilities are asked: those
+        come from a row of logits."""
+        grammar = seq.grammar
+        if grammar is None or not new or len(seq.eos) != 1 or seq.params.logprobs is not None:
+            return new
+        if new[-1] in seq.eos or grammar.consumed != len(seq.generated) + len(new) or \
+                not grammar.done:
+            return new
+        (eos,) = seq.eos
+        grammar.advance(eos)
+        return [*new, eos]
 
     def _finish(
         self,

@@ -22,6 +22,7 @@ from nodes.engine.grammar import (
     prune_tree,
 )
 from nodes.engine.sampling import SamplingParams
+from nodes.engine.settle import Settler
 from nodes.engine.sources import DraftSource
 from nodes.engine.state import Stats
 from nodes.engine.tree import DraftTree, TokenTree
@@ -213,6 +214,23 @@ def test_constrained_greedy_speculation_equals_plain(tiny_torch, prompt_ids, c):
     assert tokens == ref.token_ids
     assert stats.accepted > 0
     assert stats.tree_blocks > 0 or c is not JSON_SCHEMA  # (the others: short, mostly forced)
+
+
+@pytest.mark.parametrize("seed", [None, 3], ids=["greedy", "sampled"])
+def test_the_eos_after_the_grammars_end_costs_no_forward(tiny_torch, prompt_ids, monkeypatch,
+                                                         seed):
+    """Where a block completes the grammar, its EOS (the only token left) comes with it: the
+    same tokens as a forward for it would give, one block fewer; not with log probabilities."""
+    engine = Engine(tiny_torch, grammar_drafts=False)
+    fast = engine.generate(prompt_ids, params(REGEX, seed=seed))
+    with_lp = engine.generate(prompt_ids, GenerationParams(
+        max_tokens=60, sampling=params(REGEX, seed=seed).sampling, constraint=REGEX,
+        logprobs=1))
+    monkeypatch.setattr(Settler, "_grammar_end", staticmethod(lambda seq, new: new))
+    ref = engine.generate(prompt_ids, params(REGEX, seed=seed))
+    assert ref.finish_reason == fast.finish_reason == "eos"
+    assert fast.token_ids == ref.token_ids == with_lp.token_ids
+    assert fast.stats.blocks == ref.stats.blocks - 1 == with_lp.stats.blocks - 1
 
 
 def test_constrained_sampling_speculation_equals_plain(tiny_torch, prompt_ids):
