@@ -704,8 +704,9 @@ struct Model {
     for (int64_t b = 0; b < B; b++) max_ctx = std::max(max_ctx, pasts[b] + offs[b + 1] - offs[b]);
     const int64_t stride = (max_ctx + 7) / 8 * 8;
     std::vector<float> prob(stride * group), sums(group);
-    std::vector<const float*> probs_of(group), qs(group);
-    std::vector<float*> outs(group), pes(group);
+    std::vector<const float*> qs(group);
+    std::vector<float*> outs(group), pes(group);  // pes[e]: head e's scores, then probabilities
+    for (int64_t e = 0; e < group; e++) pes[e] = prob.data() + e * stride;
     std::vector<float> pad(4 * D);
     // each row's visible positions (the same in every layer): its mask row, or causal; `prefix`
     // when they are exactly [0, last), so the largest score needs no per-position test
@@ -768,7 +769,6 @@ struct Model {
           for (int64_t e = 0; e < group; e++) {
             const int64_t hh = g * group + e;
             qs[e] = qkv.data() + t * W + hh * D;
-            pes[e] = prob.data() + e * stride;
             outs[e] = att.data() + t * qd + hh * D;
           }
           if (D % 8 == 0) {
@@ -794,16 +794,15 @@ struct Model {
             const __m256 mxv = _mm256_set1_ps(mx);
             for (int64_t j = 0; j < padded; j += 8)
               _mm256_storeu_ps(pe + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(pe + j), mxv)));
-            probs_of[e] = pe;
           }
           const float* vg = vbuf + g * cap * D;
           if (D % 32 == 0) {
-            weigh_group(probs_of.data(), vis, last, vg, D, group, outs.data(), sums.data());
+            weigh_group(pes.data(), vis, last, vg, D, group, outs.data(), sums.data());
           } else {
             for (int64_t e = 0; e < group; e++) {
               switch (D) {  // the head widths models use keep their sums in registers
-                case 16: sums[e] = weigh_values<16>(probs_of[e], vis, last, vg, outs[e]); break;
-                default: sums[e] = weigh_values_any(probs_of[e], vis, last, vg, D, outs[e]);
+                case 16: sums[e] = weigh_values<16>(pes[e], vis, last, vg, outs[e]); break;
+                default: sums[e] = weigh_values_any(pes[e], vis, last, vg, D, outs[e]);
               }
             }
           }
