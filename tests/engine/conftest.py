@@ -169,6 +169,15 @@ def scripted():
     return ScriptedDrafter
 
 
+def node_path(tokens, parents, node) -> list[int]:
+    """The tokens of a tree's path from its root to `node` (`parents`: -1 at the root)."""
+    path = []
+    while node >= 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
+
+
 def hf_greedy(backend, prompt_ids, max_new, eos_id):
     """The reference: Hugging Face `generate(do_sample=False)` on a torch backend's model."""
     import torch

@@ -17,7 +17,7 @@ from nodes.engine import Engine, GenerationParams
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sources import DraftSource
 from nodes.engine.tree import DraftTree
-from tests.engine.conftest import hf_greedy, needs_kernel
+from tests.engine.conftest import hf_greedy, needs_kernel, node_path
 from tests.engine.eagle_heads import head_config, head_tensors, write_head
 
 LAYERS = (0, 1, 1)  # the tiny verifier has 2 layers
@@ -57,11 +57,7 @@ def test_hidden_states_of_chains_and_trees_equal_a_separate_hf_forward(tiny_torc
     b.forward_tree(cache, tokens, parents)
     got = b.take_hidden(cache)
     for node in range(len(tokens)):
-        path, p = [], node
-        while p >= 0:
-            path.append(tokens[p])
-            p = parents[p]
-        ref = hf_hidden(b, prompt_ids + path[::-1])[-1]
+        ref = hf_hidden(b, prompt_ids + node_path(tokens, parents, node))[-1]
         torch.testing.assert_close(got[node], ref, atol=1e-4, rtol=1e-4)
 
 

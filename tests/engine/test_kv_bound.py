@@ -18,6 +18,7 @@ from tests.engine.conftest import (
     DecoyTree,
     check_overlay_commits,
     kv_bytes_after,
+    node_path,
     step_together,
     stream_checked,
 )
@@ -166,11 +167,7 @@ def test_a_tree_holding_its_own_sinks_is_the_reference_model(bounded, prompts):
     b.forward(cache, prefix)
     got = torch.from_numpy(b.forward_tree(cache, tokens, parents))
     for node in range(len(parents)):
-        path, at = [], node
-        while at >= 0:
-            path.append(tokens[at])
-            at = parents[at]
-        want = _reference_logits(b, prefix + path[::-1])[-1]
+        want = _reference_logits(b, prefix + node_path(tokens, parents, node))[-1]
         torch.testing.assert_close(got[node], want, rtol=1e-3, atol=5e-4)
 
 

@@ -20,6 +20,7 @@ from tests.engine.conftest import (
     ScriptedDrafter,
     build_tiny,
     needs_kernel,
+    node_path,
     primed_caches,
     step_live,
 )
@@ -137,11 +138,8 @@ def test_a_tree_gives_each_node_its_path_fed_alone(tiny_quant, prompt_ids):
     tiny_quant.forward(cache, past)
     tree = tiny_quant.forward_tree(cache, tokens, parents)
     for node in range(len(tokens)):
-        path, p = [], node
-        while p >= 0:
-            path.append(tokens[p])
-            p = parents[p]
-        assert np.array_equal(tree[node], _solo_chain(tiny_quant, past, path[::-1])[-1])
+        path = node_path(tokens, parents, node)
+        assert np.array_equal(tree[node], _solo_chain(tiny_quant, past, path)[-1])
 
 
 def test_a_batch_gives_each_sequence_its_solo_logits(tiny_quant, prompt_ids):
