@@ -206,12 +206,18 @@ def render(rows: list[dict]) -> str:
                                          "verified": 0, "timeouts": 0, "rtt": []})
             for k in ("drafts", "drafted", "accepted", "verified", "timeouts"):
                 t[k] += st[k]
-            t["rtt"].append(st["rtt_ms"])
+            if st.get("rtt_ms") is not None:  # None: never timed (a quiet proposer's)
+                t["rtt"].append(st["rtt_ms"])
     for name, t in totals.items():
         acc = t["accepted"] / t["verified"] if t["verified"] else 0.0
         lines.append(f"{name:18} {t['drafts']:>7} {t['drafted']:>8} {t['accepted']:>9} "
-                     f"{acc:>7.2f} {t['timeouts']:>8} {statistics.median(t['rtt']):>7.2f}")
+                     f"{acc:>7.2f} {t['timeouts']:>8} {_median_ms(t['rtt']):>7}")
     return "\n".join(lines)
+
+
+def _median_ms(values: list[float]) -> str:
+    """The median round trip, or '-' where none was timed."""
+    return f"{statistics.median(values):.2f}" if values else "-"
 
 
 def _monitor_snapshot(cluster: str, wait: float = 2.5) -> str:

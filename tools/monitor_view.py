@@ -288,7 +288,7 @@ def role_lines(view: ClusterView) -> tuple[list[str], list[str], list[str]]:
                 verifiers.append(
                     f"  └ {label:22} total: accept {ps.get('acceptance', 0):4.2f} steps "
                     f"{ps.get('drafts', 0):6} timeouts {ps.get('timeouts', 0):4}  last rtt "
-                    f"{ps.get('rtt_ms', 0):6.2f} ms")
+                    f"{_rtt(ps.get('rtt_ms'))}")
         if isinstance(p, dict):
             rate = ns.draft_tok_s[-1] if ns.draft_tok_s else 0.0
             drafter = printable(card_drafter(m.card) or "-", 24)
@@ -319,6 +319,13 @@ def role_lines(view: ClusterView) -> tuple[list[str], list[str], list[str]]:
                 panel.append(line)
                 break
     return verifiers, proposers, gateways
+
+
+def _rtt(ms: Any) -> str:
+    """A proposer link's round trip; '-' until the verifier timed one (or not a number)."""
+    if isinstance(ms, bool) or not isinstance(ms, int | float):
+        return "     - ms"
+    return f"{ms:6.2f} ms"
 
 
 def window_text(seconds: float | None) -> str:

@@ -148,7 +148,7 @@ class ProposerLink:
         """Counters (minus a `counters()` snapshot taken earlier, if given) and RTT."""
         out = {k: v - (since or {}).get(k, 0) for k, v in self.counters().items()}
         out["acceptance"] = round(out["accepted"] / out["verified"], 4) if out["verified"] else 0.0
-        out["rtt_ms"] = round((self.net_s or 0.0) * 1000, 3)
+        out["rtt_ms"] = _ms(self.net_s)
         out["name"] = self.name
         return out
 
@@ -297,7 +297,7 @@ class ProposerSource(DraftSource):
             self.idle += 1
             return EMPTY_TREE
         if self.held:  # asked again: the proposer catches up, the engine may wait for it
-            self._push(time.monotonic())
+            self._push()
         if self.forced:
             self._wait_for_extension(committed)
         draft = self._draft(committed, budget)
@@ -351,7 +351,7 @@ class ProposerSource(DraftSource):
             self._drain()  # what it sent since it was last read, before the push
             if self.dropped:
                 return
-        self._push(now)
+        self._push()
 
     def _quiet(self) -> bool:
         """Not asked for drafts lately (`policy.idle_after` steps): its commits are held and
@@ -361,11 +361,12 @@ class ProposerSource(DraftSource):
         quantized step for a proposer the engine had stopped asking."""
         return self.idle >= self.policy.idle_after and not self.forced
 
-    def _push(self, now: float) -> None:
+    def _push(self) -> None:
         """Send the commits held so far, with their hidden states (if any). A quiet source's
-        pushes keep the whole horizon: a probe reads the chunk answering the last push, which
-        can still extend the prefix 16 steps on only if it drafted that far (tried: the
-        shortest horizon made a far ngram proposer's probes fail on prompts it could copy)."""
+        push asks for drafts reaching past its next push (`_horizon`): a probe reads the chunk
+        answering the last push, which can still extend the prefix up to
+        `policy.idle_push_every` steps on only if it drafted that far (tried: the shortest
+        horizon made a far ngram proposer's probes fail on prompts it could copy)."""
         self.horizon = self._horizon()
         rows = _hidden_rows(self.held_rows)
         push = SessionExtend(self.sid, np.asarray(self.held, dtype=np.int32),
@@ -375,8 +376,9 @@ class ProposerSource(DraftSource):
         self.held, self.held_rows = [], []
         call = self._send(push, self.policy.commit_timeout_s)
         if call is not None:
-            self.commits[call] = now
-            self.awaiting = (len(self.tokens), now)
+            sent = time.monotonic()
+            self.commits[call] = sent
+            self.awaiting = (len(self.tokens), sent)
 
     def expected_wait(self) -> float | None:
         """How long until the chunk answering the last commit is due, from how long such
@@ -406,7 +408,7 @@ class ProposerSource(DraftSource):
     def stats(self) -> dict:
         out = dict(self.counts)
         out["acceptance"] = round(out["accepted"] / out["verified"], 4) if out["verified"] else 0.0
-        out["rtt_ms"] = round((self.link.net_s or 0.0) * 1000, 3)
+        out["rtt_ms"] = _ms(self.link.net_s)
         return {**out, "name": self.link.name, "dropped": self.dropped}
 
     def close(self) -> None:
@@ -491,7 +493,7 @@ class ProposerSource(DraftSource):
             if call is self.stream:
                 self._on_stream(reply, timely)
             elif call in self.commits:
-                self._on_commit(call, reply)
+                self._on_commit(call, reply, timely or not self._quiet())
         garbage = self.client.dropped - self.link.garbage_seen
         if garbage > 0:  # counted once, by whichever generation of the batch read it
             self.link.garbage_seen = self.client.dropped
@@ -546,7 +548,13 @@ class ProposerSource(DraftSource):
         if not msg.more:
             self._drop("draft stream ended")
 
-    def _on_commit(self, call: DirectCall, reply) -> None:
+    def _on_commit(self, call: DirectCall, reply, timed: bool) -> None:
+        """A commit push's answer. `timed`: read by a waiting read, or by a source read every
+        step (so it waited unread a step at most: an upper bound `ProposerLink.observe_rtt`
+        keeps the tightest of). A quiet source reads its replies only at its next push
+        (`policy.idle_push_every` steps on): timing those measured how seldom it reads, not the
+        path (an int8 proposer on loopback showed a 162 ms round trip, and once asked again
+        was told to draft that much further ahead)."""
         sent = self.commits.pop(call)
         if isinstance(reply, RequestTimeout):
             self._count("timeouts", 1)
@@ -561,15 +569,18 @@ class ProposerSource(DraftSource):
                 self._drop(f"{code}: {reply.get('message')}")
             else:
                 self._fail(f"error {code}")
-        else:
+        elif timed:
             self.link.observe_rtt(time.monotonic() - sent)
 
     def _horizon(self) -> int:
-        """Cover a round trip plus a verify: the tokens committed meanwhile, plus one budget."""
+        """Cover a round trip plus a verify: the tokens committed meanwhile, plus one budget.
+        A quiet source's push also covers the steps until its next one (`_push`)."""
         p = self.policy
         rtt = self.link.net_s or 0.0
         step = self.step_s or 0.0
         steps = 1.0 + (rtt / step if step > 0 else 1.0)
+        if self._quiet():
+            steps += p.idle_push_every
         want = math.ceil(self.per_step * steps) + self.max_draft
         return int(min(p.max_horizon, max(p.min_horizon, want)))
 
@@ -622,6 +633,11 @@ class ProposerSource(DraftSource):
         """Another generation still reads this link's connection (a batch-mate's session)."""
         return any(owner is not self and not owner.dropped and not owner.closed
                    for owner in self.link.calls.values())
+
+
+def _ms(seconds: float | None) -> float | None:
+    """A round trip in milliseconds for stats; None until one was timed (`_on_commit`)."""
+    return None if seconds is None else round(seconds * 1000, 3)
 
 
 def _hidden_rows(held: Sequence) -> np.ndarray:

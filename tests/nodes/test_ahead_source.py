@@ -213,6 +213,35 @@ def test_an_idle_source_holds_its_commits_until_asked_or_every_n_steps(make_sour
     assert scripted.commits.get(timeout=10) == (12, [21])
 
 
+def test_a_quiet_source_takes_no_round_trip_from_its_late_reads(make_source, scripted):
+    """A quiet source reads a commit's answer only when it next pushes, `idle_push_every`
+    steps on: that time is how seldom it reads, not the path, so it is no round trip (an int8
+    proposer on loopback showed 162 ms). Its pushes ask for drafts reaching past the next
+    push. Read every step again (asked and heard), it times its answers."""
+    src, req = make_source(DraftPolicy(idle_after=1, idle_push_every=4))
+    tokens = list(PROMPT)
+
+    def step(budget=0):
+        src.propose(tokens, budget)
+        tokens.append(len(tokens) + 10)
+        src.feedback(Feedback(committed=(tokens[-1],), committed_len=len(tokens), offered=0,
+                              accepted=0))
+
+    for _ in range(8):  # quiet from the first commit: two pushes of four
+        step()
+    assert scripted.commits.get(timeout=10) == (8, [14, 15, 16, 17])
+    assert scripted.commits.get(timeout=10) == (12, [18, 19, 20, 21])
+    assert scripted.extends[-1]["horizon"] >= 4 + 8  # the next push's 4 steps, one budget
+    read_until_nonwaiting(src, lambda: not src.commits)  # both answers, read as it reads
+    assert src.link.net_s is None
+    scripted.chunk(req, 12, [30, 31])
+    read_until_nonwaiting(src, lambda: src.link.chunks == 1)
+    step(8)  # asked and heard: every commit goes at once and is read the next step
+    step(8)
+    read_until_nonwaiting(src, lambda: not src.commits)
+    assert src.link.net_s is not None
+
+
 def test_an_idle_eagle_source_holds_its_hidden_states_with_its_commits(host, scripted):
     """A source reading the verifier's hidden states (an EAGLE-3 head) holds them with its
     commits while idle and sends them with the commits, every row in order (its head needs

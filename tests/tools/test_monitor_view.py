@@ -161,3 +161,21 @@ def test_the_totals_line_shows_the_verifiers_cumulative_acceptance():
     lines = role_lines(view)[0]
     assert "accept 0.00" in lines[0]
     assert lines[2].endswith("total: steps 10  accept 0.56 of 400 drafted")
+
+
+def test_a_round_trip_never_timed_reads_as_unknown_not_zero():
+    """A quiet proposer's commit answers are read late and never timed (`rtt_ms` null in the
+    verifier's stats): the panel says '-', not 0 ms, and a timed one keeps its figure."""
+    from tools.monitor_view import ClusterView, role_lines
+
+    view = ClusterView()
+    view.refresh([_member("v" * 12, "v", ("verifier",))])
+    links = {"a" * 12: {"name": "quiet", "acceptance": 0.0, "drafts": 0, "rtt_ms": None},
+             "b" * 12: {"name": "near", "acceptance": 0.5, "drafts": 9, "rtt_ms": 1.25}}
+    stats = _verifier_stats(1, 1, 1, 1)
+    stats["verifier"]["proposers"] = links
+    view.on_stats("v" * 12, stats)
+    lines = role_lines(view)[0]
+    quiet = next(line for line in lines if "quiet" in line)
+    near = next(line for line in lines if "near" in line)
+    assert quiet.endswith("last rtt      - ms") and near.endswith("last rtt   1.25 ms")
