@@ -117,8 +117,11 @@ class ProposerLink:
     bad_replies: int = 0
     errors: int = 0
     flooded: int = 0  # sessions dropped for sending too many chunks
-    #: the commit push round trip: the smallest of the last RTT_WINDOW measured
+    #: the commit push round trip: the smallest of the last RTT_WINDOW readings, every
+    #: reading (what the draft-ahead horizon is sized by, `ProposerSource._horizon`)
     net_s: float | None = None
+    #: the same over timed readings only (`ProposerSource._on_commit`): the `rtt_ms` shown
+    timed_s: float | None = None
     #: EMA: commit pushed -> first chunk based on it, read while waiting for it (kept across
     #: generations: it belongs to the proposer and the network, not to a prompt)
     fresh_s: float | None = None
@@ -137,6 +140,8 @@ class ProposerLink:
     sat_out: int = 0
     _rtts: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW),
                                      repr=False)
+    _timed: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=RTT_WINDOW), repr=False)
 
     COUNTERS = ("drafts", "drafted", "accepted", "verified", "chunks", "stale",
                 "timeouts", "bad_replies", "errors", "flooded")
@@ -148,11 +153,11 @@ class ProposerLink:
         """Counters (minus a `counters()` snapshot taken earlier, if given) and RTT."""
         out = {k: v - (since or {}).get(k, 0) for k, v in self.counters().items()}
         out["acceptance"] = round(out["accepted"] / out["verified"], 4) if out["verified"] else 0.0
-        out["rtt_ms"] = _ms(self.net_s)
+        out["rtt_ms"] = _ms(self.timed_s)
         out["name"] = self.name
         return out
 
-    def observe_rtt(self, rtt: float) -> None:
+    def observe_rtt(self, rtt: float, timed: bool = True) -> None:
         """A commit push was answered `rtt` after it was sent, as read by the compute thread.
 
         The compute thread reads replies between steps, so a reply that came during a verify
@@ -160,9 +165,21 @@ class ProposerLink:
         well under a millisecond): every reading is an upper bound of the round trip. The
         tightest of the recent ones is the estimate (a min filter, as BBR's min_rtt): replies
         read soon after they came (a waiting poll, the next step's planning) set it, late
-        reads never inflate it, and an old low one ages out of the window."""
+        reads never inflate it, and an old low one ages out of the window.
+
+        `timed`: read within a step of its arrival. A quiet source reads its replies only at
+        its next push, 16 steps on, so its readings are that cadence, not the path: an idle
+        int8 proposer on loopback read 162 ms. Those still size the horizon (`net_s`), as they
+        always did: they give a quiet source's pushes the reach past its next push that a far
+        ngram proposer's probes need (sized by timed readings alone, plus that reach, an ngram
+        proposer at +5 ms read 1.35x plain on input-grounded prompts, against 1.95x and 2.26x
+        as it is: one run against two on a VM that drifts, so indicative only, and kept as
+        is). The round trip shown (`timed_s`, `rtt_ms`) is timed readings' alone."""
         self._rtts.append(rtt)
         self.net_s = min(self._rtts)
+        if timed:
+            self._timed.append(rtt)
+            self.timed_s = min(self._timed)
 
     def label(self, name: str) -> str | None:
         """The draft class `name` a chunk gave, or None: none given, or a class beyond the
@@ -297,7 +314,7 @@ class ProposerSource(DraftSource):
             self.idle += 1
             return EMPTY_TREE
         if self.held:  # asked again: the proposer catches up, the engine may wait for it
-            self._push()
+            self._push(time.monotonic())
         if self.forced:
             self._wait_for_extension(committed)
         draft = self._draft(committed, budget)
@@ -351,7 +368,7 @@ class ProposerSource(DraftSource):
             self._drain()  # what it sent since it was last read, before the push
             if self.dropped:
                 return
-        self._push()
+        self._push(now)
 
     def _quiet(self) -> bool:
         """Not asked for drafts lately (`policy.idle_after` steps): its commits are held and
@@ -361,12 +378,11 @@ class ProposerSource(DraftSource):
         quantized step for a proposer the engine had stopped asking."""
         return self.idle >= self.policy.idle_after and not self.forced
 
-    def _push(self) -> None:
+    def _push(self, now: float) -> None:
         """Send the commits held so far, with their hidden states (if any). A quiet source's
-        push asks for drafts reaching past its next push (`_horizon`): a probe reads the chunk
-        answering the last push, which can still extend the prefix up to
-        `policy.idle_push_every` steps on only if it drafted that far (tried: the shortest
-        horizon made a far ngram proposer's probes fail on prompts it could copy)."""
+        pushes keep the whole horizon: a probe reads the chunk answering the last push, which
+        can still extend the prefix 16 steps on only if it drafted that far (tried: the
+        shortest horizon made a far ngram proposer's probes fail on prompts it could copy)."""
         self.horizon = self._horizon()
         rows = _hidden_rows(self.held_rows)
         push = SessionExtend(self.sid, np.asarray(self.held, dtype=np.int32),
@@ -376,9 +392,8 @@ class ProposerSource(DraftSource):
         self.held, self.held_rows = [], []
         call = self._send(push, self.policy.commit_timeout_s)
         if call is not None:
-            sent = time.monotonic()
-            self.commits[call] = sent
-            self.awaiting = (len(self.tokens), sent)
+            self.commits[call] = now
+            self.awaiting = (len(self.tokens), now)
 
     def expected_wait(self) -> float | None:
         """How long until the chunk answering the last commit is due, from how long such
@@ -408,7 +423,7 @@ class ProposerSource(DraftSource):
     def stats(self) -> dict:
         out = dict(self.counts)
         out["acceptance"] = round(out["accepted"] / out["verified"], 4) if out["verified"] else 0.0
-        out["rtt_ms"] = _ms(self.link.net_s)
+        out["rtt_ms"] = _ms(self.link.timed_s)
         return {**out, "name": self.link.name, "dropped": self.dropped}
 
     def close(self) -> None:
@@ -550,11 +565,7 @@ class ProposerSource(DraftSource):
 
     def _on_commit(self, call: DirectCall, reply, timed: bool) -> None:
         """A commit push's answer. `timed`: read by a waiting read, or by a source read every
-        step (so it waited unread a step at most: an upper bound `ProposerLink.observe_rtt`
-        keeps the tightest of). A quiet source reads its replies only at its next push
-        (`policy.idle_push_every` steps on): timing those measured how seldom it reads, not the
-        path (an int8 proposer on loopback showed a 162 ms round trip, and once asked again
-        was told to draft that much further ahead)."""
+        step, so it waited unread a step at most (`ProposerLink.observe_rtt`)."""
         sent = self.commits.pop(call)
         if isinstance(reply, RequestTimeout):
             self._count("timeouts", 1)
@@ -569,18 +580,15 @@ class ProposerSource(DraftSource):
                 self._drop(f"{code}: {reply.get('message')}")
             else:
                 self._fail(f"error {code}")
-        elif timed:
-            self.link.observe_rtt(time.monotonic() - sent)
+        else:
+            self.link.observe_rtt(time.monotonic() - sent, timed)
 
     def _horizon(self) -> int:
-        """Cover a round trip plus a verify: the tokens committed meanwhile, plus one budget.
-        A quiet source's push also covers the steps until its next one (`_push`)."""
+        """Cover a round trip plus a verify: the tokens committed meanwhile, plus one budget."""
         p = self.policy
         rtt = self.link.net_s or 0.0
         step = self.step_s or 0.0
         steps = 1.0 + (rtt / step if step > 0 else 1.0)
-        if self._quiet():
-            steps += p.idle_push_every
         want = math.ceil(self.per_step * steps) + self.max_draft
         return int(min(p.max_horizon, max(p.min_horizon, want)))
 
@@ -636,7 +644,7 @@ class ProposerSource(DraftSource):
 
 
 def _ms(seconds: float | None) -> float | None:
-    """A round trip in milliseconds for stats; None until one was timed (`_on_commit`)."""
+    """A round trip in milliseconds for stats; None until one was timed."""
     return None if seconds is None else round(seconds * 1000, 3)
 
 

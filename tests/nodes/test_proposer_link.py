@@ -21,3 +21,13 @@ def test_an_old_low_reading_ages_out():
     for _ in range(RTT_WINDOW):
         link.observe_rtt(0.003)
     assert link.net_s == 0.003
+
+
+def test_untimed_readings_size_the_horizon_but_are_not_shown():
+    """A quiet source's late readings (its read cadence) feed `net_s`, never `rtt_ms`."""
+    link = ProposerLink("p", "tcp://127.0.0.1:1")
+    link.observe_rtt(0.162, timed=False)
+    assert link.net_s == 0.162 and link.as_dict()["rtt_ms"] is None
+    link.observe_rtt(0.0009)
+    link.observe_rtt(0.150, timed=False)
+    assert link.net_s == 0.0009 and link.as_dict()["rtt_ms"] == 0.9
