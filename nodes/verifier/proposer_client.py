@@ -120,8 +120,6 @@ class ProposerLink:
     #: the commit push round trip: the smallest of the last RTT_WINDOW readings, every
     #: reading (what the draft-ahead horizon is sized by, `ProposerSource._horizon`)
     net_s: float | None = None
-    #: the same over timed readings only (`ProposerSource._on_commit`): the `rtt_ms` shown
-    timed_s: float | None = None
     #: EMA: commit pushed -> first chunk based on it, read while waiting for it (kept across
     #: generations: it belongs to the proposer and the network, not to a prompt)
     fresh_s: float | None = None
@@ -179,7 +177,12 @@ class ProposerLink:
         self.net_s = min(self._rtts)
         if timed:
             self._timed.append(rtt)
-            self.timed_s = min(self._timed)
+
+    @property
+    def timed_s(self) -> float | None:
+        """The round trip over timed readings only (`ProposerSource._on_commit`): the
+        `rtt_ms` shown; None until one was timed."""
+        return min(self._timed) if self._timed else None
 
     def label(self, name: str) -> str | None:
         """The draft class `name` a chunk gave, or None: none given, or a class beyond the
