@@ -136,6 +136,12 @@ class ProposerLink:
     classes: set[str] = field(default_factory=set, repr=False)
     #: generations in a row this proposer sat out (`sits_out`)
     sat_out: int = 0
+    #: tokens a second it drafts, as its card says (`extras.draft_tok_s`, measured at its
+    #: start); None when the card does not say
+    draft_tok_s: float | None = None
+    #: it drafted slower than this verifier commits when a generation last measured both
+    #: (`ProposerSource.lags`)
+    lags: bool = False
     _rtts: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RTT_WINDOW),
                                      repr=False)
     _timed: collections.deque = field(
@@ -201,14 +207,20 @@ class ProposerLink:
         return f"remote:{self.name or self.node_id}"
 
     def sits_out(self, late: bool, every: int = SIT_OUT) -> bool:
-        """Whether a generation starts without this proposer: one reading the verifier's
-        hidden states (an EAGLE head) whose drafts came too late to be verified (`late`, the
-        engine's record) sits out up to `every` generations in a row, then drafts in one (a
-        probe generation, where the engine probes it as usual). Why: a session with such a
-        proposer costs the verifier every step whether or not it is asked: each step's hidden
-        states captured in the forward and kept for it (2-5 % of a 7 ms quantized step, an
-        EAGLE head behind +50 ms on open-ended text, where none of its drafts was in time)."""
-        if not (late and self.hidden_layers) or self.sat_out >= every:
+        """Whether a generation starts without this proposer: one whose drafts came too late
+        to be verified (`late`, the engine's record) sits out up to `every` generations in a
+        row, then drafts in one (a probe generation, where the engine probes it as usual),
+        where it reads the verifier's hidden states (an EAGLE head) or drafts slower than
+        the verifier commits (`lags`). Why: such a session costs whether or not it is asked.
+        An EAGLE head's costs the verifier every step: each step's hidden states captured in
+        the forward and kept for it (2-5 % of a 7 ms quantized step, a head behind +50 ms on
+        open-ended text, where none of its drafts was in time). A lagging proposer's costs its
+        own machine, drafting what is never verified; where that machine shares caches with
+        the verifier's (two cores of one chip), the verifier too (an int8 proposer, 2-3x
+        slower than a q4 verifier, took 5-10 % off it on this project's 2-core VM). A late
+        proposer that keeps up (a far ngram one) never sits out: whether it is in time
+        depends on the text, and the next prompt may be one it can copy."""
+        if not (late and (self.hidden_layers or self.lags)) or self.sat_out >= every:
             self.sat_out = 0
             return False
         self.sat_out += 1
@@ -289,11 +301,13 @@ class ProposerSource(DraftSource):
         self.awaiting: tuple[int, float] | None = None
         #: proposes in a row with no budget, and commits held back meanwhile (`policy.idle_*`)
         self.idle = 0
+        self.asked = False  # the engine asked it for drafts this step (`propose`'s budget)
         self.held: list[int] = []
         #: the hidden states of the held commits (a source with `hidden_layers`), in order:
         #: the engine's tensors (its own copies), converted once when pushed
         self.held_rows: list = []
-        self.horizon = self._horizon()
+        # a proposer that lagged in the last generation starts drafting nothing ahead
+        self.horizon = 0 if not forced and self.lags() else self._horizon()
         # the grammar goes only to a proposer that takes it (the others draft free and are
         # pruned here): it then drafts what the grammar allows
         opening = SessionOpen(session_id, np.asarray(self.tokens, dtype=np.int32), lease_s,
@@ -305,7 +319,10 @@ class ProposerSource(DraftSource):
     def propose(self, committed: Sequence[int], budget: int) -> DraftTree:
         if self.dropped:
             return EMPTY_TREE
+        if budget > 0 and not self.forced and self.lags():
+            budget = 0  # none of its drafts could be in time: asked for none (`lags`)
         quiet = self._quiet()
+        self.asked = budget > 0
         if budget <= 0 and quiet:  # read with the next push (`feedback`)
             self.idle += 1
             return EMPTY_TREE
@@ -352,6 +369,7 @@ class ProposerSource(DraftSource):
             self.step_s = ema(self.step_s, dt)
         self._last_fb = now
         self.per_step = ema(self.per_step, len(fb.committed))
+        self.link.lags = self.lags()
         if self.proposed:  # counted as proposed: the tree may have merged it with another's
             self._count("drafts", 1)
             self._count("drafted", self.proposed)
@@ -381,12 +399,35 @@ class ProposerSource(DraftSource):
         quantized step for a proposer the engine had stopped asking."""
         return self.idle >= self.policy.idle_after and not self.forced
 
+    def lags(self) -> bool:
+        """It drafts fewer tokens a second (its card's `draft_tok_s`) than this verifier
+        commits (tokens a step over seconds a step, measured here; before this generation
+        measured a step, the link's last judgement). Such a proposer is never ahead of the
+        verifier: from each commit pushed to it, the verifier has committed more by the time
+        it drafted anything. Its drafts could only be used by waiting for them, and each
+        costs a longer wait than the plain step it could save. So it is asked for none
+        (`propose`), drafts nothing ahead (`_push`), and, late, sits out generations
+        (`ProposerLink.sits_out`). Judged at every step: a loaded verifier (a batch, a longer
+        context) may make it worth asking again."""
+        rate = self.link.draft_tok_s
+        if not rate:
+            return False
+        if not self.step_s:
+            return self.link.lags
+        return rate * self.step_s < self.per_step
+
     def _push(self, now: float) -> None:
         """Send the commits held so far, with their hidden states (if any). A quiet source's
         pushes keep the whole horizon: a probe reads the chunk answering the last push, which
         can still extend the prefix 16 steps on only if it drafted that far (tried: the
-        shortest horizon made a far ngram proposer's probes fail on prompts it could copy)."""
-        self.horizon = self._horizon()
+        shortest horizon made a far ngram proposer's probes fail on prompts it could copy).
+        A proposer that drafts slower than the verifier commits (`lags`), not asked this
+        step, gets a horizon of 0: it follows the commits and drafts nothing ahead, since
+        nothing it drafts could be in time. Measured: an int8 proposer, ~30 tok/s beside a
+        ~75 tok/s q4 verifier, drafted without a pause (98 % of its core) for sessions whose
+        drafts were never asked for."""
+        self.horizon = (0 if not (self.asked or self.forced) and self.lags()
+                        else self._horizon())
         rows = _hidden_rows(self.held_rows)
         push = SessionExtend(self.sid, np.asarray(self.held, dtype=np.int32),
                              len(self.tokens), self.horizon,
@@ -403,8 +444,8 @@ class ProposerSource(DraftSource):
         chunks took so far (round trip plus the proposer's drafting; `policy.first_wait_s`
         before any was measured, so the engine can try a first wait and learn the real figure);
         None once it came, or for a dropped proposer."""
-        if self.dropped or self.awaiting is None:
-            return None
+        if self.dropped or self.awaiting is None or (not self.forced and self.lags()):
+            return None  # (a lagging proposer: nothing it drafts is worth a wait, `lags`)
         took = self.link.fresh_s
         if took is None:
             took = self.policy.first_wait_s

@@ -592,6 +592,7 @@ class VerifierRole:
                 link = ProposerLink(card.node_id, endpoint, card.name, hidden_layers=hidden,
                                     takes_grammar=grammar)
                 self.links[card.node_id] = link
+            link.draft_tok_s = _draft_rate(card.extras.get("draft_tok_s"))
             out.append(link)
         return out
 
@@ -650,3 +651,12 @@ def _token_chunk(index: int, block, piece: str) -> Message:
     return TokenChunk(index, tokens, piece, top_n=lp.top_ids.shape[1], logprobs=lp.logprobs,
                       top_ids=lp.top_ids.reshape(-1),
                       top_logprobs=lp.top_logprobs.reshape(-1)).to_message()
+
+
+def _draft_rate(value) -> float | None:
+    """A proposer card's `extras.draft_tok_s` (its drafting speed), or None where it gives no
+    usable one: extras are free-form, so anything but a finite positive number (a bool, a
+    string, NaN) says nothing rather than failing the generation."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if 0.0 < value < float("inf") else None

@@ -37,8 +37,8 @@ class ScriptedProposer:
                               lambda req: req.reply(make("done", finish_reason="closed")))
 
     def _commit(self, req):
+        self.extends.append(req.message)  # before the put a test waits on
         self.commits.put((req.message["committed"], req.message.tensors[0].tolist()))
-        self.extends.append(req.message)
         req.reply(make("done", finish_reason="extended"))
 
     def chunk(self, req, base, tokens, session=None):
@@ -241,6 +241,51 @@ def test_a_quiet_source_shows_no_round_trip_from_its_late_reads(make_source, scr
     step(8)
     read_until_nonwaiting(src, lambda: not src.commits)
     assert src.link.timed_s is not None and src.stats()["rtt_ms"] is not None
+
+
+@pytest.mark.parametrize("draft_tok_s", [1e-6, 1e9, None])
+def test_a_proposer_drafting_slower_than_the_verifier_commits_is_asked_for_nothing(
+        make_source, scripted, host, draft_tok_s):
+    """A proposer whose card says it drafts slower than this verifier commits (pinned here:
+    a millionth of a token a second, against a test's steps microseconds apart) can never
+    have a draft in time: it is pushed a horizon of 0 (it follows the commits, drafting
+    nothing), asked for drafts it offers none and announces none to wait for, and the next
+    generation opens its session with a horizon of 0. A fast one, or one whose card does not
+    say, drafts ahead and is asked as before."""
+    src, req = make_source(DraftPolicy(idle_after=1, idle_push_every=2))
+    src.link.draft_tok_s = draft_tok_s
+    lags = draft_tok_s == 1e-6
+    tokens = list(PROMPT)
+
+    def step(budget):
+        src.propose(tokens, budget)
+        tokens.append(len(tokens) + 10)
+        src.feedback(Feedback(committed=(tokens[-1],), committed_len=len(tokens), offered=0,
+                              accepted=0))
+
+    for _ in range(5):  # quiet from the first step: pushes of two steps' worth, one held
+        step(0)
+    assert scripted.commits.get(timeout=10) == (6, [14, 15])
+    assert scripted.commits.get(timeout=10) == (8, [16, 17])
+    assert src.lags() is lags and src.link.lags is lags
+    for push in scripted.extends:  # step time is known from the second step's feedback on
+        assert push["horizon"] == 0 if lags else push["horizon"] >= src.policy.min_horizon
+    scripted.chunk(req, 8, [30, 31])
+    read_until_nonwaiting(src, lambda: src.link.chunks == 1)
+    offer = src.propose(tokens, 8).chain_tokens.tolist()  # asked: a probe
+    if lags:  # nothing offered, nothing pushed, nothing to wait for
+        assert offer == [] and src.expected_wait() is None
+        time.sleep(0.2)  # (a push would be on its way: none may come)
+        assert scripted.commits.empty()
+    else:  # what it has, and the held commit at once, with a whole horizon
+        assert scripted.commits.get(timeout=10) == (9, [18])
+        assert scripted.extends[-1]["horizon"] >= src.policy.min_horizon
+    src.close()
+    nxt = ProposerSource(src.link, src.client, PROMPT, SamplingParams(), session_id="s2",
+                         vocab_size=VOCAB, fingerprint="fp", max_draft=8)
+    opening = scripted.streams.get(timeout=10)
+    assert (opening.message["horizon"] == 0) is lags
+    nxt.close()
 
 
 def test_an_idle_eagle_source_holds_its_hidden_states_with_its_commits(host, scripted):
@@ -465,14 +510,20 @@ def test_a_chunks_classes_name_the_draft_past_the_prefix_and_are_bounded(
     assert seen[-1] is None and len(src.link.classes) == MAX_CLASSES
 
 
-def test_a_late_eagle_proposer_sits_out_generations_then_drafts_in_one():
-    """A proposer reading hidden states whose drafts came too late sits out `every`
-    generations in a row, then drafts in one (where the engine probes it); one reading none,
-    or not late, never sits out."""
+def test_a_late_eagle_or_lagging_proposer_sits_out_generations_then_drafts_in_one():
+    """A proposer reading hidden states, or drafting slower than the verifier commits, whose
+    drafts came too late sits out `every` generations in a row, then drafts in one (where the
+    engine probes it); any other, or one not late, never sits out."""
     eagle = ProposerLink("e", "tcp://127.0.0.1:1", "eagle", hidden_layers=(1, 2))
     assert [eagle.sits_out(True, every=3) for _ in range(8)] == [
         True, True, True, False, True, True, True, False]
     assert not eagle.sits_out(False, every=3) and eagle.sat_out == 0
     ngram = ProposerLink("n", "tcp://127.0.0.1:2", "ngram")
     assert not any(ngram.sits_out(True) for _ in range(8))
+    # a proposer drafting slower than the verifier commits sits out as an EAGLE head does;
+    # a late one that keeps up (a far ngram proposer: the next prompt may be one it copies)
+    # never does
+    int8 = ProposerLink("i", "tcp://127.0.0.1:3", "int8", lags=True)
+    assert [int8.sits_out(True, every=2) for _ in range(6)] == [True, True, False] * 2
+    assert not int8.sits_out(False, every=2)
     assert eagle.source_name == "remote:eagle" and ProposerLink("x", "").source_name == "remote:x"

@@ -196,6 +196,24 @@ def test_forced_drafting_asks_the_named_proposer_every_block(host, verifier, ngr
     assert err.code == "no_proposer" and "nobody" in str(err)
 
 
+def test_a_proposer_cards_drafting_speed_reaches_its_link_and_bad_ones_say_nothing(verifier):
+    """`extras.draft_tok_s` (what a proposer measured of itself) is what the verifier judges
+    a lagging proposer by; extras are free-form, so a bad value reads as unknown (None), never
+    as an error, and a card that changes it is followed."""
+    members = FakeMembership()
+    verifier._node = SimpleNamespace(membership=members, node_id="v")
+    cases = {"fast": 2500.0, "int": 30, "none": None, "str": "fast", "bool": True,
+             "nan": float("nan"), "inf": float("inf"), "zero": 0.0, "neg": -3.0}
+    for name, rate in cases.items():
+        members.add_proposer(name, "tcp://127.0.0.1:1", extras={"draft_tok_s": rate})
+    # a generation drafts with a few proposers at most: each named in turn
+    links = {k: verifier._compatible_links([k])[0] for k in cases}
+    assert {k: links[k].draft_tok_s for k in cases} == {
+        "fast": 2500.0, "int": 30.0, **dict.fromkeys(list(cases)[2:])}
+    members.get("none").card.extras["draft_tok_s"] = 12.5
+    assert verifier._compatible_links(["none"])[0].draft_tok_s == 12.5
+
+
 def test_telemetry_never_iterates_links_the_compute_thread_mutates(verifier):
     """Links are added on one thread while telemetry reads on another, as in a node."""
     members = FakeMembership()
