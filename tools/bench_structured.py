@@ -198,6 +198,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proposers", default="ngram", metavar="DRAFTER[,DRAFTER...]",
                         help="--gateway: one proposer process per drafter (default: ngram; "
                              "a model drafter such as int8 takes the grammar)")
+    parser.add_argument("--no-ceiling", action="store_true",
+                        help="leave out the oracle ceilings (tools/structured_ceiling.py)")
     parser.add_argument("--compiles", type=int, default=20,
                         help="fresh compiles per constraint for the compile-time figures")
     parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")
@@ -434,6 +436,8 @@ def run(args: argparse.Namespace) -> int:
                 outputs[c][i] = tokens
         print(f"round {r + 1}/{rounds} done", file=sys.stderr)
 
+    ceiling = None if args.no_ceiling else _ceilings(backend, engines, reqs, runs, outputs)
+
     # compile time: a fresh compile of each request's constraint, many times
     fresh = Grammars(backend.tokenizer, backend.vocab_size, cache_size=1)
     fresh._ll = engines["plain"].grammars.ll_tokenizer
@@ -455,6 +459,8 @@ def run(args: argparse.Namespace) -> int:
                        "n": len(compile_ms)},
         "machine": platform.machine(), "load": os.getloadavg(),
     })
+    if ceiling is not None:
+        report["ceiling"] = ceiling
     if args.gateway:  # after the in-process rows (they hold core 0 in this process)
         from tools.bench_structured_gateway import print_gateway, run_gateway
 
@@ -485,6 +491,62 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[k]
 
 
+def _counted(reqs, w: str) -> list[int]:
+    """The requests of workload `w` the figures count (the agent trace's after its first
+    `AGENT_AFTER`)."""
+    idx = [i for i, r in enumerate(reqs) if r["workload"] == w]
+    return idx[AGENT_AFTER:] if w == "agent" else idx
+
+
+def _ceilings(backend, engines, reqs, runs, outputs) -> dict[str, Any]:
+    """Per workload and speculative configuration, the oracle ceiling of its sources over
+    constrained plain's answers, end to end and after the first token, and the perfect
+    drafter's (tools/structured_ceiling.py): medians over the counted requests and the lowest.
+    One pass in request order, as a round runs (the suffix index over the earlier answers)."""
+    from nodes.drafters.ngram import NgramDrafter
+    from nodes.drafters.suffix import SuffixDrafter
+    from nodes.engine.grammar import GrammarSource
+    from nodes.engine.sampling import SamplingParams
+    from tools.structured_ceiling import end_to_end, perfect, replay_sources
+    from tools.trace_ceiling import measure_costs
+
+    max_k = engines["grammar"].max_draft
+    drafters = {"grammar": None, "grammar+ngram": NgramDrafter(),
+                "grammar+suffix": SuffixDrafter()}
+    per: dict[str, list[tuple[float, float]]] = {c: [] for c in (*drafters, "perfect")}
+    for i, req in enumerate(reqs):
+        answer = outputs["plain"][i]
+        costs = measure_costs(backend, req["ids"], max_k + 1)
+        first = statistics.median(x[6] for x in runs["plain"][i])
+        for c, drafter in drafters.items():
+            matcher = engines["grammar"].grammars.matcher(req["constraint"])
+
+            def advance(token: int, m=matcher) -> None:
+                try:
+                    m.advance(token)
+                except RuntimeError:  # (the end of text past an accepting state)
+                    pass
+
+            sources = [GrammarSource(matcher)]
+            if drafter is not None:
+                sources.append(drafter.open_source(req["ids"], SamplingParams()))
+            got = replay_sources(sources, advance, req["ids"], answer, costs.verify, max_k)
+            per[c].append((end_to_end(got, first), got.speedup))
+        best = perfect(len(answer), costs.verify, max_k)
+        per["perfect"].append((end_to_end(best, first), best.speedup))
+    out: dict[str, Any] = {}
+    for w in WORKLOADS:
+        idx = _counted(reqs, w)
+        if not idx:
+            continue
+        out[w] = {c: {"speedup_median": statistics.median(xs[i][0] for i in idx),
+                      "speedup_lowest": min(xs[i][0] for i in idx),
+                      "decode_speedup_median": statistics.median(xs[i][1] for i in idx),
+                      "requests": len(idx)} for c, xs in per.items()}
+    print("ceilings done", file=sys.stderr)
+    return out
+
+
 def _summarise(reqs, runs) -> dict[str, Any]:
     """Per workload and configuration: medians over requests of each request's median over
     rounds. `speedup`: end to end (prefill included) against constrained plain on the same
@@ -493,9 +555,7 @@ def _summarise(reqs, runs) -> dict[str, Any]:
     agent trace counts its requests after the first `AGENT_AFTER`."""
     out: dict[str, Any] = {}
     for w in WORKLOADS:
-        idx = [i for i, r in enumerate(reqs) if r["workload"] == w]
-        if w == "agent":
-            idx = idx[AGENT_AFTER:]
+        idx = _counted(reqs, w)
         if not idx:
             continue
         rows = {}
@@ -564,6 +624,13 @@ def _print(rep: dict[str, Any]) -> None:
           f"{rep['tools']['free']['step_ms_per_token']:.2f} (free text differs in length)")
     print(f"schema compile: p50 {rep['compile_ms']['p50']:.2f} ms, p99 "
           f"{rep['compile_ms']['p99']:.2f} ms ({rep['compile_ms']['n']} fresh compiles)")
+    if rep.get("ceiling"):
+        print("oracle ceilings over constrained plain's answers (tools/structured_ceiling.py): "
+              "x plain end to end (median, lowest request), decode x after the first token")
+        for w, rows in rep["ceiling"].items():
+            print("  " + w + ": " + "; ".join(
+                f"{c} {r['speedup_median']:.2f} ({r['speedup_lowest']:.2f}), decode "
+                f"{r['decode_speedup_median']:.2f}" for c, r in rows.items()))
     print(f"invalid outputs (finished answers): {rep['invalid_outputs']}; cut by max_tokens "
           f"(not judged): {rep['cut_by_max_tokens']}; speculative != constrained plain: "
           f"{rep['speculative_not_equal_plain']}")
