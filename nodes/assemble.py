@@ -315,7 +315,11 @@ def _measure_plain(engine) -> float:
 
 
 def _measure_draft(drafter) -> float:
-    """Draft tokens per second of this drafter on a repetitive text (warms it up too)."""
+    """Draft tokens per second of this drafter on a repetitive text (warms it up too): its
+    drafting past a prompt already fed (`DraftState.warm`, as a session's open does), which is
+    what drafting ahead costs and what the card's `draft_tok_s` tells verifiers (a slower one
+    than their commits is never asked, docs/engine/cost-model.md). Why the warm: timed with the
+    prompt's prefill inside, an int8 drafter read 11 tok/s where it drafts 20-35."""
     from nodes.engine.sampling import SamplingParams
 
     ids = list(range(1, 40)) * 3
@@ -323,6 +327,7 @@ def _measure_draft(drafter) -> float:
     for _ in range(2):  # the first draft is cold
         session = drafter.open(ids, SamplingParams())
         try:
+            session.warm()
             t0 = time.perf_counter()
             out, _ = session.draft(8)
             dt = time.perf_counter() - t0
