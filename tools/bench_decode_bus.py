@@ -249,7 +249,10 @@ def _rows(results: dict[str, list[dict]]) -> list[dict]:
                 "tree_blocks_per_forward": round(statistics.median(
                     runs[i].get("tree_blocks", 0) / b for i, b in zip(idx, blocks, strict=True)
                     if b) if any(blocks) else 0.0, 2),
-                "identical_to_plain": all(runs[i]["token_ids"] == plain[i]["token_ids"]
+                # against the row's own baseline: an HF row's is HF greedy (fp32), which the
+                # verifier's quantized plain decoding differs from wherever the weights tip a
+                # token, so compared with ours it read "False" on open-ended text at every run
+                "identical_to_plain": all(runs[i]["token_ids"] == base[i]["token_ids"]
                                           for i in idx),
                 #: per prompt of the class (in the prompt set's order): the worst is named
                 "per_prompt": [{"prompt": runs[i].get("prompt", i), "speedup": round(

@@ -30,3 +30,26 @@ def test_a_bad_repeat_is_refused(bad, capsys):
         parser.parse_args(["--repeat", bad])
     assert "--repeat" in capsys.readouterr().err
     assert parser.parse_args(["--repeat", "3"]).repeat == 3
+
+
+def test_each_row_is_judged_identical_against_its_own_baseline():
+    """Bus rows against the verifier's plain decoding, HF rows against HF greedy: an HF row
+    compared with the quantized verifier's plain output would read "not identical" wherever
+    fp32 and q4 tip a token differently, which says nothing about HF's prompt lookup."""
+    from tools.bench_decode_bus import _rows
+
+    def run(ids, cls="open-ended"):
+        return {"class": cls, "token_ids": ids, "tok_per_s": 10.0, "acceptance": 0.0,
+                "accepted": 0, "drafted": 0, "blocks": 1}
+
+    results = {"bus-plain": [run([1, 2])], "bus-plain-again": [run([1, 2])],
+               "inproc-ngram": [run([1, 2])], "bus-ngram+0ms": [run([1, 2])],
+               "bus-int8+0ms": [run([1, 9])],  # a bus row that differs: said so
+               "hf-plain": [run([1, 3])], "hf-prompt-lookup": [run([1, 3])]}
+    same = {r["name"]: r["identical_to_plain"] for r in _rows(results)}
+    assert same == {"bus-plain": True, "bus-plain-again": True, "inproc-ngram": True,
+                    "bus-ngram+0ms": True, "bus-int8+0ms": False, "hf-plain": True,
+                    "hf-prompt-lookup": True}
+    results["hf-prompt-lookup"] = [run([1, 4])]
+    assert not next(r for r in _rows(results) if r["name"] == "hf-prompt-lookup")[
+        "identical_to_plain"]
