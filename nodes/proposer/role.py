@@ -379,8 +379,10 @@ class ProposerRole:
             # the drafter holds these already; an alternative to a token now committed is moot
             s.ahead = s.ahead.advanced(n)
         else:
-            self.stats.rollbacks += 1
-            self._rollback(s, s.committed - len(new) + n)
+            if s.assumed:  # it drafted ahead and the commit disagrees: roll that back
+                self.stats.rollbacks += 1
+                self._rollback(s, s.committed - len(new) + n)
+            # (nothing drafted ahead, a horizon of 0: the commit only extends the drafter)
             s.draft.extend(new[n:])
             s.ahead = EMPTY_TREE
         log.debug("session %s: commit to %d (+%d), %d of them drafted here, %d drafted ahead kept",

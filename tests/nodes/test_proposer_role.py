@@ -42,8 +42,8 @@ def open_session(host, sid="s1", lease=5.0, prompt=PROMPT):
     return first
 
 
-def commit(host, sid, committed, delta=()):
-    return ask(host, make("session_extend", session=sid, committed=committed,
+def commit(host, sid, committed, delta=(), **fields):
+    return ask(host, make("session_extend", session=sid, committed=committed, **fields,
                           tensors=[np.asarray(delta, dtype=np.int32)]))
 
 
@@ -68,6 +68,25 @@ def test_open_streams_a_draft_ahead_up_to_the_horizon(host, proposer):
     first = chunks[0].tensors[0].tolist()
     assert first and first == [7, 8, 5, 6, 7, 8][:len(first)]
     assert chunks[-1].tensors[0].tolist() == [7, 8, 5, 6, 7, 8]
+
+
+def test_a_horizon_of_0_follows_the_commits_and_drafts_nothing(host, proposer):
+    """What a verifier sends a proposer slower than its commits: each commit is answered (an
+    empty chunk at the new base, so the verifier hears it) and nothing is drafted ahead, nor is
+    a commit counted as a rollback (nothing was assumed); a later horizon drafts again."""
+    call = open_stream(host, horizon=0)
+    n = len(PROMPT)
+    assert chunk_at(call, n).tensors[0].tolist() == []
+    for k in (2, 4):
+        commit(host, "s1", n + k, [7, 8], horizon=0)
+        assert chunk_at(call, n + k).tensors[0].tolist() == []
+    assert proposer.stats.draft_tokens == 0 and proposer.stats.rollbacks == 0
+    commit(host, "s1", n + 5, [5], horizon=4)  # asked again: drafts from the commits
+    got = chunk_at(call, n + 5).tensors[0].tolist()
+    while len(got) < 4:
+        got = chunk_at(call, n + 5).tensors[0].tolist()
+    assert got[:3] == [6, 7, 8]  # "... 7 8 5" goes on as in the prompt
+    assert proposer.stats.draft_tokens >= 4 and proposer.stats.rollbacks == 0
 
 
 def test_commits_confirm_or_roll_back_and_are_idempotent(host, proposer):
