@@ -8,6 +8,7 @@ each check first waits (bounded) until the source has read what was sent.
 
 from __future__ import annotations
 
+import functools
 import queue
 import time
 
@@ -89,6 +90,15 @@ def read_until(src, cond, limit_s=10.0):
     while not cond():
         assert time.monotonic() < end, ("the source never read what was sent", src.link)
         src._drain(0.05)
+
+
+def one_step(src, tokens, budget=0):
+    """One engine step as a source sees it: asked for `budget` drafts, then one more token
+    (numbered past the prompt) committed and fed back."""
+    src.propose(tokens, budget)
+    tokens.append(len(tokens) + 10)
+    src.feedback(Feedback(committed=(tokens[-1],), committed_len=len(tokens), offered=0,
+                          accepted=0))
 
 
 def offered(src, committed, budget=8):
@@ -187,11 +197,7 @@ def test_an_idle_source_holds_its_commits_until_asked_or_every_n_steps(make_sour
     src, req = make_source(DraftPolicy(idle_after=2, idle_push_every=4))
     tokens = list(PROMPT)
 
-    def step(budget):
-        src.propose(tokens, budget)
-        tokens.append(len(tokens) + 10)
-        src.feedback(Feedback(committed=(tokens[-1],), committed_len=len(tokens), offered=0,
-                              accepted=0))
+    step = functools.partial(one_step, src, tokens)
 
     step(0)
     assert scripted.commits.get(timeout=10) == (5, [14])
@@ -221,11 +227,7 @@ def test_a_quiet_source_shows_no_round_trip_from_its_late_reads(make_source, scr
     src, req = make_source(DraftPolicy(idle_after=1, idle_push_every=4))
     tokens = list(PROMPT)
 
-    def step(budget=0):
-        src.propose(tokens, budget)
-        tokens.append(len(tokens) + 10)
-        src.feedback(Feedback(committed=(tokens[-1],), committed_len=len(tokens), offered=0,
-                              accepted=0))
+    step = functools.partial(one_step, src, tokens)
 
     for _ in range(8):  # quiet from the first commit: two pushes of four
         step()
@@ -257,11 +259,7 @@ def test_a_proposer_drafting_slower_than_the_verifier_commits_is_asked_for_nothi
     lags = draft_tok_s == 1e-6
     tokens = list(PROMPT)
 
-    def step(budget):
-        src.propose(tokens, budget)
-        tokens.append(len(tokens) + 10)
-        src.feedback(Feedback(committed=(tokens[-1],), committed_len=len(tokens), offered=0,
-                              accepted=0))
+    step = functools.partial(one_step, src, tokens)
 
     for _ in range(5):  # quiet from the first step: pushes of two steps' worth, one held
         step(0)
