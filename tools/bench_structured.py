@@ -507,8 +507,8 @@ def _ceilings(backend, engines, reqs, runs, outputs) -> dict[str, Any]:
     from nodes.drafters.suffix import SuffixDrafter
     from nodes.engine.grammar import GrammarSource
     from nodes.engine.sampling import SamplingParams
-    from tools.structured_ceiling import end_to_end, perfect, replay_sources
-    from tools.trace_ceiling import measure_costs
+    from tools.structured_ceiling import end_to_end, perfect
+    from tools.trace_ceiling import measure_costs, replay_sources
 
     max_k = engines["grammar"].max_draft
     drafters = {"grammar": None, "grammar+ngram": NgramDrafter(),

@@ -16,53 +16,17 @@ content could give with this verifier's step.
 
 End to end (what the targets count): the request's measured time to its first token (the
 prefill, from the bench's constrained plain runs: a prefix cache hit included) plus the
-modelled decode, against the same first token plus plain steps. Costs come from
+modelled decode, against the same first token plus plain steps. The replay itself is
+`tools.trace_ceiling.replay_sources`, the suffix work's oracle over engine sources. Costs come from
 `tools.trace_ceiling.measure_costs` on the request's prompt; the context's growth over the
 answer and the grammar's mask (1-2 % of a step, the bench's `mask %`) are left out of both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from nodes.engine.sources import DraftSource, Feedback
-from tools.trace_ceiling import Ceiling, _agrees
-
-
-def replay_sources(sources: Sequence[DraftSource], advance: Callable[[int], None],
-                   prompt: Sequence[int], answer: Sequence[int],
-                   verify_cost: Callable[[int], float], max_k: int) -> Ceiling:
-    """Replay `sources` over `answer` (the greedy constrained continuation of `prompt`) with an
-    oracle verifier (module doc). `advance(token)` moves the state the sources read besides
-    their feedback (the sequence's grammar matcher, which `GrammarSource` drafts from) past each
-    committed token, as the engine's settle does. As in the engine, the first answer token
-    comes with the prefill; every step commits the accepted drafts plus the model's token, and
-    drafts at most `max_k` tokens, never past the answer's last one. The sources are closed at
-    the end (a suffix drafter's index then holds this answer for the next request)."""
-    answer = [int(t) for t in answer]
-    committed = [int(t) for t in prompt]
-    try:
-        if not answer:
-            return Ceiling(0.0, 0.0, 0)
-        _commit(sources, advance, committed, answer[:1], [0] * len(sources))
-        pos, seconds, steps = 1, 0.0, []
-        while pos < len(answer):
-            room = min(max_k, len(answer) - pos - 1)
-            took = [0] * len(sources)
-            if room > 0:
-                for j, source in enumerate(sources):
-                    tree = source.propose(committed, room)
-                    for toks, _conf in tree.path_tokens():
-                        took[j] = max(took[j], _agrees(toks[:room], answer, pos))
-            step = max(took, default=0) + 1
-            seconds += verify_cost(step)
-            steps.append(step)
-            _commit(sources, advance, committed, answer[pos : pos + step], took)
-            pos += step
-        return Ceiling((len(answer) - 1) * verify_cost(1), seconds, len(answer), tuple(steps))
-    finally:
-        for source in sources:
-            source.close()
+from tools.trace_ceiling import Ceiling
 
 
 def perfect(answer_len: int, verify_cost: Callable[[int], float], max_k: int) -> Ceiling:
@@ -79,13 +43,3 @@ def perfect(answer_len: int, verify_cost: Callable[[int], float], max_k: int) ->
 def end_to_end(c: Ceiling, first_s: float) -> float:
     """The ceiling's speedup with the request's time to its first token on both sides."""
     return (first_s + c.plain_s) / (first_s + c.drafted_s) if first_s + c.drafted_s > 0 else 1.0
-
-
-def _commit(sources: Sequence[DraftSource], advance: Callable[[int], None],
-            committed: list[int], tokens: Sequence[int], took: Sequence[int]) -> None:
-    for t in tokens:
-        advance(t)
-    committed.extend(tokens)
-    for source, accepted in zip(sources, took, strict=True):
-        source.feedback(Feedback(committed=tuple(tokens), committed_len=len(committed),
-                                 offered=accepted, accepted=accepted))

@@ -28,6 +28,8 @@ import numpy as np
 
 from nodes.drafters.base import Drafter
 from nodes.engine.sampling import SamplingParams
+from nodes.engine.sources import DraftSource, Feedback
+from nodes.engine.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -85,34 +87,77 @@ def measure_costs(backend, prompt: Sequence[int], max_rows: int, repeat: int = 3
 def oracle_replay(drafter: Drafter, prompt: Sequence[int], answer: Sequence[int],
                   verify_cost: Callable[[int], float], max_k: int) -> Ceiling:
     """Replay `drafter` over `answer` (the greedy continuation of `prompt`) with an oracle
-    verifier (module doc). As in the engine, the first answer token comes with the prompt's
-    prefill, every step then commits the accepted drafts plus the model's own next token, and
-    a step drafts at most `max_k` tokens and never past the answer's last token. The session
-    is closed at the end, so a drafter that learns from finished answers (the suffix index)
-    has this one for the next request."""
-    session = drafter.open(list(prompt), SamplingParams())
+    verifier (module doc), asking its session for its proposals ahead (`draft_ahead`: chain
+    and alternatives, at the drafter's tree width) at every step. The session is closed at
+    the end, so a drafter that learns from finished answers (the suffix index) has this one
+    for the next request."""
     width = max(1, int(getattr(drafter, "tree_width", 1) or 1))
+    source = _AheadSource(drafter.open(list(prompt), SamplingParams()), width)
+    return replay_sources([source], lambda token: None, prompt, answer, verify_cost, max_k)
+
+
+def replay_sources(sources: Sequence[DraftSource], advance: Callable[[int], None],
+                   prompt: Sequence[int], answer: Sequence[int],
+                   verify_cost: Callable[[int], float], max_k: int) -> Ceiling:
+    """Replay `sources` over `answer` with an oracle verifier: every step asks each source
+    for its proposals and commits the longest proposed path the answer takes, plus the model's
+    own token. `advance(token)` moves any state the sources read besides their feedback past
+    each committed token (a constrained sequence's grammar matcher, which `GrammarSource`
+    drafts from, as the engine's settle does). As in the engine, the first answer token comes
+    with the prompt's prefill, and a step drafts at most `max_k` tokens and never past the
+    answer's last token. The sources are closed at the end."""
     answer = [int(t) for t in answer]
+    committed = [int(t) for t in prompt]
     try:
         if not answer:
             return Ceiling(0.0, 0.0, 0)
-        session.extend(answer[:1])
-        pos, seconds, committed = 1, 0.0, []
+        _commit(sources, advance, committed, answer[:1], [0] * len(sources))
+        pos, seconds, steps = 1, 0.0, []
         while pos < len(answer):
             room = min(max_k, len(answer) - pos - 1)
-            accepted = 0
+            took = [0] * len(sources)
             if room > 0:
-                for toks, _conf in session.draft_ahead(room, width).path_tokens():
-                    accepted = max(accepted, _agrees(toks[:room], answer, pos))
-            step = accepted + 1
+                for j, source in enumerate(sources):
+                    for toks, _conf in source.propose(committed, room).path_tokens():
+                        took[j] = max(took[j], _agrees(toks[:room], answer, pos))
+            step = max(took, default=0) + 1
             seconds += verify_cost(step)
-            committed.append(step)
-            session.extend(answer[pos : pos + step])
+            steps.append(step)
+            _commit(sources, advance, committed, answer[pos : pos + step], took)
             pos += step
-        plain = (len(answer) - 1) * verify_cost(1)
-        return Ceiling(plain, seconds, len(answer), tuple(committed))
+        return Ceiling((len(answer) - 1) * verify_cost(1), seconds, len(answer), tuple(steps))
     finally:
-        session.close()
+        for source in sources:
+            source.close()
+
+
+def _commit(sources: Sequence[DraftSource], advance: Callable[[int], None],
+            committed: list[int], tokens: Sequence[int], took: Sequence[int]) -> None:
+    for t in tokens:
+        advance(t)
+    committed.extend(tokens)
+    for source, accepted in zip(sources, took, strict=True):
+        source.feedback(Feedback(committed=tuple(tokens), committed_len=len(committed),
+                                 offered=accepted, accepted=accepted))
+
+
+class _AheadSource(DraftSource):
+    """A drafter's session as `oracle_replay` asks it: what it drafts ahead of what it was
+    told (`DraftState.draft_ahead`), told every commit."""
+
+    name = "ahead"
+
+    def __init__(self, session, width: int) -> None:
+        self.session, self.width = session, width
+
+    def propose(self, committed: Sequence[int], budget: int) -> DraftTree:
+        return self.session.draft_ahead(budget, self.width)
+
+    def feedback(self, fb: Feedback) -> None:
+        self.session.extend(list(fb.committed))
+
+    def close(self) -> None:
+        self.session.close()
 
 
 def _agrees(tokens, answer: Sequence[int], pos: int) -> int:

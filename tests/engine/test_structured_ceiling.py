@@ -10,8 +10,8 @@ import pytest
 from nodes.drafters.ngram import NgramDrafter
 from nodes.engine.grammar import Constraint, Grammars, GrammarSource
 from nodes.engine.sampling import SamplingParams
-from tools.structured_ceiling import end_to_end, perfect, replay_sources
-from tools.trace_ceiling import Ceiling
+from tools.structured_ceiling import end_to_end, perfect
+from tools.trace_ceiling import Ceiling, replay_sources
 
 
 def rows_cost(n: int) -> float:
