@@ -301,13 +301,11 @@ class ProposerSource(DraftSource):
         self.awaiting: tuple[int, float] | None = None
         #: proposes in a row with no budget, and commits held back meanwhile (`policy.idle_*`)
         self.idle = 0
-        self.asked = False  # the engine asked it for drafts this step (`propose`'s budget)
         self.held: list[int] = []
         #: the hidden states of the held commits (a source with `hidden_layers`), in order:
         #: the engine's tensors (its own copies), converted once when pushed
         self.held_rows: list = []
-        # a proposer that lagged in the last generation starts drafting nothing ahead
-        self.horizon = 0 if not forced and self.lags() else self._horizon()
+        self.horizon = self._horizon()  # (0 for one that lagged in the last generation)
         # the grammar goes only to a proposer that takes it (the others draft free and are
         # pruned here): it then drafts what the grammar allows
         opening = SessionOpen(session_id, np.asarray(self.tokens, dtype=np.int32), lease_s,
@@ -319,10 +317,9 @@ class ProposerSource(DraftSource):
     def propose(self, committed: Sequence[int], budget: int) -> DraftTree:
         if self.dropped:
             return EMPTY_TREE
-        if budget > 0 and not self.forced and self.lags():
+        if budget > 0 and self._lagging():
             budget = 0  # none of its drafts could be in time: asked for none (`lags`)
         quiet = self._quiet()
-        self.asked = budget > 0
         if budget <= 0 and quiet:  # read with the next push (`feedback`)
             self.idle += 1
             return EMPTY_TREE
@@ -416,18 +413,18 @@ class ProposerSource(DraftSource):
             return self.link.lags
         return rate * self.step_s < self.per_step
 
+    def _lagging(self) -> bool:
+        """`lags`, and not forced (a forced source is asked and waited for regardless)."""
+        return not self.forced and self.lags()
+
     def _push(self, now: float) -> None:
         """Send the commits held so far, with their hidden states (if any). A quiet source's
         pushes keep the whole horizon: a probe reads the chunk answering the last push, which
         can still extend the prefix 16 steps on only if it drafted that far (tried: the
         shortest horizon made a far ngram proposer's probes fail on prompts it could copy).
-        A proposer that drafts slower than the verifier commits (`lags`), not asked this
-        step, gets a horizon of 0: it follows the commits and drafts nothing ahead, since
-        nothing it drafts could be in time. Measured: an int8 proposer, ~30 tok/s beside a
-        ~75 tok/s q4 verifier, drafted without a pause (98 % of its core) for sessions whose
-        drafts were never asked for."""
-        self.horizon = (0 if not (self.asked or self.forced) and self.lags()
-                        else self._horizon())
+        A proposer that drafts slower than the verifier commits gets a horizon of 0
+        (`_horizon`)."""
+        self.horizon = self._horizon()
         rows = _hidden_rows(self.held_rows)
         push = SessionExtend(self.sid, np.asarray(self.held, dtype=np.int32),
                              len(self.tokens), self.horizon,
@@ -444,7 +441,7 @@ class ProposerSource(DraftSource):
         chunks took so far (round trip plus the proposer's drafting; `policy.first_wait_s`
         before any was measured, so the engine can try a first wait and learn the real figure);
         None once it came, or for a dropped proposer."""
-        if self.dropped or self.awaiting is None or (not self.forced and self.lags()):
+        if self.dropped or self.awaiting is None or self._lagging():
             return None  # (a lagging proposer: nothing it drafts is worth a wait, `lags`)
         took = self.link.fresh_s
         if took is None:
@@ -628,7 +625,14 @@ class ProposerSource(DraftSource):
             self.link.observe_rtt(time.monotonic() - sent, timed)
 
     def _horizon(self) -> int:
-        """Cover a round trip plus a verify: the tokens committed meanwhile, plus one budget."""
+        """Cover a round trip plus a verify: the tokens committed meanwhile, plus one budget.
+        But 0 for a proposer that drafts slower than the verifier commits (`lags`, not
+        forced): it follows the commits and drafts nothing ahead, since nothing it drafts
+        could be in time. Measured: an int8 proposer, ~30 tok/s beside a ~75 tok/s q4
+        verifier, drafted without a pause (98 % of its core) for sessions whose drafts were
+        never asked for."""
+        if self._lagging():
+            return 0
         p = self.policy
         rtt = self.link.net_s or 0.0
         step = self.step_s or 0.0
