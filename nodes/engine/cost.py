@@ -155,7 +155,8 @@ class CostModel:
     #: the most of the verifier's time probing one source may take: a probe waits at most
     #: this share of the plain steps between two probes (`probe_wait`)
     probe_share: float = 0.03
-    _verify: dict[int, float] = field(default_factory=dict)  # fed tokens -> EMA seconds
+    #: fed tokens -> EMA seconds, with its fitted line kept (`_VerifyPoints`); shared by forks
+    _verify: dict[int, float] = field(default_factory=lambda: _VerifyPoints())
     #: rows fed by a batched forward (several sequences) -> EMA seconds; shared by forks
     _batch: dict[int, float] = field(default_factory=dict)
     #: source -> seconds per drafted token (EMA); a dict so forks share it
@@ -280,31 +281,13 @@ class CostModel:
         return est is not None and est.probing
 
     def verify_cost(self, n: int) -> float:
-        """Seconds for a verifier forward over n tokens, learnt.
-
-        One token and several tokens take different kernel paths (on CPU, 2 tokens cost ~1.6x
-        one, then each further token only ~2-3 %), so n = 1 is its own point and n >= 2 is a
-        straight line fitted to the measured multi-token forwards.
-        """
-        if n in self._verify:
-            return self._verify[n]
-        c1 = self._verify.get(1)
-        multi = {m: c for m, c in self._verify.items() if m >= 2}
-        if c1 is None:
-            c1 = (min(multi.values()) / self.prior_jump) if multi else 1.0
-        if n == 1:
-            return c1
-        per_token = self.prior_slope * c1
-        if len(multi) >= 2:
-            xs, ys = zip(*multi.items(), strict=True)
-            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-            var = sum((x - mx) ** 2 for x in xs)
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-            return max(my + max(slope, 0.0) * (n - mx), c1)
-        if multi:
-            ((m, cm),) = multi.items()
-            return max(cm + per_token * (n - m), c1)
-        return c1 * (self.prior_jump + self.prior_slope * (n - 2))
+        """Seconds for a verifier forward over n tokens, learnt: the measured count's own
+        cost, else the curve through the measured ones (`_VerifyPoints.line`)."""
+        points = self._verify
+        if n in points:
+            return points[n]
+        c1, x0, y0, slope, floor = points.line(self.prior_jump, self.prior_slope)
+        return c1 if n == 1 else max(y0 + slope * (n - x0), floor)
 
     def batch_cost(self, rows: int) -> float:
         """Seconds for a batched forward feeding `rows` rows in all, learnt from batched
@@ -605,6 +588,73 @@ class CostModel:
         source = _source_of(name)
         if source is not None:  # a class's drafts count for its source's phase too
             _observe(self._source(source), accepted, trials)
+
+
+class _VerifyPoints(dict):
+    """Verify seconds by fed-token count (EMA), and the curve between them, fitted once per
+    change. Why: the planner reads `verify_cost` for every k it weighs, ~40 times a step, and
+    refitting the line each time took most of a step's planning (0.4 ms a step where nothing
+    was drafted, 3 % of a quantized step on open-ended text). Every write drops the fit."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._line: tuple[tuple[float, ...], float, float] | None = None
+
+    def line(self, prior_jump: float, prior_slope: float) -> tuple[float, ...]:
+        """(c1, x0, y0, slope, floor): one token costs c1, n >= 2 tokens
+        max(y0 + slope (n - x0), floor).
+
+        One token and several tokens take different kernel paths (on CPU, 2 tokens cost ~1.6x
+        one, then each further token only ~2-3 %), so n = 1 is its own point and n >= 2 is a
+        straight line fitted to the measured multi-token forwards; with one such point, a
+        line through it at the prior's slope; with none, the prior's jump and slope."""
+        if self._line is not None and self._line[1:] == (prior_jump, prior_slope):
+            return self._line[0]
+        c1 = self.get(1)
+        multi = {m: c for m, c in self.items() if m >= 2}
+        if c1 is None:
+            c1 = (min(multi.values()) / prior_jump) if multi else 1.0
+        if len(multi) >= 2:
+            xs, ys = zip(*multi.items(), strict=True)
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            var = sum((x - mx) ** 2 for x in xs)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+            fit = (c1, mx, my, max(slope, 0.0), c1)
+        elif multi:
+            ((m, cm),) = multi.items()
+            fit = (c1, m, cm, prior_slope * c1, c1)
+        else:
+            fit = (c1, 2, c1 * prior_jump, c1 * prior_slope, float("-inf"))
+        self._line = (fit, prior_jump, prior_slope)
+        return fit
+
+    def __setitem__(self, key: int, value: float) -> None:
+        super().__setitem__(key, value)
+        self._line = None
+
+    def __delitem__(self, key: int) -> None:
+        super().__delitem__(key)
+        self._line = None
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        super().update(*args, **kwargs)
+        self._line = None
+
+    def pop(self, *args: Any) -> Any:
+        self._line = None
+        return super().pop(*args)
+
+    def popitem(self) -> tuple[int, float]:
+        self._line = None
+        return super().popitem()
+
+    def setdefault(self, key: int, default: float | None = None) -> Any:
+        self._line = None
+        return super().setdefault(key, default)
+
+    def clear(self) -> None:
+        super().clear()
+        self._line = None
 
 
 def keep_newest(record: dict, key: Any, value: Any, limit: int) -> None:

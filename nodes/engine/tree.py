@@ -343,14 +343,22 @@ class TokenTree:
     def _place(self, paths, budget, max_depth, offered) -> None:
         """Add (source, draft, node path) depth by depth (path order breaks ties) within the
         budget."""
+        # each path's tokens and confidences as Python numbers, read once (indexing the
+        # drafts' arrays node by node was most of a step's planning)
+        walks = []
+        for src, draft, path in paths:
+            nodes = list(path[:max_depth])
+            toks = [int(t) for t in np.asarray(draft.tokens)[nodes].tolist()]
+            confs = (None if draft.conf is None
+                     else [float(c) for c in np.asarray(draft.conf)[nodes].tolist()])
+            walks.append((src, toks, confs))
         cur = [0] * len(paths)
         alive = [True] * len(paths)
-        for d in range(max_depth):
-            for pi, (src, draft, path) in enumerate(paths):
-                if not alive[pi] or d >= len(path):
+        for d in range(max((len(w[1]) for w in walks), default=0)):
+            for pi, (src, toks, confs) in enumerate(walks):
+                if not alive[pi] or d >= len(toks):
                     continue
-                node = path[d]
-                tok, parent = int(draft.tokens[node]), cur[pi]
+                tok, parent = toks[d], cur[pi]
                 child = self.children[parent].get(tok)
                 if child is None:
                     if self.drafted >= budget:
@@ -358,8 +366,8 @@ class TokenTree:
                         continue
                     child = self._new(tok, parent)
                 self.owners[child].add(src)
-                if draft.conf is not None:
-                    c, old = float(draft.conf[node]), self.conf[child]
+                if confs is not None:
+                    c, old = confs[d], self.conf[child]
                     self.conf[child] = c if old is None else max(old, c)
                 offered[src] = offered.get(src, 0) + 1
                 cur[pi] = child

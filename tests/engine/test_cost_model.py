@@ -63,6 +63,26 @@ def test_new_generation_restarts_a_poor_record_at_the_prior_keeps_costs():
     assert c.verify_cost(5) == learnt
 
 
+def test_verify_curve_between_and_past_measured_counts_follows_every_new_measurement():
+    """The line through the multi-token forwards is fitted once per change (the planner reads
+    it ~40 times a step); every measurement, and a fork's, must move it."""
+    c = CostModel(max_k=16)
+    assert c.verify_cost(1) == 1.0 and c.verify_cost(4) == pytest.approx(1.5 + 0.03 * 2)
+    c.record_verify(1, 0.010)
+    assert c.verify_cost(4) == pytest.approx(0.010 * (1.5 + 0.03 * 2))
+    c.record_verify(2, 0.016)  # one multi-token point: a line through it at the prior's slope
+    assert c.verify_cost(6) == pytest.approx(0.016 + 0.03 * 0.010 * 4)
+    fork = c.fork()
+    fork.record_verify(8, 0.028)  # two points: their line, read by the parent as well
+    assert c.verify_cost(5) == pytest.approx(0.016 + 0.002 * 3)
+    assert c.verify_cost(3) == pytest.approx(0.018) and c.verify_cost(8) == 0.028
+    for _ in range(20):  # the 8-row forward gets cheaper: the line follows
+        c.record_verify(8, 0.022)
+    assert c.verify_cost(5) == pytest.approx(0.016 + 0.001 * 3, rel=1e-3)
+    c._verify.update({2: 0.030, 8: 0.030})  # written directly (tests pin costs so)
+    assert c.verify_cost(5) == pytest.approx(0.030)
+
+
 # ---- per-source estimates and tree selection ------------------------------------------------
 CPU = lambda n: 0.056 if n == 1 else 0.090 + 0.003 * (n - 2)  # noqa: E731 - SmolLM2 on CPU
 
