@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable
 
 from tools.arg_types import positive_int
+from tools.bench_decode_bus import delay_list
 from tools.decode_runs import Run, hf_runner
 from tools.prompts import PROMPTS
 
@@ -53,6 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="torch CPU threads for every configuration (default 1: with any background load, "
         "multi-threaded CPU forwards stall badly, which would swamp the comparison)",
+    )
+    parser.add_argument(
+        "--delays",
+        type=delay_list,
+        default=None,
+        help="over the bus: the proposers' added round trips to run, a comma-separated subset "
+        "of 0,5,20,50 ms (default all; HF and in-process rows come with 0). '--delays 50 "
+        "--repeat 5' measures the far-proposer rows alone with five passes a prompt",
     )
     parser.add_argument("--no-mlx", action="store_true", help="skip the MLX rows")
     parser.add_argument("--json", metavar="PATH", default=None, help="write results as JSON")

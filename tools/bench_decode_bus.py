@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-DELAYS_MS = (0, 5, 20, 50)
+DELAYS_MS = (0, 5, 20, 50)  # every one by default; `--delays` picks some (in this order)
 #: delays at which the int8 proposer also runs with chains only (`--tree-width 1`)
 CHAIN_DELAYS_MS = (0, 50)
 VERIFIER_CORE = ("--cpus", "0", "--threads", "1")
@@ -59,11 +59,13 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
         # row would get its prompt's prefill for free
         verifier = c.start_node("v-ngram", "--role", "verifier", "--drafter", "ngram",
                                 "--prefix-cache-mb", "0", *VERIFIER_CORE)
-        hf = _HfRows(args)
-        for d in DELAYS_MS:
+        delays = getattr(args, "delays", None) or DELAYS_MS
+        hf = _HfRows(args) if 0 in delays else None
+        for d in delays:
             results = _run_phase(args, c, verifier, d, prompts, n, hf if d == 0 else None)
             phase_rows = _rows(results)
-            if d:  # each phase has its own plain baseline; the table shows the first one's
+            if d != delays[0]:  # each phase has its own plain baseline; the table shows the
+                # first one's
                 phase_rows = [r for r in phase_rows if not r["name"].startswith("bus-plain")]
             rows += phase_rows
     _print(rows, n)
@@ -211,6 +213,23 @@ class _HfRows:
         finally:
             if pin:
                 os.sched_setaffinity(0, cores)
+
+
+def delay_list(text: str) -> tuple[int, ...]:
+    """`--delays`: a comma-separated subset of DELAYS_MS, run in DELAYS_MS's order."""
+    import argparse
+
+    picked = set()
+    for part in text.split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a delay in ms: {part!r}") from None
+        if value not in DELAYS_MS:
+            raise argparse.ArgumentTypeError(
+                f"{value} ms is not one of the bench's delays ({', '.join(map(str, DELAYS_MS))})")
+        picked.add(value)
+    return tuple(d for d in DELAYS_MS if d in picked)
 
 
 def median_run(runs: list[dict]) -> dict:

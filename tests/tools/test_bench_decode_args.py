@@ -1,5 +1,5 @@
 """The decode benchmark's own bookkeeping: repeated passes reduce to the median run, and a bad
---repeat is refused with a clear message before anything starts."""
+--repeat or --delays is refused with a clear message before anything starts."""
 
 from __future__ import annotations
 
@@ -30,6 +30,22 @@ def test_a_bad_repeat_is_refused(bad, capsys):
         parser.parse_args(["--repeat", bad])
     assert "--repeat" in capsys.readouterr().err
     assert parser.parse_args(["--repeat", "3"]).repeat == 3
+
+
+@pytest.mark.parametrize("bad", ["30", "50,x", "", "-5"])
+def test_a_delay_the_bench_has_no_proxy_for_is_refused(bad, capsys):
+    parser = argparse.ArgumentParser(prog="specbus bench decode")
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--delays", bad])
+    assert "--delays" in capsys.readouterr().err
+
+
+def test_delays_run_in_the_bench_order_once_each():
+    parser = argparse.ArgumentParser(prog="specbus bench decode")
+    add_arguments(parser)
+    assert parser.parse_args(["--delays", "50,0,50"]).delays == (0, 50)
+    assert parser.parse_args([]).delays is None
 
 
 def test_each_row_is_judged_identical_against_its_own_baseline():
