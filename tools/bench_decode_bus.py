@@ -23,7 +23,9 @@ verifier's own plain decoding of the same prompt on its core (hf-* rows: over hf
 Protocol 1's request/reply drafting is gone from the nodes, so it has no row here (its figures
 are in the older tables of docs/benchmarks.md). The JSON gives each row's speedup per prompt
 (`per_prompt`, prompt indices in the prompt set's order), so the worst prompt can be named.
-`--repeat N`: N passes over each prompt, each configuration's median run counts (`median_run`).
+`--repeat N`: N passes over each prompt, each configuration's median run counts (`median_run`);
+a bus row's speedup on a prompt is its median run's tok/s over the plain baseline of the same
+pass (the mean of its first and last plain runs), so the VM's drift between passes cancels.
 """
 
 from __future__ import annotations
@@ -156,6 +158,13 @@ def _run_phase(args, c, verifier_node, d: int, prompts: list[tuple[str, str]], n
                 for name, over in order:
                     r = cc.generate(GenerateRequest(text, max_tokens=n, **over), verifier)
                     runs[name].append({"class": klass, "prompt": i, **r.stats})
+                # each run against its own pass's plain baseline: the VM's speed drifts over
+                # minutes, so a ratio within a pass is steadier than one across passes
+                base = (runs["bus-plain"][-1]["tok_per_s"]
+                        + runs["bus-plain-again"][-1]["tok_per_s"]) / 2
+                for name, _ in order:
+                    runs[name][-1]["in_pass"] = (runs[name][-1]["tok_per_s"] / base
+                                                 if base else None)
                 if hf is not None:
                     for name, rec in hf.run(klass, text, n).items():
                         hf_runs[name].append(rec)
@@ -234,10 +243,13 @@ def delay_list(text: str) -> tuple[int, ...]:
 
 def median_run(runs: list[dict]) -> dict:
     """The run of median speed among a configuration's passes over one prompt (the lower
-    middle of an even count), whole: its figures belong together. One pass: that pass."""
+    middle of an even count), whole: its figures belong together. One pass: that pass. Speed
+    is the run's against its own pass's plain baseline (`in_pass`) where every run has one,
+    else its tok/s."""
     if not runs:
         raise ValueError("no runs to take the median of")
-    ranked = sorted(runs, key=lambda r: r["tok_per_s"])
+    paired = all(r.get("in_pass") is not None for r in runs)
+    ranked = sorted(runs, key=lambda r: r["in_pass"] if paired else r["tok_per_s"])
     return {**ranked[(len(ranked) - 1) // 2], "passes": len(runs)}
 
 
@@ -250,8 +262,8 @@ def _rows(results: dict[str, list[dict]]) -> list[dict]:
         base = results["hf-plain"] if name.startswith("hf-") else plain
         for klass in sorted({r["class"] for r in runs}):
             idx = [i for i, r in enumerate(runs) if r["class"] == klass]
-            speed = [runs[i]["tok_per_s"] / base[i]["tok_per_s"] for i in idx
-                     if base[i]["tok_per_s"]]
+            speed = [_speedup(runs[i], base[i]) for i in idx]
+            speed = [x for x in speed if x is not None]
             blocks = [runs[i].get("blocks", 0) for i in idx]
             row = {
                 "name": name, "backend": "torch", "prompt_class": klass,
@@ -274,9 +286,9 @@ def _rows(results: dict[str, list[dict]]) -> list[dict]:
                 "identical_to_plain": all(runs[i]["token_ids"] == base[i]["token_ids"]
                                           for i in idx),
                 #: per prompt of the class (in the prompt set's order): the worst is named
-                "per_prompt": [{"prompt": runs[i].get("prompt", i), "speedup": round(
-                    runs[i]["tok_per_s"] / base[i]["tok_per_s"], 3) if base[i]["tok_per_s"]
-                    else None} for i in idx],
+                "per_prompt": [{"prompt": runs[i].get("prompt", i), "speedup": (
+                    None if (x := _speedup(runs[i], base[i])) is None else round(x, 3))}
+                    for i in idx],
             }
             if name == "hf-prompt-lookup":  # the issue's comparison: our ngram vs HF's
                 for ours_name, key in (("bus-ngram+0ms", "bus_ngram_vs_this"),
@@ -289,6 +301,14 @@ def _rows(results: dict[str, list[dict]]) -> list[dict]:
                     row[key + "_per_prompt"] = [round(v, 3) for v in vs]  # names the worst
             rows.append(row)
     return rows
+
+
+def _speedup(run: dict, base: dict) -> float | None:
+    """A prompt's speedup: the median run's against its own pass's plain baseline where it
+    has one (bus rows), else against the baseline's median run (HF rows)."""
+    if run.get("in_pass") is not None:
+        return run["in_pass"]
+    return run["tok_per_s"] / base["tok_per_s"] if base["tok_per_s"] else None
 
 
 def _print(rows: list[dict], n: int) -> None:
