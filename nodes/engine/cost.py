@@ -281,11 +281,12 @@ class CostModel:
         return est is not None and est.probing
 
     def verify_cost(self, n: int) -> float:
-        """Seconds for a verifier forward over n tokens, learnt: the measured count's own
-        cost, else the curve through the measured ones (`_VerifyPoints.line`)."""
+        """Seconds for a verifier forward over n tokens, learnt: a measured count's cost (the
+        multi-token ones read non-decreasing: `_VerifyPoints.ordered`), else the curve
+        through the measured ones (`_VerifyPoints.line`)."""
         points = self._verify
         if n in points:
-            return points[n]
+            return points[n] if n == 1 else points.ordered()[n]
         c1, x0, y0, slope, floor = points.line(self.prior_jump, self.prior_slope)
         return c1 if n == 1 else max(y0 + slope * (n - x0), floor)
 
@@ -594,11 +595,13 @@ class _VerifyPoints(dict):
     """Verify seconds by fed-token count (EMA), and the curve between them, fitted once per
     change. Why: the planner reads `verify_cost` for every k it weighs, ~40 times a step, and
     refitting the line each time took most of a step's planning (0.4 ms a step where nothing
-    was drafted, 3 % of a quantized step on open-ended text). Every write drops the fit."""
+    was drafted, 3 % of a quantized step on open-ended text). Every write drops the fit and
+    the ordered points (`ordered`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._line: tuple[tuple[float, ...], float, float] | None = None
+        self._ordered: dict[int, float] | None = None
 
     def line(self, prior_jump: float, prior_slope: float) -> tuple[float, ...]:
         """(c1, x0, y0, slope, floor): one token costs c1, n >= 2 tokens
@@ -628,33 +631,47 @@ class _VerifyPoints(dict):
         self._line = (fit, prior_jump, prior_slope)
         return fit
 
+    def ordered(self) -> dict[int, float]:
+        """The multi-token points made non-decreasing in the count fed (pool adjacent
+        violators, as `CostModel.batch_cost` does): a row never saves time. Why: each point is
+        an EMA of a few forwards on a loaded machine, and one slow sample (a 9-row forward at
+        29.8 ms beside a 10-row one at 26.6 ms, seen on the agent trace) made the planner
+        stop a 0.99-acceptance chain short of it, step after step."""
+        if self._ordered is None:
+            xs = sorted(m for m in self if m >= 2)
+            self._ordered = dict(zip(xs, _non_decreasing([self[x] for x in xs]), strict=True))
+        return self._ordered
+
+    def _changed(self) -> None:
+        self._line = self._ordered = None
+
     def __setitem__(self, key: int, value: float) -> None:
         super().__setitem__(key, value)
-        self._line = None
+        self._changed()
 
     def __delitem__(self, key: int) -> None:
         super().__delitem__(key)
-        self._line = None
+        self._changed()
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         super().update(*args, **kwargs)
-        self._line = None
+        self._changed()
 
     def pop(self, *args: Any) -> Any:
-        self._line = None
+        self._changed()
         return super().pop(*args)
 
     def popitem(self) -> tuple[int, float]:
-        self._line = None
+        self._changed()
         return super().popitem()
 
     def setdefault(self, key: int, default: float | None = None) -> Any:
-        self._line = None
+        self._changed()
         return super().setdefault(key, default)
 
     def clear(self) -> None:
         super().clear()
-        self._line = None
+        self._changed()
 
 
 def keep_newest(record: dict, key: Any, value: Any, limit: int) -> None:

@@ -83,6 +83,24 @@ def test_verify_curve_between_and_past_measured_counts_follows_every_new_measure
     assert c.verify_cost(5) == pytest.approx(0.030)
 
 
+def test_one_slow_forward_does_not_make_a_longer_one_look_cheaper():
+    """Measured points are read non-decreasing in the rows fed: a 9-row forward caught slow
+    (29.8 ms beside 26.6 ms for 10 rows) must not stop a near-certain chain short of it."""
+    c = CostModel(max_k=16)
+    measured = {1: 12.2, 2: 13.7, 3: 21.1, 4: 18.2, 5: 19.4, 6: 20.2, 7: 23.6, 8: 23.1,
+                9: 29.8, 10: 26.6, 11: 33.0, 12: 30.1, 16: 40.2, 17: 39.4}
+    c._verify.update({n: ms / 1000 for n, ms in measured.items()})
+    costs = [c.verify_cost(n) for n in range(2, 18)]
+    assert costs == sorted(costs)  # a row never saves time
+    assert c.verify_cost(9) == c.verify_cost(10) == pytest.approx(0.0282)
+    assert c.verify_cost(1) == pytest.approx(0.0122)  # its own kernel path: never pooled
+    for _ in range(30):
+        c.record_acceptance(9, 9, "sure")
+    assert c.choose_k("sure") >= 9
+    c.record_verify(9, 0.010)  # a new measurement re-orders the curve
+    assert c.verify_cost(9) < c.verify_cost(10)
+
+
 # ---- per-source estimates and tree selection ------------------------------------------------
 CPU = lambda n: 0.056 if n == 1 else 0.090 + 0.003 * (n - 2)  # noqa: E731 - SmolLM2 on CPU
 
