@@ -30,6 +30,7 @@ pass (the mean of its first and last plain runs), so the VM's drift between pass
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import statistics
@@ -66,8 +67,7 @@ def run_bus(args, prompts: list[tuple[str, str]]) -> int:
         for d in delays:
             results = _run_phase(args, c, verifier, d, prompts, n, hf if d == 0 else None)
             phase_rows = _rows(results)
-            if d != delays[0]:  # each phase has its own plain baseline; the table shows the
-                # first one's
+            if d != delays[0]:  # each phase has its own plain baseline: the first one's shown
                 phase_rows = [r for r in phase_rows if not r["name"].startswith("bus-plain")]
             rows += phase_rows
     _print(rows, n)
@@ -226,8 +226,6 @@ class _HfRows:
 
 def delay_list(text: str) -> tuple[int, ...]:
     """`--delays`: a comma-separated subset of DELAYS_MS, run in DELAYS_MS's order."""
-    import argparse
-
     picked = set()
     for part in text.split(","):
         try:

@@ -156,7 +156,7 @@ class CostModel:
     #: this share of the plain steps between two probes (`probe_wait`)
     probe_share: float = 0.03
     #: fed tokens -> EMA seconds, with its fitted line kept (`_VerifyPoints`); shared by forks
-    _verify: dict[int, float] = field(default_factory=lambda: _VerifyPoints())
+    _verify: _VerifyPoints = field(default_factory=lambda: _VerifyPoints())
     #: rows fed by a batched forward (several sequences) -> EMA seconds; shared by forks
     _batch: dict[int, float] = field(default_factory=dict)
     #: source -> seconds per drafted token (EMA); a dict so forks share it
