@@ -81,6 +81,13 @@ class DraftState(ABC):
         the verifier judges remote drafts per class as it judges its own."""
         return None
 
+    def peek(self, assumed: Sequence[int], k: int,
+             width: int = 1) -> tuple[str | None, DraftTree] | None:
+        """`draft_class` and `propose(k, width)` as they would be with `assumed` extended,
+        the state left as it was (`DraftSource.propose_after`); None where that is not next
+        to free (this default: a model's state would have to run on the assumed tokens)."""
+        return None
+
     def truncate(self, length: int) -> None:
         """Forget every token past the first `length` (prompt + extended), so a proposer that
         drafted ahead on assumed tokens can roll back. Sessions that cannot raise
@@ -150,6 +157,8 @@ class DraftStateSource(DraftSource):
                  width: int = 1) -> None:
         self.state = state
         self.told = told  # committed tokens the state has been told about
+        #: `propose_after` answers where the state's `peek` is its own (a lookup's)
+        self.peeks = getattr(type(state), "peek", DraftState.peek) is not DraftState.peek
         self.name = name
         self.width = width
 
@@ -171,6 +180,14 @@ class DraftStateSource(DraftSource):
             ids, _probs = self.state.draft(budget)
             return DraftTree.of_chain(ids)
         return own(budget, self.width)
+
+    def propose_after(self, committed: Sequence[int], assumed: Sequence[int],
+                      budget: int) -> tuple[str | None, DraftTree] | None:
+        peek = getattr(self.state, "peek", None)
+        if peek is None:  # (a duck-typed state: it cannot)
+            return None
+        self._sync(committed)
+        return peek(assumed, max(budget, 0), self.width)
 
     def draft_class(self, committed: Sequence[int]) -> str | None:
         if getattr(type(self.state), "draft_class",

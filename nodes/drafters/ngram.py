@@ -26,7 +26,7 @@ from nodes.drafters.base import (
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import match_class
-from nodes.engine.tree import DraftTree
+from nodes.engine.tree import EMPTY_TREE, DraftTree
 
 #: earlier occurrences looked at per tree proposal (most recent first): bounds the work per step
 MAX_OCCURRENCES = 16
@@ -66,6 +66,16 @@ class NgramState(DraftState):
                 if not ends:
                     del self.index[n][key]
         del toks[max(length, 0) :]
+
+    def peek(self, assumed: Sequence[int], k: int,
+             width: int = 1) -> tuple[str | None, DraftTree]:
+        """`DraftState.peek`: extended by `assumed`, asked, truncated back (both exact)."""
+        told = len(self.tokens)
+        self.extend(assumed)
+        try:
+            return self.draft_class(), (self.propose(k, width) if k > 0 else EMPTY_TREE)
+        finally:
+            self.truncate(told)
 
     def longest_match(self) -> tuple[int, list[int]]:
         """The longest suffix of the text (at most max_n) that occurred before, and the end

@@ -61,7 +61,7 @@ from nodes.drafters.suffix_index import MAX_MATCH, START, GlobalIndex, LocalInde
 from nodes.engine.errors import BadRequestError
 from nodes.engine.sampling import SamplingParams
 from nodes.engine.sources import match_class
-from nodes.engine.tree import DraftTree
+from nodes.engine.tree import EMPTY_TREE, DraftTree
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +239,19 @@ class SuffixState(DraftState):
         if len(self.local.tokens) < self.prompt_len:  # the prompt itself changed
             self.prompt_hash = None
         self.prompt_len = min(self.prompt_len, len(self.local.tokens))
+
+    def peek(self, assumed: Sequence[int], k: int,
+             width: int = 1) -> tuple[str | None, DraftTree]:
+        """`DraftState.peek`: the local index extended by `assumed`, asked, truncated back
+        (exact), and the tip's matches as they were (the text and the clock are again what
+        they were taken at)."""
+        told, memo = len(self.local.tokens), self._memo
+        self.extend(assumed)
+        try:
+            return self.draft_class(), (self.propose(k, width) if k > 0 else EMPTY_TREE)
+        finally:
+            self.local.truncate(told)
+            self._memo = memo
 
     def _global_context(self) -> list[int]:
         """The tail as the global index stores it: ... prompt, START, output."""

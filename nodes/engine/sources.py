@@ -94,6 +94,8 @@ class DraftSource(ABC):
     #: and absent from the verified tree, it may have been too late rather than empty-handed
     #: (`CostModel.record_unheard`); an in-process source has what it proposes at once
     streams: bool = False
+    #: it answers `propose_after` (a lookup drafter in this process); the default does not
+    peeks: bool = False
 
     @abstractmethod
     def propose(self, committed: Sequence[int], budget: int) -> DraftTree:
@@ -113,6 +115,16 @@ class DraftSource(ABC):
         tokens 0.7-0.97 (docs/engine.md, "Acceptance by match length"). One estimate for both
         either drafts junk or turns the source down where its long matches would pay, and a
         turned-down source only comes back through probes every 8-32 steps."""
+        return None
+
+    def propose_after(self, committed: Sequence[int], assumed: Sequence[int],
+                      budget: int) -> tuple[str | None, DraftTree] | None:
+        """What this source would draft (at most `budget` deep) and its `draft_class`, were
+        `assumed` committed after `committed`, leaving its state as it was; None where it
+        cannot tell for next to nothing (this default: a model's state would have to run on
+        the assumed tokens, a remote proposer's state is on another machine). Lookup drafters
+        answer it, so the text a grammar forces can be continued by what the lookup knows
+        follows it (`nodes/engine/forced_lookup.py`)."""
         return None
 
     def feedback(self, fb: Feedback) -> None:
