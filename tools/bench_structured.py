@@ -505,6 +505,7 @@ def _ceilings(backend, engines, reqs, runs, outputs) -> dict[str, Any]:
     One pass in request order, as a round runs (the suffix index over the earlier answers)."""
     from nodes.drafters.ngram import NgramDrafter
     from nodes.drafters.suffix import SuffixDrafter
+    from nodes.engine.forced_lookup import continued_by_lookups
     from nodes.engine.grammar import GrammarSource
     from nodes.engine.sampling import SamplingParams
     from tools.structured_ceiling import end_to_end, perfect
@@ -527,9 +528,11 @@ def _ceilings(backend, engines, reqs, runs, outputs) -> dict[str, Any]:
                 except RuntimeError:  # (the end of text past an accepting state)
                     pass
 
-            sources = [GrammarSource(matcher)]
-            if drafter is not None:
-                sources.append(drafter.open_source(req["ids"], SamplingParams()))
+            # the engine's sources for the configuration (`Engine._slots`)
+            lookups = [] if drafter is None else [drafter.open_source(req["ids"],
+                                                                      SamplingParams())]
+            sources = [GrammarSource(matcher), *lookups,
+                       *continued_by_lookups(matcher, lookups)]
             got = replay_sources(sources, advance, req["ids"], answer, costs.verify, max_k)
             per[c].append((end_to_end(got, first), got.speedup))
         best = perfect(len(answer), costs.verify, max_k)

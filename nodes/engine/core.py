@@ -32,6 +32,7 @@ import numpy as np
 
 from nodes.engine import settle
 from nodes.engine.errors import BadRequestError
+from nodes.engine.forced_lookup import continued_by_lookups
 from nodes.engine.grammar import GrammarMatcher, Grammars, GrammarSource
 from nodes.engine.planner import DraftPlanner, Verified
 from nodes.engine.sampling import (
@@ -87,7 +88,8 @@ class Engine:
     `fixed_k` pins the draft node budget (tests); otherwise the cost model picks it per step.
     `tree=False` verifies only the best source's chain (what a backend without tree
     attention does anyway). `grammar_drafts`: a constrained sequence gets the grammar's forced
-    tokens as one more draft source (`grammar.GrammarSource`).
+    tokens as one more draft source (`grammar.GrammarSource`), and the forced run continued by
+    each in-process lookup source (`forced_lookup.ForcedLookupSource`).
     """
 
     def __init__(
@@ -252,7 +254,10 @@ class Engine:
         if params.resumed:  # a failover's resume: the grammar state after what it had
             grammar.resume(prompt[len(prompt) - params.resumed:])
         if self.grammar_drafts and draft:
+            # the forced run, and each in-process lookup continuing it (`forced_lookup`)
+            lookups = continued_by_lookups(grammar, [s.source for s in slots])
             slots.append(Slot(GrammarSource(grammar), GrammarSource.name, owned=True))
+            slots += [Slot(s, s.name, owned=True) for s in lookups]
         if sources is None and not params.resumed and \
                 getattr(self.drafter, "takes_grammar", False):  # (a Drafter's, not any opener's)
             # the engine's own model drafter drafts under the grammar too (a copy: its state
