@@ -56,6 +56,24 @@ class Backend(ABC):
     #: whether `forward_tree` works; without it the engine verifies one path per step
     supports_tree: bool = False
 
+    @property
+    def rows_independent(self) -> bool:
+        """Whether a row's logits (and K/V) are bit for bit the same whatever else its forward
+        carries, a prompt's rows included (the quantized forward: docs/engine/quantized.md, "Row
+        independence"). Then a prompt's last rows and a draft tree may share one forward
+        (`forward_tree_after`, `Engine`'s first block). This default: no (torch's float32
+        matmuls over a long prompt take other kernels than a step's few rows)."""
+        return False
+
+    def forward_tree_after(self, cache: Any, prompt_rows: Sequence[int],
+                           token_ids: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """Append `prompt_rows` (a chain; their logits are not wanted) and then a token tree
+        (`parents` as `forward_tree`'s, -1: after the last prompt row) in one forward; the
+        tree's logits float32 [len(token_ids), vocab]. This default: two forwards."""
+        if prompt_rows:
+            self.forward_last(cache, prompt_rows)
+        return self.forward_tree(cache, token_ids, parents)
+
     def forward_tree(
         self, cache: Any, token_ids: Sequence[int], parents: Sequence[int]
     ) -> np.ndarray:

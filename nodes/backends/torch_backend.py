@@ -285,6 +285,24 @@ class TorchBackend(Backend):
         out = self._run(cache, input_ids=ids, attention_mask=mask, position_ids=pos)
         return out.logits[0].float().cpu().numpy()
 
+    @property
+    def rows_independent(self) -> bool:
+        """The quantized forward computes every row alone (`Backend.rows_independent`)."""
+        return isinstance(self.lean, quant_forward.QuantForward) and self.kv_bound is None
+
+    @torch.inference_mode()
+    def forward_tree_after(self, cache: Any, prompt_rows: Sequence[int],
+                           token_ids: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """One forward where the lean or quantized forward serves (the prompt rows skip the
+        LM head: `torch_batch.LogitsFrom`), else `Backend`'s two."""
+        if self.lean is None and not self._banded:
+            return super().forward_tree_after(cache, prompt_rows, token_ids, parents)
+        n = len(prompt_rows)
+        ids = [*prompt_rows, *token_ids]
+        tree = [n + p if p >= 0 else n - 1 for p in parents]  # the root after the last row
+        feed = torch_batch.LogitsFrom(ids, [*range(-1, n - 1), *tree], n)
+        return torch_batch.forward(self, [cache], [feed])[0]
+
     def _lean_one(self, cache: Any, token_ids: Sequence[int], parents: Sequence[int] | None,
                   last_only: bool) -> np.ndarray:
         """One sequence through the lean forward: the batch layout with one sequence in it."""

@@ -77,8 +77,9 @@ def forward(backend: Any, caches: Sequence[Any],
         growing_cache.feed(caches[b], past, depth, visible)  # re-indexed sinks, if bounded
     capture = [getattr(c, "specbus_capture", None) for c in caches]
     union = tuple(sorted({i for layers in capture if layers for i in layers})) or None
-    wanted = [[offs[b] + n - 1] if only else list(range(offs[b], offs[b] + n))
-              for b, (n, only) in enumerate(zip(sizes, last, strict=True))]
+    wanted = [[offs[b] + n - 1] if only else
+              list(range(offs[b] + getattr(feed, "logits_from", 0), offs[b] + n))
+              for b, (n, only, feed) in enumerate(zip(sizes, last, feeds, strict=True))]
     keep = [i for rows in wanted for i in rows]
     trimmed = len(keep) < len(pos[0])  # some feeds want only their last row: skip the others' head
     uniform = [_uniform_mask(m, c) for m, c in zip(seqmasks, caches, strict=True)]
@@ -99,6 +100,17 @@ def forward(backend: Any, caches: Sequence[Any],
         got.append(logits[start:start + len(rows)])
         start += len(rows)
     return got
+
+
+class LogitsFrom(tuple):
+    """A feed `(tokens, parents)` whose rows before `logits_from` want no logits (a prompt's
+    rows ahead of a draft tree: `TorchBackend.forward_tree_after`); the LM head skips them."""
+
+    def __new__(cls, tokens: Sequence[int], parents: Sequence[int],
+                logits_from: int) -> LogitsFrom:
+        feed = super().__new__(cls, (list(tokens), list(parents)))
+        feed.logits_from = logits_from
+        return feed
 
 
 #: under a bound with sinks, the most rows of one sequence a forward feeds at once: each row

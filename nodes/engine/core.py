@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -364,13 +365,46 @@ class Engine:
     def _prefill(self, seq: SequenceState, fill: Fill) -> Block:
         """A new sequence's prompt (or its next chunk) in a forward of its own: the whole
         prompt through `Backend.prefill` (the reference generator's split: HF-identical), a
-        chunk through `forward_last`."""
+        chunk through `forward_last`. Its last rows with a draft tree where the backend's rows
+        are independent (`_drafts_with_prompt`)."""
+        if self._drafts_with_prompt(seq, fill):
+            tree = self.planner.plan(seq, local_only=True)
+            if tree.drafted:
+                return self._prefill_drafted(seq, fill, tree)
         t0 = time.perf_counter()
         if fill.whole:
             row = self.backend.prefill(seq.cache, seq.prompt)
         else:
             row = self.backend.forward_last(seq.cache, fill.rows)
         return self._prefilled(seq, fill, row, time.perf_counter() - t0)
+
+    def _drafts_with_prompt(self, seq: SequenceState, fill: Fill) -> bool:
+        """Whether the prompt's last rows and a first draft tree share one forward: the fill
+        ends the prompt, the backend's rows are independent of what a forward carries (so the
+        prompt's K/V and the first token's logits are those a plain prefill gives, bit for
+        bit), and an in-process source may have a draft already (a grammar's forced opening
+        `{"tool":"`, a lookup's continuation of it). Why: a constrained answer's first
+        forced run otherwise costs a forward of its own right after the prefill, one of the
+        6-9 steps of an agent's tool call. Remote proposers are not asked (their session
+        has only just opened), nor is anyone waited for."""
+        return (self.backend.rows_independent and seq.hidden_layers is None
+                and (fill.whole or seq.prefilled + fill.size == len(seq.prompt))
+                and any(not slot.source.streams for slot in seq.slots))
+
+    def _prefill_drafted(self, seq: SequenceState, fill: Fill, tree: TokenTree) -> Block:
+        """The prompt's rows but its last, then `tree` (rooted at the prompt's last token), in
+        one forward (`Backend.forward_tree_after`), accepted and settled as a step's tree: the
+        first block carries the first token and whatever drafts the verifier proved after it.
+        No verify-cost sample (prompt rows rode along)."""
+        rows = list(fill.rows)
+        base = self.backend.cache_length(seq.cache) + len(rows) - 1
+        t0 = time.perf_counter()
+        logits = self.backend.forward_tree_after(seq.cache, rows[:-1], tree.tokens,
+                                                 tree.parents)
+        dt = time.perf_counter() - t0
+        self.scheduler.advance(seq, fill)
+        block = self._verified(seq, tree, base, logits, dt, alone=False)
+        return replace(block, fed=len(rows) - 1 + len(tree))
 
     def _prefilled(self, seq: SequenceState, fill: Fill, row: np.ndarray, dt: float) -> Block:
         """After `fill`'s prompt rows went in (`row`: the logits after the last)."""

@@ -83,23 +83,30 @@ class DraftPlanner:
         return self.cost.fork()
 
     # ---- planning ---------------------------------------------------------------------------
-    def plan(self, seq: SequenceState, sharing: int = 1) -> TokenTree:
+    def plan(self, seq: SequenceState, sharing: int = 1, *,
+             local_only: bool = False) -> TokenTree:
         """Ask every source for its draft tree, each within the budget its own record earns (and,
         `sharing` sequences in the step, that the batch's rate leaves it), merge them into one
-        tree (the likeliest source first) and keep the nodes worth a forward."""
+        tree (the likeliest source first) and keep the nodes worth a forward. The tree's root
+        is the pending token (before the first token: the prompt's last, `Engine`'s first
+        block). `local_only`: in-process sources only (a remote one is not asked, nor waited
+        for)."""
         remaining = seq.params.max_tokens - len(seq.generated)
         cap = max(0, min(self.max_draft, remaining - 1))
         committed = seq.committed
         found: Found = []
         probes: set[int] = set()
         for i, slot in enumerate(list(seq.slots)):
+            if local_only and slot.source.streams:
+                slot.asked, slot.offered, slot.tag, slot.budget = False, 0, i, 0
+                continue
             found += self._ask(seq, slot, i, committed, cap, sharing, probes)
         if self.adaptive:
             found = self._more_drafts(seq, committed, cap, found)
         if found and not self.tree:  # single-path verification: the best source's chain
             tag, draft = found[0]
             found = [(tag, draft.keep(np.arange(len(draft)) < draft.chain))]
-        tree = TokenTree(seq.generated[-1])
+        tree = TokenTree(committed[-1])
         tree.merge(found, cap if self.adaptive else min(cap, self.fixed_k),
                  max_depth=max(remaining - 1, 0))
         for slot in seq.slots:

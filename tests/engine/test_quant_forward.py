@@ -191,6 +191,67 @@ def test_speculation_is_the_quantized_verifiers_plain_decoding(tiny_quant, promp
         assert gen.stats.accepted > 0  # it did speculate
 
 
+def test_a_prompts_rows_and_a_tree_in_one_forward_give_each_its_own_logits(tiny_quant,
+                                                                           prompt_ids):
+    """`forward_tree_after`: the prompt's rows (no logits) and a tree rooted at its last token
+    in one forward give each node the logits of its path fed alone after the prompt, and leave
+    the prompt's K/V as a prefill does (the next step's logits equal)."""
+    assert tiny_quant.rows_independent
+    past = prompt_ids[:-1]
+    tokens, parents = [prompt_ids[-1], 5, 6, 7, 8, 9], [-1, 0, 0, 1, 2, 4]
+    cache = tiny_quant.new_cache()
+    tree = tiny_quant.forward_tree_after(cache, past, tokens, parents)
+    assert tree.shape == (len(tokens), tiny_quant.vocab_size)
+    for node in range(len(tokens)):
+        path = node_path(tokens, parents, node)
+        assert np.array_equal(tree[node], _solo_chain(tiny_quant, past, path)[-1])
+    tiny_quant.compact(cache, len(past), [0, 1, 3])  # keep root, 5, 7; then one more token
+    after = tiny_quant.forward(cache, [42])[0]
+    assert np.array_equal(after, _solo_chain(tiny_quant, past, [prompt_ids[-1], 5, 7, 42])[-1])
+
+
+@pytest.mark.parametrize("chunk,reuse", [(None, False), (8, False), (None, True)],
+                         ids=["whole", "chunked", "prefix-reused"])
+def test_the_first_block_drafts_with_the_prompt_and_decodes_as_plain(tiny_quant, prompt_ids,
+                                                                     chunk, reuse):
+    """On a backend whose rows are independent the prompt's last rows carry the first draft
+    tree (`Engine._prefill_drafted`): the first block commits several tokens, and every token
+    is the plain decoding's, whole, chunked or after a prefix-cache hit."""
+    from nodes.engine.prefix_cache import PrefixCache
+
+    prompt = list(prompt_ids) * 2
+    plain = Engine(tiny_quant, None).generate(prompt, PARAMS).token_ids
+    drafter = ScriptedDrafter(prompt + list(plain), "perfect", tiny_quant.vocab_size)
+    engine = Engine(tiny_quant, drafter, max_draft=8, prefill_chunk=chunk)
+    if reuse:  # the prompt's first half is in the prefix cache: only the rest is fed
+        engine.prefix_cache = PrefixCache(tiny_quant, 64 << 20, min_reuse=4)
+        engine.generate(prompt[:len(prompt_ids)], GenerationParams(max_tokens=1))
+    blocks = list(engine.stream(prompt, PARAMS))
+    assert [t for b in blocks for t in b.token_ids] == plain
+    first = next(b for b in blocks if b.token_ids)
+    assert len(first.token_ids) > 1 and first.accepted == len(first.token_ids) - 1
+    if reuse:
+        assert first.fed < len(prompt)  # (the reused positions were not fed)
+
+
+@pytest.mark.parametrize("seed", [None, 5], ids=["greedy", "sampled"])
+def test_a_constrained_first_block_drafts_the_grammars_opening(tiny_quant, prompt_ids, seed):
+    """The grammar's forced opening (`{"a":`) rides with the prompt's rows, masked from the
+    grammar's first state: the same tokens as constrained plain, greedy and sampled."""
+    from nodes.engine.grammar import Constraint
+    from nodes.engine.sampling import SamplingParams
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"type": "integer"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    sp = SamplingParams() if seed is None else SamplingParams(temperature=0.8, seed=seed)
+    p = GenerationParams(max_tokens=40, sampling=sp, constraint=Constraint.json_schema(schema))
+    plain = Engine(tiny_quant, None, grammar_drafts=False).generate(prompt_ids, p)
+    blocks = list(Engine(tiny_quant, None).stream(prompt_ids, p))
+    assert [t for b in blocks for t in b.token_ids] == plain.token_ids
+    assert len(blocks[0].token_ids) > 1  # `{"`, `a`, ... in the prefill's forward
+
+
 class _PerPrompt(ScriptedDrafter):
     """A scripted drafter for several prompts: each session drafts from its own reference."""
 
