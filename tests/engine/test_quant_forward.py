@@ -222,7 +222,8 @@ def test_the_first_block_drafts_with_the_prompt_and_decodes_as_plain(tiny_quant,
     prompt = list(prompt_ids) * 2
     plain = Engine(tiny_quant, None).generate(prompt, PARAMS).token_ids
     drafter = ScriptedDrafter(prompt + list(plain), "perfect", tiny_quant.vocab_size)
-    engine = Engine(tiny_quant, drafter, max_draft=8, prefill_chunk=chunk)
+    # fixed_k: the draft budget pinned (the adaptive one rests on verify costs timed at load)
+    engine = Engine(tiny_quant, drafter, max_draft=8, fixed_k=8, prefill_chunk=chunk)
     if reuse:  # the prompt's first half is in the prefix cache: only the rest is fed
         engine.prefix_cache = PrefixCache(tiny_quant, 64 << 20, min_reuse=4)
         engine.generate(prompt[:len(prompt_ids)], GenerationParams(max_tokens=1))
@@ -247,7 +248,7 @@ def test_a_constrained_first_block_drafts_the_grammars_opening(tiny_quant, promp
     sp = SamplingParams() if seed is None else SamplingParams(temperature=0.8, seed=seed)
     p = GenerationParams(max_tokens=40, sampling=sp, constraint=Constraint.json_schema(schema))
     plain = Engine(tiny_quant, None, grammar_drafts=False).generate(prompt_ids, p)
-    blocks = list(Engine(tiny_quant, None).stream(prompt_ids, p))
+    blocks = list(Engine(tiny_quant, None, fixed_k=8).stream(prompt_ids, p))  # budget pinned
     assert [t for b in blocks for t in b.token_ids] == plain.token_ids
     assert len(blocks[0].token_ids) > 1  # `{"`, `a`, ... in the prefill's forward
 
