@@ -66,15 +66,19 @@ def forward(backend: Any, caches: Sequence[Any],
     sizes = [len(ids) for ids, _ in feeds]
     pasts = [backend.cache_length(c) for c in caches]
     offs = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-    ids = torch.empty((1, int(offs[-1])), dtype=torch.long)
-    pos = torch.empty_like(ids)
+    # the rows' ids and positions built in numpy, one tensor each (a tensor from a list of
+    # numpy integers costs a conversion per element)
+    ids_np = np.empty(int(offs[-1]), dtype=np.int64)
+    pos_np = np.empty_like(ids_np)
     seqmasks: list[SeqMask] = []
     for b, ((tokens, parents), n, past) in enumerate(zip(feeds, sizes, pasts, strict=True)):
         depth, visible = tree_layout(parents)
-        ids[0, offs[b]:offs[b] + n] = torch.tensor(list(tokens), dtype=torch.long)
-        pos[0, offs[b]:offs[b] + n] = torch.from_numpy(past + depth)
+        ids_np[offs[b]:offs[b] + n] = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        pos_np[offs[b]:offs[b] + n] = past + depth
         seqmasks.append(SeqMask(past, depth, visible, device))
         growing_cache.feed(caches[b], past, depth, visible)  # re-indexed sinks, if bounded
+    ids = torch.from_numpy(ids_np).reshape(1, -1)
+    pos = torch.from_numpy(pos_np).reshape(1, -1)
     capture = [getattr(c, "specbus_capture", None) for c in caches]
     union = tuple(sorted({i for layers in capture if layers for i in layers})) or None
     wanted = [[offs[b] + n - 1] if only else

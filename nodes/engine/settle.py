@@ -150,7 +150,8 @@ class Settler:
             stats.plain_steps += 1
         return replace(self._commit(seq, new, drafted=tree.drafted, accepted=len(path),
                                     tree=tree, path=path, base=base, hidden=hidden,
-                                    rows=logits[[0, *path]]), fed=len(tree))
+                                    rows=None if seq.params.logprobs is None
+                                    else logits[[0, *path]]), fed=len(tree))
 
     def _take_hidden(self, seq: SequenceState, rows: list[int] | None) -> Any:
         """The captured hidden states of the fed rows `rows` (None: all), in path order."""
@@ -174,7 +175,9 @@ class Settler:
         hidden: Any = None,
         rows: Any = None,
     ) -> Block:
-        """`rows[i]`: the verifier's logits `new[i]` was chosen from."""
+        """`rows[i]`: the verifier's logits `new[i]` was chosen from (read for log
+        probabilities only: a path's rows are copied out of the tree's only where asked,
+        ~0.2 MB a row)."""
         new = self._grammar_end(seq, new)
         new, finish, text = self._finish(seq.generated, new, seq.params, seq.eos)
         top = seq.params.logprobs
