@@ -191,9 +191,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-agent", action="store_true",
                         help="leave out the agent trace with its tool schema")
     parser.add_argument("--gateway", action="store_true",
-                        help="also through the gateway: a verifier, proposers (--proposers) "
-                             "and a gateway as processes, the openai client, plain vs speculative "
-                             "(tools/bench_structured_gateway.py)")
+                        help="also through the gateway: a verifier per configuration, "
+                             "proposers (--proposers) and a gateway as processes, the openai "
+                             "client, plain vs speculative (tools/bench_structured_gateway.py)")
     parser.add_argument("--gateway-only", action="store_true",
                         help="only the gateway's figures (no in-process rows)")
     parser.add_argument("--proposers", default="ngram", metavar="DRAFTER[,DRAFTER...]",
