@@ -10,9 +10,9 @@ order alternated, so each request's median over three rounds sat on one side: at
 31-token extraction answer read 1.15x with the speculative run cold against plain warm, and 3.5x
 the other way round. Each verifier is served under its own name (`--served-name`) and the
 client picks the configuration's; both see the same requests in the same order, as each
-configuration's own cache does in process. A model proposer
-(`int8`) takes the grammar (its card says so): it drafts from its logits masked by it. Every
-request goes through the OpenAI-compatible API as an app sends it:
+configuration's own cache does in process. A model proposer (`int8`) takes the grammar (its
+card says so): it drafts from its logits masked by it. Every request goes through the
+OpenAI-compatible API as an app sends it:
 
 - extraction: `response_format` `json_schema` (strict) with the text's schema;
 - tools: the fixed tool set, `tool_choice` "required", `parallel_tool_calls` false;
