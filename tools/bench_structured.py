@@ -199,6 +199,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proposers", default="ngram", metavar="DRAFTER[,DRAFTER...]",
                         help="--gateway: one proposer process per drafter (default: ngram; "
                              "a model drafter such as int8 takes the grammar)")
+    parser.add_argument("--verifier-drafter", default="none", metavar="DRAFTER",
+                        help="--gateway: the speculative verifier's own drafter (`specbus "
+                             "node --drafter`, default none); a verifier drafts with it where "
+                             "no proposer is up, so with --proposers '' (its suffix index: "
+                             "its own earlier answers)")
     parser.add_argument("--no-ceiling", action="store_true",
                         help="leave out the oracle ceilings (tools/structured_ceiling.py)")
     parser.add_argument("--compiles", type=int, default=20,

@@ -7,11 +7,18 @@ process (the openai client) sits on core 1 too. Why a verifier per configuration
 verifier, whichever configuration ran a request second found that request's whole prompt in the
 prefix cache, stored by the first. A user never sends the same prompt twice in a row, and the
 order alternated, so each request's median over three rounds sat on one side: at stop 61 a
-31-token extraction answer read 1.15x with the speculative run cold against plain warm, and 3.5x
-the other way round. Each verifier is served under its own name (`--served-name`) and the
+31-token extraction answer read 1.15x with the speculative run cold against plain warm, and
+3.5x the other way round. Each verifier is served under its own name (`--served-name`) and the
 client picks the configuration's; both see the same requests in the same order, as each
-configuration's own cache does in process. A model proposer (`int8`) takes the grammar (its
-card says so): it drafts from its logits masked by it. Every request goes through the
+configuration's own cache does in process. For the same reason each round runs on a cluster
+started for it (`_round`): kept across rounds, both prefix caches held every prompt from the
+second round on (the figures were those of warm prompts, whose prefill, the same on both sides,
+no longer counted), and a suffix proposer's index held each request's own answer. And the plain
+verifier publishes nothing to the cluster's shared suffix index (`--no-share`; its answers were
+drafted whole for the speculative run of the same prompt right after). A model proposer
+(`int8`) takes the grammar (its card says so): it drafts from its logits masked by it. The
+speculative verifier's own drafter (`--verifier-drafter`, default none) drafts where no
+proposer is up (`--proposers ''`), as a verifier node's does. Every request goes through the
 OpenAI-compatible API as an app sends it:
 
 - extraction: `response_format` `json_schema` (strict) with the text's schema;
@@ -54,82 +61,30 @@ def run_gateway(args, reqs: list[dict[str, Any]], workloads: dict[str, int]
     """`reqs`: each request's workload, chat keyword arguments and validity check
     (`bench_structured.gateway_requests`); `workloads`: each workload's requests left out of
     its figures (the first few of a trace)."""
-    import openai
-
-    from tools.local_cluster import LocalCluster
-
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {CORE_CLIENT})
-    model = ("--model", args.model) if args.model else ()
     rounds = 2 if args.quick else args.rounds
-    log_dir = Path(tempfile.mkdtemp(prefix="specbus-bench-structured-"))
     drafters = [d for d in getattr(args, "proposers", "ngram").split(",") if d]
-    print(f"starting a verifier per configuration (core 0, 1 torch thread each), proposers "
-          f"{drafters} and a gateway (core 1); logs: {log_dir}", file=sys.stderr, flush=True)
-    with LocalCluster(log_dir=log_dir, mdns=False, env={"OMP_NUM_THREADS": "1"}) as c:
-        for cfg in CONFIGS:  # one after the other: each times its own forward at start
-            c.start_node(f"v-{cfg}", "--role", "verifier", "--cpus", str(CORE_VERIFIER),
-                         "--threads", "1", "--weights", args.weights,
-                         "--served-name", SERVED[cfg], *model)
-        nodes = [*(c.spawn(f"p{i}-{d}", "--role", "proposer", "--drafter", d, "--cpus",
-                           str(CORE_CLIENT), "--threads", "1", seed=True)
-                   for i, d in enumerate(drafters)),
-                 c.spawn("gw", "--role", "gateway", "--http", "127.0.0.1:0", "--cpus",
-                         str(CORE_CLIENT), seed=True)]
-        for n in nodes:
-            n.wait_ready()
-        url = c.node("gw").ready["http"]
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                               timeout=300)
-        served = {m.id for m in client.models.list().data}
-        if served != set(SERVED.values()):
-            raise RuntimeError(f"the gateway serves {sorted(served)}, expected "
-                               f"{sorted(SERVED.values())}")
-        time.sleep(3)  # gossip: the verifiers link their proposers
-        for cfg in CONFIGS:  # warm: the proposer's link, the grammar compiler, caches
-            client.chat.completions.create(model=SERVED[cfg], temperature=0, max_tokens=16,
-                                           extra_body={"specbus": {
-                                               "speculate": cfg == "speculative"}},
-                                           **reqs[0]["kw"])
-        times: dict[str, list[list[float]]] = {k: [[] for _ in reqs] for k in CONFIGS}
-        answers: dict[str, list[str | None]] = {k: [None] * len(reqs) for k in CONFIGS}
-        tokens = [0] * len(reqs)
-        invalid = mismatched = cut = 0
-        for r in range(rounds):
-            for i, req in enumerate(reqs):
-                order = CONFIGS if (i + r) % 2 == 0 else CONFIGS[::-1]
-                for cfg in order:
-                    body = {"specbus": {"speculate": cfg == "speculative"}}
-                    t0 = time.perf_counter()
-                    resp = client.chat.completions.create(
-                        model=SERVED[cfg], temperature=0, max_tokens=args.max_tokens,
-                        extra_body=body, **req["kw"])
-                    times[cfg][i].append(time.perf_counter() - t0)
-                    choice = resp.choices[0]
-                    answer = _answer(choice.message)
-                    if r == 0:
-                        tokens[i] = resp.usage.completion_tokens
-                        if choice.finish_reason == "length":
-                            cut += 1
-                        elif not req["valid"](choice.message):
-                            invalid += 1
-                            print(f"INVALID ({cfg}, {req['workload']} {i}): {answer!r}",
-                                  file=sys.stderr)
-                    if answers[cfg][i] is not None and answers[cfg][i] != answer:
-                        mismatched += 1  # (greedy: every round the same)
-                    answers[cfg][i] = answer
-            print(f"gateway round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
-        for i in range(len(reqs)):
-            if answers["plain"][i] != answers["speculative"][i]:
-                mismatched += 1
+    times: dict[str, list[list[float]]] = {k: [[] for _ in reqs] for k in CONFIGS}
+    answers: dict[str, list[str | None]] = {k: [None] * len(reqs) for k in CONFIGS}
+    tally = {"tokens": [0] * len(reqs), "invalid": 0, "mismatched": 0, "cut": 0}
+    for r in range(rounds):
+        _round(args, reqs, r, drafters, times, answers, tally)
+        print(f"gateway round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    tokens, mismatched = tally["tokens"], tally["mismatched"]
+    for i in range(len(reqs)):
+        if answers["plain"][i] != answers["speculative"][i]:
+            mismatched += 1
     per_request = [{"workload": r["workload"], "tokens": tokens[i],
                     "plain_s": [round(x, 4) for x in times["plain"][i]],
                     "speculative_s": [round(x, 4) for x in times["speculative"][i]]}
                    for i, r in enumerate(reqs)]
     out: dict[str, Any] = {"rounds": rounds, "proposers": drafters, "verifiers": dict(SERVED),
-                           "invalid_outputs": invalid,
+                           "verifier_drafter": getattr(args, "verifier_drafter", "none"),
+                           "cluster": "fresh each round", "invalid_outputs": tally["invalid"],
                            "per_request": per_request,
-                           "cut_by_max_tokens": cut, "speculative_not_equal_plain": mismatched,
+                           "cut_by_max_tokens": tally["cut"],
+                           "speculative_not_equal_plain": mismatched,
                            "load": os.getloadavg()}
     for w, skip in workloads.items():
         idx = [i for i, r in enumerate(reqs) if r["workload"] == w][skip:]
@@ -148,6 +103,88 @@ def run_gateway(args, reqs: list[dict[str, Any]], workloads: dict[str, int]
     return out
 
 
+#: the warm-up call of each configuration, before a round's requests: constrained (the
+#: grammar compiler's tokenizer is built at the first constraint, ~0.5 s) and unrelated to
+#: every request, so no request finds its prompt in a prefix cache or its answer in the
+#: shared suffix index
+WARMUP = {"messages": [{"role": "user", "content": "Pick a number from one to ten."}],
+          "response_format": {"type": "json_schema", "json_schema": {
+              "name": "pick", "strict": True, "schema": {
+                  "type": "object", "properties": {"n": {"type": "integer"}},
+                  "required": ["n"], "additionalProperties": False}}}}
+
+
+def _round(args, reqs: list[dict[str, Any]], r: int, drafters: list[str],
+           times: dict[str, list[list[float]]], answers: dict[str, list[str | None]],
+           tally: dict[str, Any]) -> None:
+    """One round on a cluster of its own (verifiers, proposers, gateway), started fresh, so
+    each round serves the workload as a new cluster does: every prompt new to both prefix
+    caches, the shared suffix index (`--proposers suffix`) holding only this round's earlier
+    answers, as the in-process rows' fresh caches and index each round. Within a round the
+    plain verifier publishes nothing to that index (`--no-share`): it stands for decoding
+    alone, and its answer to a request, published, was drafted whole for the speculative run
+    of the same prompt right after it (stop 62: 0.54 s against 0.93 s spec-first on one
+    92-token extraction answer)."""
+    import openai
+
+    from tools.local_cluster import LocalCluster
+
+    model = ("--model", args.model) if args.model else ()
+    log_dir = Path(tempfile.mkdtemp(prefix=f"specbus-bench-structured-r{r + 1}-"))
+    print(f"round {r + 1}: starting a verifier per configuration (core 0, 1 torch thread "
+          f"each), proposers {drafters} and a gateway (core 1); logs: {log_dir}",
+          file=sys.stderr, flush=True)
+    with LocalCluster(log_dir=log_dir, mdns=False, env={"OMP_NUM_THREADS": "1"}) as c:
+        for cfg in CONFIGS:  # one after the other: each times its own forward at start
+            c.start_node(f"v-{cfg}", "--role", "verifier", "--cpus", str(CORE_VERIFIER),
+                         "--threads", "1", "--weights", args.weights,
+                         "--served-name", SERVED[cfg], *model,
+                         *(("--no-share",) if cfg == "plain" else
+                           ("--drafter", getattr(args, "verifier_drafter", "none"))))
+        nodes = [*(c.spawn(f"p{i}-{d}", "--role", "proposer", "--drafter", d, "--cpus",
+                           str(CORE_CLIENT), "--threads", "1", seed=True)
+                   for i, d in enumerate(drafters)),
+                 c.spawn("gw", "--role", "gateway", "--http", "127.0.0.1:0", "--cpus",
+                         str(CORE_CLIENT), seed=True)]
+        for n in nodes:
+            n.wait_ready()
+        url = c.node("gw").ready["http"]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                               timeout=300)
+        served = {m.id for m in client.models.list().data}
+        if served != set(SERVED.values()):
+            raise RuntimeError(f"the gateway serves {sorted(served)}, expected "
+                               f"{sorted(SERVED.values())}")
+        time.sleep(3)  # gossip: the verifiers link their proposers
+        for cfg in CONFIGS:  # warm: the proposers' links, the grammar compiler, the forward
+            client.chat.completions.create(model=SERVED[cfg], temperature=0, max_tokens=8,
+                                           extra_body={"specbus": {
+                                               "speculate": cfg == "speculative"}},
+                                           **WARMUP)
+        for i, req in enumerate(reqs):
+            order = CONFIGS if (i + r) % 2 == 0 else CONFIGS[::-1]
+            for cfg in order:
+                body = {"specbus": {"speculate": cfg == "speculative"}}
+                t0 = time.perf_counter()
+                resp = client.chat.completions.create(
+                    model=SERVED[cfg], temperature=0, max_tokens=args.max_tokens,
+                    extra_body=body, **req["kw"])
+                times[cfg][i].append(time.perf_counter() - t0)
+                choice = resp.choices[0]
+                answer = _answer(choice.message)
+                if r == 0:
+                    tally["tokens"][i] = resp.usage.completion_tokens
+                    if choice.finish_reason == "length":
+                        tally["cut"] += 1
+                    elif not req["valid"](choice.message):
+                        tally["invalid"] += 1
+                        print(f"INVALID ({cfg}, {req['workload']} {i}): {answer!r}",
+                              file=sys.stderr)
+                if answers[cfg][i] is not None and answers[cfg][i] != answer:
+                    tally["mismatched"] += 1  # (greedy: every round the same)
+                answers[cfg][i] = answer
+
+
 CONFIGS = ("plain", "speculative")
 #: the name each configuration's verifier is served under
 SERVED = {cfg: f"bench-{cfg}" for cfg in CONFIGS}
@@ -156,8 +193,9 @@ SERVED = {cfg: f"bench-{cfg}" for cfg in CONFIGS}
 def print_gateway(rep: dict[str, Any]) -> None:
     print(f"\nthrough the gateway (openai client; a verifier per configuration, core 0 one "
           f"torch thread, "
-          f"{'+'.join(rep.get('proposers', ['ngram']))} proposer(s) + gateway + client core 1), "
-          f"{rep['rounds']} rounds interleaved, load "
+          f"{'+'.join(rep.get('proposers', ['ngram'])) or 'no'} proposer(s) + gateway + client "
+          f"core 1; the speculative verifier's own drafter: {rep.get('verifier_drafter', 'none')})"
+          f", {rep['rounds']} rounds interleaved, a cluster started for each, load "
           f"{' '.join(f'{x:.2f}' for x in rep['load'])}")
     head = (f"{'workload':<10} {'requests':>8} {'tokens':>6} {'plain tok/s':>11} "
             f"{'spec tok/s':>10} {'x plain':>7} {'worst':>6}")

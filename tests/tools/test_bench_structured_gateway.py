@@ -1,9 +1,9 @@
 """`specbus bench structured --gateway-only` end to end on the tiny random Llama: real node
-processes on loopback (a verifier per configuration, an ngram proposer, a gateway) and the
-openai client. What it pins: the run comes up with a verifier per configuration under its own
-served name (the bench refuses to run unless the gateway lists exactly those two, and each
-request names its configuration's), every speculative answer equals plain's, and the JSON
-carries the figures docs/benchmarks.md quotes. Speeds are printed, never
+processes on loopback (a verifier per configuration, an ngram proposer, a gateway; a cluster of
+its own each round) and the openai client. What it pins: the run comes up with a verifier per
+configuration under its own served name (the bench refuses to run unless the gateway lists
+exactly those two, and each request names its configuration's), every speculative answer equals
+plain's, and the JSON carries the figures docs/benchmarks.md quotes. Speeds are printed, never
 judged (docs/testing.md)."""
 
 from __future__ import annotations
