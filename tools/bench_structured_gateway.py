@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,25 +66,22 @@ def run_gateway(args, reqs: list[dict[str, Any]], workloads: dict[str, int]
         os.sched_setaffinity(0, {CORE_CLIENT})
     rounds = 2 if args.quick else args.rounds
     drafters = [d for d in getattr(args, "proposers", "ngram").split(",") if d]
-    times: dict[str, list[list[float]]] = {k: [[] for _ in reqs] for k in CONFIGS}
-    answers: dict[str, list[str | None]] = {k: [None] * len(reqs) for k in CONFIGS}
-    tally = {"tokens": [0] * len(reqs), "invalid": 0, "mismatched": 0, "cut": 0}
+    runs = _Runs(len(reqs))
     for r in range(rounds):
-        _round(args, reqs, r, drafters, times, answers, tally)
+        _round(args, reqs, r, drafters, runs)
         print(f"gateway round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
-    tokens, mismatched = tally["tokens"], tally["mismatched"]
-    for i in range(len(reqs)):
-        if answers["plain"][i] != answers["speculative"][i]:
-            mismatched += 1
+    times, tokens = runs.times, runs.tokens
+    mismatched = runs.mismatched + sum(
+        runs.answers["plain"][i] != runs.answers["speculative"][i] for i in range(len(reqs)))
     per_request = [{"workload": r["workload"], "tokens": tokens[i],
                     "plain_s": [round(x, 4) for x in times["plain"][i]],
                     "speculative_s": [round(x, 4) for x in times["speculative"][i]]}
                    for i, r in enumerate(reqs)]
     out: dict[str, Any] = {"rounds": rounds, "proposers": drafters, "verifiers": dict(SERVED),
                            "verifier_drafter": getattr(args, "verifier_drafter", "none"),
-                           "cluster": "fresh each round", "invalid_outputs": tally["invalid"],
+                           "cluster": "fresh each round", "invalid_outputs": runs.invalid,
                            "per_request": per_request,
-                           "cut_by_max_tokens": tally["cut"],
+                           "cut_by_max_tokens": runs.cut,
                            "speculative_not_equal_plain": mismatched,
                            "load": os.getloadavg()}
     for w, skip in workloads.items():
@@ -114,17 +112,29 @@ WARMUP = {"messages": [{"role": "user", "content": "Pick a number from one to te
                   "required": ["n"], "additionalProperties": False}}}}
 
 
+@dataclass
+class _Runs:
+    """What the rounds measured, per configuration and request (greedy: every round's answer
+    the same, counted in `mismatched` where not), and the first round's checks."""
+
+    requests: int
+    times: dict[str, list[list[float]]] = field(init=False)
+    answers: dict[str, list[str | None]] = field(init=False)
+    tokens: list[int] = field(init=False)
+    invalid: int = 0
+    mismatched: int = 0
+    cut: int = 0
+
+    def __post_init__(self) -> None:
+        self.times = {k: [[] for _ in range(self.requests)] for k in CONFIGS}
+        self.answers = {k: [None] * self.requests for k in CONFIGS}
+        self.tokens = [0] * self.requests
+
+
 def _round(args, reqs: list[dict[str, Any]], r: int, drafters: list[str],
-           times: dict[str, list[list[float]]], answers: dict[str, list[str | None]],
-           tally: dict[str, Any]) -> None:
-    """One round on a cluster of its own (verifiers, proposers, gateway), started fresh, so
-    each round serves the workload as a new cluster does: every prompt new to both prefix
-    caches, the shared suffix index (`--proposers suffix`) holding only this round's earlier
-    answers, as the in-process rows' fresh caches and index each round. Within a round the
-    plain verifier publishes nothing to that index (`--no-share`): it stands for decoding
-    alone, and its answer to a request, published, was drafted whole for the speculative run
-    of the same prompt right after it (stop 62: 0.54 s against 0.93 s spec-first on one
-    92-token extraction answer)."""
+           runs: _Runs) -> None:
+    """Round `r` on a cluster started for it (verifiers, proposers, gateway), its plain
+    verifier publishing nothing (the module docstring says why), into `runs`."""
     import openai
 
     from tools.local_cluster import LocalCluster
@@ -169,20 +179,20 @@ def _round(args, reqs: list[dict[str, Any]], r: int, drafters: list[str],
                 resp = client.chat.completions.create(
                     model=SERVED[cfg], temperature=0, max_tokens=args.max_tokens,
                     extra_body=body, **req["kw"])
-                times[cfg][i].append(time.perf_counter() - t0)
+                runs.times[cfg][i].append(time.perf_counter() - t0)
                 choice = resp.choices[0]
                 answer = _answer(choice.message)
                 if r == 0:
-                    tally["tokens"][i] = resp.usage.completion_tokens
+                    runs.tokens[i] = resp.usage.completion_tokens
                     if choice.finish_reason == "length":
-                        tally["cut"] += 1
+                        runs.cut += 1
                     elif not req["valid"](choice.message):
-                        tally["invalid"] += 1
+                        runs.invalid += 1
                         print(f"INVALID ({cfg}, {req['workload']} {i}): {answer!r}",
                               file=sys.stderr)
-                if answers[cfg][i] is not None and answers[cfg][i] != answer:
-                    tally["mismatched"] += 1  # (greedy: every round the same)
-                answers[cfg][i] = answer
+                if runs.answers[cfg][i] is not None and runs.answers[cfg][i] != answer:
+                    runs.mismatched += 1  # (greedy: every round the same)
+                runs.answers[cfg][i] = answer
 
 
 CONFIGS = ("plain", "speculative")
