@@ -99,85 +99,133 @@ inline void tile_q4(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t 
   }
 }
 
-#else  // AVX2: the same lanes in two 256-bit halves (rows 0-7, rows 8-15)
-
-inline __m256i dot4(__m256i u, __m256i s) {  // unsigned x signed bytes, 4 to a lane, exact
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
+#else  // AVX2: the same lanes in two 256-bit halves (rows 0-7, rows 8-15), one half at a time
+// Without VNNI a block's dot is maddubs (pairs of byte products to 16 bits) then madd with ones
+// (pairs to 32 bits), two multiplies where VNNI has one. Each half of a group runs over all of
+// its blocks before the other (its accumulators and a block's unpacked weights then fit the 16
+// registers beside MT rows), a block's unpacked weights serve all MT rows, and Q4_1 sums a
+// block's eight maddubs in 16 bits before its one madd: nibbles times |x| <= 127 make at most
+// 8 x 2 x 15 x 127 = 30480, so no sum wraps and the integers are the same as VNNI's. The float
+// steps per output are VNNI's, in the same block order.
 
 inline __m256 half_cvtph(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+inline __m256i bcast4(const int8_t* p) {  // 4 activation bytes to every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline void store_half(float* y, int64_t ldy, int64_t m, int64_t g, int h, int64_t N, __m256 v) {
+  alignas(32) float out[8];
+  _mm256_store_ps(out, v);
+  for (int i = 0; i < 8 && g * 16 + 8 * h + i < N; i++) y[m * ldy + g * 16 + 8 * h + i] = out[i];
+}
+
+// One row: both halves per block (the stream read once, in order) is the faster order here.
 template <int MT>
-inline void tile_q8(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t m0, int64_t g) {
+inline void tile_q8_by_block(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t m0, int64_t g) {
   const int64_t K = w.K, nb = K / QK;
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MT][2];
   for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const uint8_t* blk = w.block(g, 0);
   for (int64_t b = 0; b < nb; b++, blk += w.block_bytes) {
     for (int64_t o = 0; o < w.block_bytes; o += 64)
       _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * w.block_bytes + o), _MM_HINT_T0);
-    for (int m = 0; m < MT; m++) {
-      const int64_t row = (m0 + m) * nb + b;
-      const int8_t* xq = a.q.data() + (m0 + m) * K + b * QK;
-      const __m256 dx = _mm256_set1_ps(a.d[row]);
-      for (int h = 0; h < 2; h++) {
-        __m256i s = _mm256_setzero_si256();
-        for (int c = 0; c < 8; c++) {
-          int32_t x4;
-          std::memcpy(&x4, xq + 4 * c, 4);
-          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 64 * c + 32 * h));
-          // |w| times x with w's sign: the same integer products as w times x
-          s = _mm256_add_epi32(s, dot4(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(_mm256_set1_epi32(x4), wv)));
+    for (int h = 0; h < 2; h++) {
+      __m256i s[MT];
+      for (int m = 0; m < MT; m++) s[m] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; c++) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 64 * c + 32 * h));
+        const __m256i wabs = _mm256_sign_epi8(wv, wv);
+        // |w| times x with w's sign: the same integer products as w times x; |w| <= 128 and
+        // |x| <= 127 keep each pair in 16 bits, so each maddubs gets its own madd
+        for (int m = 0; m < MT; m++) {
+          const __m256i xs = _mm256_sign_epi8(bcast4(a.q.data() + (m0 + m) * K + b * QK + 4 * c), wv);
+          s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
         }
-        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(half_cvtph(blk + 16 * h), dx), acc[m][h]);
       }
+      const __m256 dw = half_cvtph(blk + 16 * h);
+      for (int m = 0; m < MT; m++)
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m]),
+                                    _mm256_mul_ps(dw, _mm256_set1_ps(a.d[(m0 + m) * nb + b])), acc[m][h]);
     }
   }
-  for (int m = 0; m < MT; m++) {
-    alignas(32) float out[16];
-    _mm256_store_ps(out, acc[m][0]);
-    _mm256_store_ps(out + 8, acc[m][1]);
-    for (int i = 0; i < 16 && g * 16 + i < w.N; i++) y[(m0 + m) * ldy + g * 16 + i] = out[i];
+  for (int m = 0; m < MT; m++)
+    for (int h = 0; h < 2; h++) store_half(y, ldy, m0 + m, g, h, w.N, acc[m][h]);
+}
+
+// More rows: each half over all blocks, so a block's weights serve every row from registers.
+template <int MT>
+inline void tile_q8(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t m0, int64_t g) {
+  if constexpr (MT == 1) {
+    tile_q8_by_block<1>(w, a, y, ldy, m0, g);
+    return;
+  }
+  const int64_t K = w.K, nb = K / QK;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; h++) {
+    __m256 acc[MT];
+    for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
+    const uint8_t* blk = w.block(g, 0);
+    for (int64_t b = 0; b < nb; b++, blk += w.block_bytes) {
+      if (h == 0)
+        for (int64_t o = 0; o < w.block_bytes; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * w.block_bytes + o), _MM_HINT_T0);
+      __m256i s[MT];
+      for (int m = 0; m < MT; m++) s[m] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; c++) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 64 * c + 32 * h));
+        const __m256i wabs = _mm256_sign_epi8(wv, wv);
+        for (int m = 0; m < MT; m++) {
+          const __m256i xs = _mm256_sign_epi8(bcast4(a.q.data() + (m0 + m) * K + b * QK + 4 * c), wv);
+          s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
+        }
+      }
+      const __m256 dw = half_cvtph(blk + 16 * h);
+      for (int m = 0; m < MT; m++)
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m]),
+                                 _mm256_mul_ps(dw, _mm256_set1_ps(a.d[(m0 + m) * nb + b])), acc[m]);
+    }
+    for (int m = 0; m < MT; m++) store_half(y, ldy, m0 + m, g, h, w.N, acc[m]);
   }
 }
 
 template <int MT>
 inline void tile_q4(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t m0, int64_t g) {
   const int64_t K = w.K, nb = K / QK;
-  __m256 acc[MT][2], mins[MT][2];
-  for (int m = 0; m < MT; m++)
-    for (int h = 0; h < 2; h++) acc[m][h] = mins[m][h] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const uint8_t* blk = w.block(g, 0);
-  for (int64_t b = 0; b < nb; b++, blk += w.block_bytes) {
-    for (int64_t o = 0; o < w.block_bytes; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * w.block_bytes + o), _MM_HINT_T0);
-    for (int m = 0; m < MT; m++) {
-      const int64_t row = (m0 + m) * nb + b;
-      const int8_t* xq = a.q.data() + (m0 + m) * K + b * QK;
-      const __m256 dx = _mm256_set1_ps(a.d[row]), sx = _mm256_set1_ps(a.s[row]);
-      for (int h = 0; h < 2; h++) {
-        __m256i s = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-          int32_t lo4, hi4;
-          std::memcpy(&lo4, xq + 4 * j, 4);
-          std::memcpy(&hi4, xq + 16 + 4 * j, 4);
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + 64 * j + 32 * h));
-          s = _mm256_add_epi32(s, dot4(_mm256_and_si256(raw, low), _mm256_set1_epi32(lo4)));
-          s = _mm256_add_epi32(s, dot4(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), _mm256_set1_epi32(hi4)));
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; h++) {
+    __m256 acc[MT], mins[MT];
+    for (int m = 0; m < MT; m++) acc[m] = mins[m] = _mm256_setzero_ps();
+    const uint8_t* blk = w.block(g, 0);
+    for (int64_t b = 0; b < nb; b++, blk += w.block_bytes) {
+      if (h == 0)
+        for (int64_t o = 0; o < w.block_bytes; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * w.block_bytes + o), _MM_HINT_T0);
+      __m256i s[MT];  // 16-bit sums of the block's byte products
+      for (int m = 0; m < MT; m++) s[m] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; j++) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + 64 * j + 32 * h));
+        const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        for (int m = 0; m < MT; m++) {
+          const int8_t* xq = a.q.data() + (m0 + m) * K + b * QK;
+          s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
+          s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
         }
-        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(half_cvtph(blk + 16 * h), dx), acc[m][h]);
-        mins[m][h] = _mm256_fmadd_ps(half_cvtph(blk + 32 + 16 * h), sx, mins[m][h]);
+      }
+      const __m256 dw = half_cvtph(blk + 16 * h), mw = half_cvtph(blk + 32 + 16 * h);
+      for (int m = 0; m < MT; m++) {
+        const int64_t row = (m0 + m) * nb + b;
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[m], ones)),
+                                 _mm256_mul_ps(dw, _mm256_set1_ps(a.d[row])), acc[m]);
+        mins[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[row]), mins[m]);
       }
     }
-  }
-  for (int m = 0; m < MT; m++) {
-    alignas(32) float out[16];
-    _mm256_store_ps(out, _mm256_add_ps(acc[m][0], mins[m][0]));
-    _mm256_store_ps(out + 8, _mm256_add_ps(acc[m][1], mins[m][1]));
-    for (int i = 0; i < 16 && g * 16 + i < w.N; i++) y[(m0 + m) * ldy + g * 16 + i] = out[i];
+    for (int m = 0; m < MT; m++) store_half(y, ldy, m0 + m, g, h, w.N, _mm256_add_ps(acc[m], mins[m]));
   }
 }
 #endif

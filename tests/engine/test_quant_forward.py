@@ -4,6 +4,7 @@ speculation identical to its own plain decoding, and bad input refused by name."
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 
@@ -368,6 +369,27 @@ def test_the_avx2_and_avx512_vnni_tiles_give_the_same_bits(kernel, kind):
     finally:
         kernel.quant_isa("auto")
     assert torch.equal(avx2, vnni)
+
+
+# sha256 of the products' bytes (first 16 hex digits), as the AVX2 tiles of stop 62 computed
+# them, which the test above had found equal to the VNNI tiles' on an AVX-512 machine
+PINNED_BITS = {"Q8_0": "71f9519cede4d3ac", "Q4_1": "c5ef454a6bafe9d9"}
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_the_products_bits_are_pinned_on_every_kind_of_cpu(kernel, kind):
+    """The same bits on any x86 CPU: a machine without VNNI checks its AVX2 tiles against the
+    pinned product of tiles that matched VNNI bit for bit (13 rows: full tiles and a rest)."""
+    mat = _matrix(kind, 53, 320, seed=5)
+    q = kernel.QMat(mat.kind, mat.qs, mat.d, mat.m, mat.n, mat.k)
+    x = torch.from_numpy(np.random.default_rng(6).standard_normal((13, 320)).astype(np.float32))
+    try:
+        for isa in ("avx2", "auto"):
+            kernel.quant_isa(isa)
+            bits = hashlib.sha256(kernel.qlinear(q, x).numpy().tobytes()).hexdigest()[:16]
+            assert bits == PINNED_BITS[kind], isa
+    finally:
+        kernel.quant_isa("auto")
 
 
 def test_the_phase_clock_accounts_for_a_forward(kernel, tiny_quant, prompt_ids):
