@@ -146,6 +146,7 @@ inline void tile_q8_by_block(const QMat& w, const Act& a, float* y, int64_t ldy,
         for (int m = 0; m < MT; m++) {
           const __m256i xs = _mm256_sign_epi8(bcast4(a.q.data() + (m0 + m) * K + b * QK + 4 * c), wv);
           s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
+          asm("" : "+x"(s[m]));  // one chain a row (as tile_q4)
         }
       }
       const __m256 dw = half_cvtph(blk + 16 * h);
@@ -183,6 +184,7 @@ inline void tile_q8(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t 
         for (int m = 0; m < MT; m++) {
           const __m256i xs = _mm256_sign_epi8(bcast4(a.q.data() + (m0 + m) * K + b * QK + 4 * c), wv);
           s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
+          asm("" : "+x"(s[m]));  // one chain a row (as tile_q4)
         }
       }
       const __m256 dw = half_cvtph(blk + 16 * h);
@@ -215,6 +217,8 @@ inline void tile_q4(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t 
           const int8_t* xq = a.q.data() + (m0 + m) * K + b * QK;
           s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
           s[m] = _mm256_add_epi16(s[m], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
+          asm("" : "+x"(s[m]));  // keep each row's sum one chain: GCC's reassociation of the
+                                 // adds into a tree held every product at once and spilled
         }
       }
       const __m256 dw = half_cvtph(blk + 16 * h), mw = half_cvtph(blk + 32 + 16 * h);
