@@ -124,11 +124,29 @@ inline void store_half(float* y, int64_t ldy, int64_t m, int64_t g, int h, int64
   for (int i = 0; i < 8 && g * 16 + 8 * h + i < N; i++) y[m * ldy + g * 16 + 8 * h + i] = out[i];
 }
 
+// Block b's integer sums for half h of a Q8_0 group, MT rows from m0, into s.
+template <int MT>
+inline void q8_half_sums(const uint8_t* blk, int h, const Act& a, int64_t m0, int64_t b, int64_t K,
+                         __m256i* s) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < MT; m++) s[m] = _mm256_setzero_si256();
+  for (int c = 0; c < 8; c++) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 64 * c + 32 * h));
+    const __m256i wabs = _mm256_sign_epi8(wv, wv);
+    // |w| times x with w's sign: the same integer products as w times x; |w| <= 128 and
+    // |x| <= 127 keep each pair in 16 bits, so each maddubs gets its own madd
+    for (int m = 0; m < MT; m++) {
+      const __m256i xs = _mm256_sign_epi8(bcast4(a.q.data() + (m0 + m) * K + b * QK + 4 * c), wv);
+      s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
+      asm("" : "+x"(s[m]));  // one chain a row (as tile_q4)
+    }
+  }
+}
+
 // One row: both halves per block (the stream read once, in order) is the faster order here.
 template <int MT>
 inline void tile_q8_by_block(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t m0, int64_t g) {
   const int64_t K = w.K, nb = K / QK;
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MT][2];
   for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const uint8_t* blk = w.block(g, 0);
@@ -137,18 +155,7 @@ inline void tile_q8_by_block(const QMat& w, const Act& a, float* y, int64_t ldy,
       _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * w.block_bytes + o), _MM_HINT_T0);
     for (int h = 0; h < 2; h++) {
       __m256i s[MT];
-      for (int m = 0; m < MT; m++) s[m] = _mm256_setzero_si256();
-      for (int c = 0; c < 8; c++) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 64 * c + 32 * h));
-        const __m256i wabs = _mm256_sign_epi8(wv, wv);
-        // |w| times x with w's sign: the same integer products as w times x; |w| <= 128 and
-        // |x| <= 127 keep each pair in 16 bits, so each maddubs gets its own madd
-        for (int m = 0; m < MT; m++) {
-          const __m256i xs = _mm256_sign_epi8(bcast4(a.q.data() + (m0 + m) * K + b * QK + 4 * c), wv);
-          s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
-          asm("" : "+x"(s[m]));  // one chain a row (as tile_q4)
-        }
-      }
+      q8_half_sums<MT>(blk, h, a, m0, b, K, s);
       const __m256 dw = half_cvtph(blk + 16 * h);
       for (int m = 0; m < MT; m++)
         acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m]),
@@ -167,7 +174,6 @@ inline void tile_q8(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t 
     return;
   }
   const int64_t K = w.K, nb = K / QK;
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; h++) {
     __m256 acc[MT];
     for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
@@ -177,16 +183,7 @@ inline void tile_q8(const QMat& w, const Act& a, float* y, int64_t ldy, int64_t 
         for (int64_t o = 0; o < w.block_bytes; o += 64)
           _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * w.block_bytes + o), _MM_HINT_T0);
       __m256i s[MT];
-      for (int m = 0; m < MT; m++) s[m] = _mm256_setzero_si256();
-      for (int c = 0; c < 8; c++) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 64 * c + 32 * h));
-        const __m256i wabs = _mm256_sign_epi8(wv, wv);
-        for (int m = 0; m < MT; m++) {
-          const __m256i xs = _mm256_sign_epi8(bcast4(a.q.data() + (m0 + m) * K + b * QK + 4 * c), wv);
-          s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), ones));
-          asm("" : "+x"(s[m]));  // one chain a row (as tile_q4)
-        }
-      }
+      q8_half_sums<MT>(blk, h, a, m0, b, K, s);
       const __m256 dw = half_cvtph(blk + 16 * h);
       for (int m = 0; m < MT; m++)
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m]),
