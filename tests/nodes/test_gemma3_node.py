@@ -1,5 +1,5 @@
 """The real Gemma 3 270M (`gemma3-270m`, `--weights fp32`) served by a verifier process with an
-ngram proposer process: a prompt past the 512 window and 360 tokens after it (1,200 positions,
+ngram proposer process: a prompt past the 512 window and 360 tokens after it (~1,180 positions,
 more than twice the window; tests/engine/test_gemma3_real.py says why not 1,200 decoded), streamed
 through the cluster client with the proposer SIGKILLed once its drafts were accepted, are
 identical to Hugging Face greedy on the same model and prompt ids (issue 45's test list)."""
